@@ -1,0 +1,26 @@
+"""Model configuration: parsing, presets, checkpoint inventory and arithmetic (pure Python, no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .arithmetic import ModelArithmetic, model_arithmetic
+from .model_config import V4, V41, ConfigError, ModelConfig, config_from_dict, read_config_json
+from .presets import PRESET_JSON, RUNNABLE_PRESETS, preset_config, preset_json
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """A preset name (``tiny-v41``, ``deepseek-v41-flash``, ...) or a checkpoint folder / config.json path."""
+    if str(name_or_path) in PRESET_JSON:
+        return preset_config(str(name_or_path))
+    path = Path(name_or_path)
+    if not path.exists():
+        raise ConfigError(
+            f"{name_or_path!r} is neither a preset ({', '.join(PRESET_JSON)}) nor an existing path")
+    return read_config_json(path)
+
+
+__all__ = [
+    "V4", "V41", "ConfigError", "ModelConfig", "ModelArithmetic", "config_from_dict", "load_config",
+    "model_arithmetic", "preset_config", "preset_json", "read_config_json", "PRESET_JSON", "RUNNABLE_PRESETS",
+]
