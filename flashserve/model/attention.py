@@ -1,0 +1,293 @@
+"""Attention of every V4 / V4.1 layer: window KV, compressed KV, indexer selection, sink, grouped output.
+
+Module and parameter names mirror the released checkpoint (``attn.wq_a``, ``attn.compressor.wkv``,
+``attn.indexer.wq_b`` ...). One code path serves whole-sequence and cached forwards: keys always come
+from the :class:`~flashserve.model.state.SequenceState` in the forward context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config.model_config import ModelConfig
+from .context import ForwardContext
+from .norms import RMSNorm, rms
+from .quant import fake_quant_fp4, fake_quant_fp8
+from .rope import apply_rope
+
+NEG_INF = float("-inf")
+
+
+def _gather_groups(raw: torch.Tensor, last: torch.Tensor, first_pos: torch.Tensor, n_groups: int,
+                   ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``n_groups`` position-aligned groups starting at ``first_pos`` [B] (a multiple of ratio)
+    from a right-aligned raw buffer whose last row is position ``last`` [B]: ([B,G,ratio,c], present)."""
+    g = torch.arange(n_groups, device=raw.device)
+    r = torch.arange(ratio, device=raw.device)
+    pos = first_pos[:, None, None] + g[None, :, None] * ratio + r[None, None, :]  # [B,G,ratio]
+    idx = raw.shape[1] - 1 - (last[:, None, None] - pos)
+    present = (idx >= 0) & (pos >= 0) & (pos <= last[:, None, None])
+    idx = idx.clamp(0, max(raw.shape[1] - 1, 0))
+    rows = torch.gather(raw, 1, idx.flatten(1)[..., None].expand(-1, -1, raw.shape[-1]))
+    return rows.view(*pos.shape, raw.shape[-1]), present
+
+
+class Compressor(nn.Module):
+    """Pools raw rows into one compressed entry per ``ratio`` tokens, aligned to absolute positions.
+
+    V4.1 (``overlap=False``, no ``ape``): entry j = RMS(Σ softmax_t(z_t) ⊙ c_t over tokens 2j, 2j+1); ratio 1
+    has no gate. V4 CSA (``overlap=True``): entry w pools group w−1's first half-channels with group w's
+    second half over 2·ratio slots, gates biased by ``ape``; V4 HCA: one group with ``ape``.
+    """
+
+    def __init__(self, dim_in: int, dim: int, ratio: int, *, overlap: bool, ape: bool, gate: bool, eps: float):
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        self.wkv = nn.Linear(dim_in, width, bias=False)
+        self.wgate = nn.Linear(dim_in, width, bias=False) if gate else None
+        self.ape = nn.Parameter(torch.zeros(ratio, width)) if ape else None
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
+        state, ratio = ctx.state, self.ratio
+        c = self.wkv(x).float()
+        raw = c if self.wgate is None else torch.cat([c, self.wgate(x).float()], dim=-1)
+        start = ctx.positions[:, 0]
+        end = ctx.positions[:, -1] + 1
+        first_group = start // ratio  # groups before this one were emitted by earlier forwards
+        n_new = end // ratio - first_group
+        keep_from = (end // ratio - (1 if self.overlap else 0)).clamp(min=0) * ratio
+        full = state.compressor_raw(key, raw, keep_from)
+        G = int(n_new.max()) if n_new.numel() else 0
+        if G == 0:
+            return c.new_zeros(c.shape[0], 0, self.dim), n_new
+        last = end - 1
+        rows, present = _gather_groups(full, last, first_group * ratio, G, ratio)
+        width = c.shape[-1]
+        kv, gate = rows[..., :width], (rows[..., width:] if self.wgate is not None else None)
+        if gate is None:  # ratio 1: the latent is the row itself
+            pooled = kv[:, :, 0]
+        else:
+            if self.ape is not None:
+                gate = gate + self.ape.float()
+            gate = gate.masked_fill(~present[..., None], NEG_INF)
+            if self.overlap:
+                prev, prev_present = _gather_groups(full, last, (first_group - 1) * ratio, G, ratio)
+                d = self.dim
+                prev_gate = prev[..., width:][..., :d]
+                if self.ape is not None:
+                    prev_gate = prev_gate + self.ape.float()[:, :d]
+                prev_gate = prev_gate.masked_fill(~prev_present[..., None], NEG_INF)
+                kv = torch.cat([prev[..., :width][..., :d], kv[..., d:]], dim=2)
+                gate = torch.cat([prev_gate, gate[..., d:]], dim=2)
+            weights = torch.softmax(gate, dim=2).nan_to_num(0.0)
+            pooled = (weights * kv).sum(dim=2)
+        return self.norm(pooled), n_new
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: ``I[t,j] = Σ_h w[t,h] · relu(q[t,h] · K_j) / sqrt(d)``; selects top-k entries.
+
+    V4.1 index keys come from the main latent (``wk`` + ``k_norm``, on KV sources only); V4 runs its own
+    overlapping compressor at ``index_head_dim``. Query side (``wq_b``, ``weights_proj``) on index sources.
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, *, keys: bool, queries: bool):
+        super().__init__()
+        D, ihd, nih = cfg.hidden_size, cfg.index_head_dim, cfg.index_n_heads
+        self.n_heads, self.head_dim, self.topk = nih, ihd, cfg.index_topk
+        if cfg.is_v41:
+            if keys:
+                self.wk = nn.Linear(cfg.head_dim, ihd, bias=False)
+                self.k_norm = RMSNorm(ihd, cfg.rms_norm_eps)
+        elif keys:
+            self.compressor = Compressor(D, ihd, ratio, overlap=True, ape=True, gate=True, eps=cfg.rms_norm_eps)
+        if queries:
+            self.wq_b = nn.Linear(cfg.q_lora_rank, nih * ihd, bias=False)
+            self.weights_proj = nn.Linear(D, nih, bias=False)
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
+               fake_quant: bool) -> torch.Tensor:
+        """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d]."""
+        B, S, _ = x.shape
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        cos, sin = ctx.angles("compress")
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        if fake_quant:
+            q = fake_quant_fp4(q, block=32, e4m3_scale=False)
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu() * self.head_dim ** -0.5
+        return torch.einsum("bsht,bsh->bst", s, w)
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k entries among visible ones: (indices [B,S,k'], valid [B,S,k']) with k' = min(k, T)."""
+    k = min(k, scores.shape[-1])
+    masked = scores.masked_fill(~visible, NEG_INF)
+    top = masked.topk(k, dim=-1)
+    return top.indices, torch.isfinite(top.values)
+
+
+def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch.Tensor, block: int,
+                   n_blocks: int) -> torch.Tensor:
+    """V4.1 candidate mask [B,S,T]: the ``n_blocks`` best blocks of ``block`` entries by max score, with the
+    block of the newest visible entry always kept (spec §2.8)."""
+    B, S, T = scores.shape
+    nb = -(-T // block)
+    masked = scores.masked_fill(~visible, NEG_INF)
+    padded = torch.nn.functional.pad(masked, (0, nb * block - T), value=NEG_INF)
+    block_scores = padded.view(B, S, nb, block).amax(-1)
+    newest = ((n_visible - 1).clamp(min=0) // block).clamp(max=nb - 1)  # [B,S]
+    has_any = n_visible > 0
+    block_scores = block_scores.scatter(
+        -1, newest[..., None], torch.where(has_any, float("inf"), NEG_INF)[..., None].expand(-1, -1, 1))
+    keep = block_scores.topk(min(n_blocks, nb), dim=-1)
+    chosen = torch.zeros(B, S, nb, dtype=torch.bool, device=scores.device)
+    chosen.scatter_(-1, keep.indices, torch.isfinite(keep.values))
+    return chosen.repeat_interleave(block, dim=-1)[..., :T]
+
+
+class Attention(nn.Module):
+    """One layer's attention (spec §2.4-2.9): MQA with K = V = a 512-wide latent, sink, inverse RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int | None, *, ratio: int = 0, role: str = "swa"):
+        super().__init__()
+        D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        self.cfg, self.layer, self.ratio, self.role = cfg, layer, ratio, role
+        self.n_heads, self.head_dim, self.window = H, hd, cfg.sliding_window
+        self.v41 = cfg.is_v41
+        self.rope_kind = "compress" if ratio > 0 else "main"
+        self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, H * hd, bias=False)
+        self.wkv = nn.Linear(D, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = nn.Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        self.compressor: Compressor | None = None
+        self.indexer: Indexer | None = None
+        eps = cfg.rms_norm_eps
+        if ratio == 0:
+            return
+        if self.v41:
+            if role == "full":
+                self.compressor = Compressor(D, hd, ratio, overlap=False, ape=False, gate=ratio > 1, eps=eps)
+            if role in ("full", "reindex"):
+                self.indexer = Indexer(cfg, ratio, keys=role == "full", queries=True)
+        else:
+            csa = role == "csa"
+            self.compressor = Compressor(D, hd, ratio, overlap=csa, ape=True, gate=True, eps=eps)
+            if csa:
+                self.indexer = Indexer(cfg, ratio, keys=True, queries=True)
+
+    # -------------------------------------------------------------- compressed-cache production
+    def produce(self, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """Run this KV source's compressor(s) on rows ``x`` and append to the global caches (spec §2.7)."""
+        if self.compressor is None or self.layer in ctx.produced:
+            return
+        key = str(self.layer)
+        latent, n_new = self.compressor(x, ctx, f"{key}.main")
+        G = latent.shape[1]
+        first = ctx.positions[:, 0] // self.ratio
+        pos = (first[:, None] + torch.arange(G, device=x.device)) * self.ratio  # [B,G]
+        cos, sin = ctx.rope.angles("compress", pos)
+        main = apply_rope(latent, cos, sin)
+        if self.v41:
+            if ctx.fake_quant:
+                main = fake_quant_fp4(main, block=16, e4m3_scale=True)
+            index = self.indexer.k_norm(self.indexer.wk(latent.to(self.indexer.wk.weight.dtype)).float())
+            index = apply_rope(index, cos, sin)
+            if ctx.fake_quant:
+                index = fake_quant_fp4(index, block=32, e4m3_scale=False)
+            ctx.state.compressed(f"{key}.index", index.to(x.dtype), n_new)
+        elif self.indexer is not None:
+            ilatent, n_idx = self.indexer.compressor(x, ctx, f"{key}.index")
+            ipos = (first[:, None] + torch.arange(ilatent.shape[1], device=x.device)) * self.ratio
+            icos, isin = ctx.rope.angles("compress", ipos)
+            ctx.state.compressed(f"{key}.index", apply_rope(ilatent, icos, isin).to(x.dtype), n_idx)
+        ctx.state.compressed(f"{key}.main", main.to(x.dtype), n_new)
+        ctx.produced.add(self.layer)
+
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, src: int, n_entries: torch.Tensor,
+                visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it."""
+        keys, _ = ctx.state.compressed(f"{src}.index")
+        scores = self.indexer.scores(x, qr, keys, ctx, ctx.fake_quant and self.v41)
+        cfg = self.cfg
+        if self.v41 and cfg.candidate_source_layer_id >= 0:
+            if self.layer == cfg.candidate_source_layer_id:
+                n_vis = visible.sum(-1)
+                ctx.candidates = candidate_pool(scores, visible, n_vis, cfg.candidate_block_size,
+                                                cfg.candidate_topk_blocks)
+            elif self.layer > cfg.candidate_source_layer_id and ctx.candidates is not None:
+                visible = visible & ctx.candidates[..., :visible.shape[-1]]
+        sel = select_topk(scores, visible, cfg.index_topk)
+        ctx.topk[self.layer] = sel
+        return sel
+
+    # -------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, S, _ = x.shape
+        H, hd = self.n_heads, self.head_dim
+        cos, sin = ctx.angles(self.rope_kind)
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, S, H, hd)
+        if not self.v41:
+            q = rms(q, self.cfg.rms_norm_eps)
+        q = apply_rope(q, cos[:, :, None], sin[:, :, None])
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        if ctx.fake_quant and self.v41:
+            kv = fake_quant_fp8(kv, block=32)
+        keys, kpos = ctx.state.window(self.layer if self.layer is not None else -1, kv)
+        t = ctx.positions
+        kp = kpos[:, None, :]
+        win_ok = (kp >= 0) if ctx.noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
+        win_ok = win_ok.expand(B, S, kp.shape[-1])
+        scale = hd ** -0.5
+        qf = q.float()
+        logits = [torch.einsum("bshd,btd->bhst", qf, keys.float()) * scale]
+        logits[0] = logits[0].masked_fill(~win_ok[:, None], NEG_INF)
+        values = None
+        if self.ratio > 0:
+            src = self.cfg.kv_source(self.layer)
+            if src == self.layer:
+                self.produce(x, ctx)
+            entries, n_entries = ctx.state.compressed(f"{src}.main")
+            j = torch.arange(entries.shape[1], device=x.device)
+            visible = (j[None, None, :] < ((t + 1) // self.ratio)[..., None]) & (j[None, None, :] < n_entries[:, None, None])
+            idx_src = self.cfg.index_source(self.layer)
+            if idx_src is None:  # V4 HCA: attend to every visible entry
+                comp = torch.einsum("bshd,btd->bhst", qf, entries.float()) * scale
+                logits.append(comp.masked_fill(~visible[:, None], NEG_INF))
+                values = ("dense", entries)
+            else:
+                if idx_src == self.layer:
+                    idx, valid = self._select(x, qr, ctx, src, n_entries, visible)
+                else:
+                    idx, valid = ctx.topk[idx_src]
+                picked = torch.gather(entries[:, None].expand(-1, S, -1, -1), 2,
+                                      idx[..., None].expand(-1, -1, -1, hd))  # [B,S,k,hd]
+                comp = torch.einsum("bshd,bskd->bhsk", qf, picked.float()) * scale
+                logits.append(comp.masked_fill(~valid[:, None], NEG_INF))
+                values = ("sparse", picked)
+        scores = torch.cat(logits, dim=-1)
+        sink = self.attn_sink.float().view(1, H, 1, 1).expand(B, H, S, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        tw = keys.shape[1]
+        out = torch.einsum("bhst,btd->bshd", probs[..., :tw], keys.float())
+        if values is not None:
+            kind, v = values
+            pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
+            out = out + torch.einsum(pattern, probs[..., tw:], v.float())
+        out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
+        G = self.cfg.o_groups
+        grouped = out.reshape(B, S, G, -1)
+        wa = self.wo_a.weight.view(G, -1, grouped.shape[-1])
+        u = torch.einsum("bsgi,goi->bsgo", grouped, wa)
+        return self.wo_b(u.flatten(2))

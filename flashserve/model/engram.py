@@ -1,0 +1,128 @@
+"""Engram: hashed 2/3/4-gram memory rows injected into the residual streams of a few layers (spec §4)."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config.engram_primes import engram_primes
+from ..config.model_config import ModelConfig
+
+_WS = re.compile(r"[ \t\r\n]+")
+_SPACE_SENTINEL = "\ue000"
+
+
+def normalize_token_text(text: str) -> str:
+    """NFKC → NFD → strip accents → lowercase → collapse whitespace runs → strip (a lone space survives)."""
+    t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    t = "".join(c for c in t if unicodedata.category(c) != "Mn").lower()
+    t = _WS.sub(" ", t)
+    if t == " ":
+        t = _SPACE_SENTINEL
+    t = t.strip().replace(_SPACE_SENTINEL, " ")
+    return t or text
+
+
+def compressed_token_map(decode_one, token_string, vocab_size: int) -> tuple[list[int], int]:
+    """Class id of every token (first-seen order) and the class count (spec §4.3 step 1).
+
+    ``decode_one(i)`` decodes one id without clean-up; ``token_string(i)`` is its raw vocabulary string.
+    """
+    classes: dict[str, int] = {}
+    out = []
+    for i in range(vocab_size):
+        text = decode_one(i)
+        key = "raw:" + (token_string(i) or "") if "\ufffd" in text else normalize_token_text(text)
+        out.append(classes.setdefault(key, len(classes)))
+    return out, len(classes)
+
+
+def engram_multipliers(layer_id: int, n: int, compressed_vocab: int) -> list[int]:
+    """Odd int64 multipliers of one engram layer: numpy's PCG64 seeded with 10007·layer (spec §4.3 step 3)."""
+    bound = ((2 ** 63 - 1) // compressed_vocab) // 2
+    vals = np.random.default_rng(10007 * layer_id).integers(0, bound, size=n, dtype=np.int64)
+    return [int(2 * v + 1) for v in vals]
+
+
+class EngramHasher(nn.Module):
+    """Token ids → per-layer table row ids ``[B, S, n_layers, (max_ngram-1)·heads]``; no learned weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        n_layers, order = len(cfg.engram_layer_ids), cfg.engram_max_ngram_size
+        primes = engram_primes(n_layers, order, cfg.engram_n_heads, cfg.engram_vocab_size)
+        offsets = [[sum(p[:i]) for i in range(len(p))] for p in primes]
+        mults = [engram_multipliers(lid, order, max(cfg.engram_compressed_vocab_size, 1))
+                 for lid in cfg.engram_layer_ids]
+        self.register_buffer("primes", torch.tensor(primes, dtype=torch.long), persistent=False)
+        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
+        self.register_buffer("multipliers", torch.tensor(mults, dtype=torch.long), persistent=False)
+        # compressed class per token; identity until a tokenizer provides the real map
+        self.register_buffer("token_map", torch.arange(cfg.vocab_size, dtype=torch.long), persistent=False)
+
+    def set_token_map(self, token_map: list[int], n_classes: int) -> None:
+        if n_classes != self.cfg.engram_compressed_vocab_size:
+            raise ValueError(f"tokenizer gives {n_classes} engram classes; config engram_compressed_vocab_size "
+                             f"is {self.cfg.engram_compressed_vocab_size}")
+        self.token_map.copy_(torch.tensor(token_map, dtype=torch.long))
+
+    def forward(self, ids: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+        """Row ids for the last ``S`` of ``ids`` [B, n-1+S] (history first; −1 = before the sequence);
+        ``dead`` [B, n-1+S] marks image-span tokens. Returns [B, S, n_layers, (n-1)·heads]."""
+        order = self.cfg.engram_max_ngram_size
+        S = ids.shape[1] - (order - 1)
+        z = self.token_map[ids.clamp(min=0)]
+        blocked_tok = (ids < 0) | dead
+        pad = self.token_map[self.cfg.engram_pad_token_id]
+        heads = self.cfg.engram_n_heads
+        out = []
+        for li in range(self.primes.shape[0]):
+            mult = self.multipliers[li]
+            blocked = torch.zeros(ids.shape[0], S, dtype=torch.bool, device=ids.device)
+            h = None
+            ids_l = []
+            for s in range(order):
+                cur = order - 1 - s  # column offset of token t-s
+                blocked = blocked | blocked_tok[:, cur:cur + S]
+                v = torch.where(blocked, pad, z[:, cur:cur + S])
+                term = v * mult[s]
+                h = term if h is None else torch.bitwise_xor(h, term)
+                if s >= 1:
+                    p = self.primes[li, (s - 1) * heads:s * heads]
+                    o = self.offsets[li, (s - 1) * heads:s * heads]
+                    ids_l.append(torch.remainder(h[..., None], p) + o)
+            out.append(torch.cat(ids_l, dim=-1))
+        return torch.stack(out, dim=2)
+
+
+class Engram(nn.Module):
+    """``engram``: FP8 table rows → keys (one per stream) and a value; gated add to each stream (spec §4.4)."""
+
+    def __init__(self, cfg: ModelConfig, rows: int):
+        super().__init__()
+        n, D, d = cfg.hc_mult, cfg.hidden_size, cfg.engram_head_dim
+        lookups = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        self.n, self.dim, self.eps = n, D, cfg.rms_norm_eps
+        self.embed = nn.Embedding(rows, d)
+        self.wkv = nn.Linear(lookups * d, (n + 1) * D, bias=False)
+        self.q_weight = nn.Parameter(torch.ones(n, D))
+        self.k_weight = nn.Parameter(torch.ones(n, D))
+
+    def forward(self, x: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [B,S,n,D] streams, ``row_ids`` [B,S,lookups] → updated streams."""
+        e = self.embed(row_ids).flatten(-2)
+        kv = self.wkv(e).float().unflatten(-1, (self.n + 1, self.dim))
+        keys, value = kv[..., :self.n, :], kv[..., self.n, :]
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(keys.square().mean(-1) + self.eps)
+        wprod = (self.q_weight.float() * self.k_weight.float())
+        dot = (xf * wprod * keys).sum(-1) * r / self.dim ** 0.5
+        g = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
+        if dead is not None:
+            g = g.masked_fill(dead[..., None], 0.0)
+        return (xf + g[..., None] * value[..., None, :]).to(x.dtype)

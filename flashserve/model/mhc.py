@@ -1,0 +1,62 @@
+"""Manifold-constrained hyper-connections (mHC): 4 residual streams mixed by Sinkhorn matrices (spec §2.3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norms import rms
+
+
+class HyperMix:
+    """Coefficients of one mHC site: ``pre`` [.., n], ``post`` [.., n], ``comb`` [.., n, n] (row = source)."""
+
+    __slots__ = ("pre", "post", "comb")
+
+    def __init__(self, pre: torch.Tensor, post: torch.Tensor, comb: torch.Tensor):
+        self.pre, self.post, self.comb = pre, post, comb
+
+
+def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+              n: int, iters: int, hc_eps: float, norm_eps: float) -> HyperMix:
+    """Compute (pre, post, comb) from the streams ``x`` [.., n, D] in fp32."""
+    f = rms(x.flatten(-2).float(), norm_eps)
+    m = f @ fn.float().t()
+    base, scale = base.float(), scale.float()
+    pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    comb = torch.softmax(logits, dim=-1) + hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    return HyperMix(pre, post, comb)
+
+
+def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``Σ_j pre_j · x_j``: [.., n, D] → [.., D]."""
+    return (pre.unsqueeze(-1) * x).sum(-2).to(x.dtype)
+
+
+def expand(y: torch.Tensor, x: torch.Tensor, mix: HyperMix) -> torch.Tensor:
+    """``post_k · y + Σ_j comb[j, k] · x_j`` (sum over the FIRST index of comb)."""
+    dtype = x.dtype
+    mixed = torch.einsum("...jk,...jd->...kd", mix.comb.to(dtype), x)
+    return mix.post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """V4's learned final collapse (``hc_head_fn/base/scale``): pre = σ(m·s + b) + eps."""
+
+    def __init__(self, n: int, dim: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_head_fn = nn.Parameter(torch.zeros(n, n * dim))
+        self.hc_head_base = nn.Parameter(torch.zeros(n))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = rms(x.flatten(-2).float(), self.norm_eps) @ self.hc_head_fn.float().t()
+        pre = torch.sigmoid(m * self.hc_head_scale.float() + self.hc_head_base.float()) + self.hc_eps
+        return collapse(x, pre)

@@ -1,0 +1,113 @@
+"""Mixture of experts: sqrtsoftplus router (bias for selection only, ``bias_vl`` on image positions, or a
+frozen hash table), clamped SwiGLU experts stacked per layer, and an always-on shared expert (spec §2.10)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config.model_config import ModelConfig
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+class Gate(nn.Module):
+    """Router. ``weight`` [E, D]; ``bias``/``bias_vl`` [E] shift selection only; hash layers use ``tid2eid``."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, top_k: int, hash_routed: bool):
+        super().__init__()
+        self.top_k, self.scale, self.temp = top_k, cfg.routed_scaling_factor, cfg.gate_temp
+        self.normalize = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(n_experts, cfg.hidden_size))
+        self.hash_routed = hash_routed
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, top_k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(n_experts))
+            self.bias_vl = nn.Parameter(torch.zeros(n_experts)) if cfg.is_v41 else None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]."""
+        scores = torch.sqrt(F.softplus((x @ self.weight.t()).float() / self.temp))
+        if self.hash_routed:
+            idx = self.tid2eid[ids]
+        else:
+            bias = self.bias.float()
+            if self.bias_vl is not None and image is not None:
+                bias = torch.where(image[:, None], self.bias_vl.float(), bias)
+            idx = (scores + bias).topk(self.top_k, dim=-1).indices
+        w = scores.gather(1, idx)
+        if self.normalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scale
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: ``w1``/``w3`` [E, I, D] (gate/up), ``w2`` [E, D, I] (down).
+
+    Checkpoint names ``experts.{e}.w1.weight`` map to ``w1[e]`` (see :func:`checkpoint_tensors`).
+    """
+
+    def __init__(self, n: int, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
+        self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Σ_k w[t,k] · expert_{idx[t,k]}(x_t), grouping tokens by expert (a loop over hit experts only)."""
+        out = torch.zeros_like(x, dtype=torch.float32)
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
+        tokens = order // idx.shape[1]
+        weights = w.flatten()[order]
+        pos = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            t = tokens[pos:pos + n]
+            h = x[t]
+            y = clamped_swiglu(h @ self.w1[e].t(), h @ self.w3[e].t(), self.limit) @ self.w2[e].t()
+            out.index_add_(0, t, y.float() * weights[pos:pos + n, None])
+            pos += n
+        return out.to(x.dtype)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert (``shared_experts.w1/w2/w3``), clamped like the routed ones."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+class MoE(nn.Module):
+    """``ffn``: router + routed experts + shared expert."""
+
+    def __init__(self, cfg: ModelConfig, n_experts: int, top_k: int, hash_routed: bool = False):
+        super().__init__()
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Gate(cfg, n_experts, top_k, hash_routed)
+        self.experts = Experts(n_experts, D, I, cfg.swiglu_limit)
+        self.shared_experts = SharedExpert(D, I * cfg.n_shared_experts, cfg.swiglu_limit) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, w = self.gate(flat, ids.reshape(-1), None if image is None else image.reshape(-1))
+        y = self.experts(flat, idx, w)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape)

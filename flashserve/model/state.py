@@ -1,0 +1,128 @@
+"""Per-sequence model state across forwards, and the per-forward context.
+
+The model reads and extends sequence state only through :class:`SequenceState`, so whole-sequence
+reference forwards, cached decoding and the engine's paged caches share one attention code path.
+A forward covers ``B`` rows (one per sequence) of ``S`` new tokens each, at absolute positions
+``start[b] + 0..S-1``. Buffers are right-aligned: the last row of what a call returns is the newest
+position, so positions are derived, never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class SequenceState(Protocol):
+    """What the model needs to remember about each sequence between forwards (spec §3)."""
+
+    start: torch.Tensor  # [B] absolute position of each row's first new token
+    num_new: int  # S
+
+    def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this forward's window rows ``kv`` [B,S,d]; return (prior ++ new) [B,T,d] and their
+        positions [B,T] (−1 where a slot holds no row)."""
+
+    def compressor_raw(self, key: str, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+        """Append raw compressor rows [B,S,c]; return (retained ++ new) [B,R,c], right-aligned; retain rows
+        at positions >= keep_from [B] for the next forward."""
+
+    def compressed(self, key: str, new: torch.Tensor | None = None,
+                   n_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``n_new[b]`` entries of ``new`` [B,G,c] (left-aligned) to a global cache; return all
+        entries [B,T,c] (left-aligned) and their counts [B]. With ``new=None`` only read."""
+
+    def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` token ids before this forward's rows followed by ``ids``: [B, n+S]; −1 for none."""
+
+
+def _right_positions(last: torch.Tensor, length: int) -> torch.Tensor:
+    """Positions of a right-aligned buffer of ``length`` rows whose last row is at ``last`` [B]."""
+    return last[:, None] - torch.arange(length - 1, -1, -1, device=last.device)
+
+
+@dataclass
+class DenseState:
+    """Float state in plain growing tensors, one row per sequence (reference cache and test oracle).
+
+    ``window_size`` bounds the window rings; compressed caches grow with the sequence.
+    """
+
+    batch: int
+    window_size: int
+    device: torch.device | str = "cpu"
+    start: torch.Tensor = field(init=False)
+    num_new: int = 0
+    _windows: dict[int, torch.Tensor] = field(default_factory=dict)
+    _window_from: dict[int, torch.Tensor] = field(default_factory=dict)
+    _raw: dict[str, torch.Tensor] = field(default_factory=dict)
+    _entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.start = torch.zeros(self.batch, dtype=torch.long, device=self.device)
+
+    @property
+    def length(self) -> torch.Tensor:
+        """Tokens seen so far per row (after the current forward's :meth:`begin`)."""
+        return self.start + self.num_new
+
+    def begin(self, num_new: int, start: torch.Tensor | None = None) -> None:
+        """Start a forward of ``num_new`` tokens per row, continuing where the last one ended."""
+        if start is not None:
+            self.start = start.to(self.device)
+        elif self.num_new:
+            self.start = self.start + self.num_new
+        self.num_new = num_new
+
+    def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        prior = self._windows.get(layer)
+        full = kv if prior is None else torch.cat([prior, kv], dim=1)
+        last = self.start + self.num_new - 1
+        pos = _right_positions(last, full.shape[1])
+        first = self._window_from.setdefault(layer, self.start.clone())
+        pos = torch.where(pos >= first[:, None], pos, -1)
+        keep = self.window_size - 1
+        self._windows[layer] = full[:, max(full.shape[1] - keep, 0):] if keep > 0 else full[:, :0]
+        return full, pos
+
+    def compressor_raw(self, key: str, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+        prior = self._raw.get(key)
+        full = raw if prior is None else torch.cat([prior, raw], dim=1)
+        last = self.start + self.num_new - 1
+        keep = int((last + 1 - keep_from).clamp(min=0).max()) if full.shape[0] else 0
+        self._raw[key] = full[:, full.shape[1] - min(keep, full.shape[1]):]
+        return full
+
+    def compressed(self, key: str, new: torch.Tensor | None = None,
+                   n_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        entries, count = self._entries.get(key, (None, None))
+        if new is None:
+            if entries is None:
+                raise KeyError(f"no compressed cache {key!r} yet")
+            return entries, count
+        if entries is None:
+            entries = new.new_zeros(new.shape[0], 0, new.shape[-1])
+            count = torch.zeros(new.shape[0], dtype=torch.long, device=new.device)
+        total = int((count + n_new).max()) if new.shape[0] else 0
+        if total > entries.shape[1]:
+            pad = entries.new_zeros(entries.shape[0], total - entries.shape[1], entries.shape[-1])
+            entries = torch.cat([entries, pad], dim=1)
+        g = torch.arange(new.shape[1], device=new.device)
+        valid = g[None, :] < n_new[:, None]
+        rows, cols = valid.nonzero(as_tuple=True)
+        entries = entries.index_put((rows, count[rows] + cols), new[rows, cols])
+        count = count + n_new
+        self._entries[key] = (entries, count)
+        return entries, count
+
+    def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        prior = self._ids
+        if prior is None or prior.shape[1] < n:
+            pad = torch.full((ids.shape[0], n), -1, dtype=ids.dtype, device=ids.device)
+            prior = pad if prior is None else torch.cat([pad, prior], dim=1)[:, -n:]
+        full = torch.cat([prior[:, prior.shape[1] - n:], ids], dim=1)
+        self._ids = full[:, full.shape[1] - n:]
+        return full

@@ -1,0 +1,172 @@
+"""The DeepSeek-V4 / V4.1 language model: embedding → hyper-connection streams → blocks → collapse → head.
+
+Parameter names mirror the released checkpoint (``embed.weight``, ``layers.N.attn.wq_a.weight``,
+``layers.N.ffn.experts.E.w1.weight`` via :meth:`Transformer.checkpoint_tensors`, ...). ``forward`` is the
+reference: every layer on every row, no cache unless a state is passed. ``encoder_only`` runs V4.1's
+prefill with decoder bounded replay (spec §2.12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..config.model_config import ModelConfig
+from .block import Block
+from .context import ForwardContext
+from .engram import EngramHasher
+from .mhc import HyperHead, collapse
+from .norms import RMSNorm
+from .rope import RotaryTables
+from .state import DenseState, SequenceState
+
+
+@dataclass
+class ForwardOutput:
+    """Logits of the requested rows, and (on request) the per-layer stream means DSpark drafts from."""
+
+    logits: torch.Tensor | None  # [B, R, V]
+    features: dict[int, torch.Tensor]  # layer -> mean over streams of the input to that layer [B, S, D]
+    streams: torch.Tensor | None = None  # final streams [B, R, n, D] (V4 MTP input)
+
+
+class Transformer(nn.Module):
+    """DeepSeek-V4 (``deepseek_v4``) or V4.1 (``deepseek_v41``) text model, built from a :class:`ModelConfig`."""
+
+    def __init__(self, cfg: ModelConfig, *, with_mtp: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        D, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+        self.embed = nn.Embedding(V, D)
+        rows = dict(zip(cfg.engram_layer_ids, cfg.engram_num_embeddings))
+        self.layers = nn.ModuleList(
+            Block(cfg, i, ratio=cfg.compress_ratios[i], role=cfg.layer_role(i),
+                  hash_routed=i in cfg.hash_layer_ids, engram_rows=rows.get(i))
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head = nn.Linear(D, V, bias=False)
+        self.hc_head = None if cfg.is_v41 else HyperHead(n, D, cfg.hc_eps, cfg.rms_norm_eps)
+        self.rope = RotaryTables(cfg)
+        self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
+        self._engram_slot = {lid: i for i, lid in enumerate(cfg.engram_layer_ids)}
+        self.mtp = None
+        if with_mtp and cfg.num_nextn_predict_layers:
+            from .draft import DSparkStages, MTPBlocks
+
+            self.mtp = DSparkStages(cfg) if cfg.is_v41 else MTPBlocks(cfg)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def new_state(self, batch: int) -> DenseState:
+        """A float state for ``batch`` sequences starting at position 0."""
+        return DenseState(batch, self.cfg.sliding_window, self.embed.weight.device)
+
+    def image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
+        tok = self.cfg.image_token_id
+        return (ids == tok) if (self.cfg.is_v41 and tok is not None) else None
+
+    def _engram_ids(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor | None:
+        if self.engram_hasher is None:
+            return None
+        hist = state.history(ids, self.cfg.engram_max_ngram_size - 1)
+        dead = self.image_mask(hist)
+        return self.engram_hasher(hist, torch.zeros_like(hist, dtype=torch.bool) if dead is None else dead)
+
+    def _run(self, x: torch.Tensor, pre: torch.Tensor | None, ctx: ForwardContext, layers: range,
+             engram: torch.Tensor | None, capture: tuple[int, ...], features: dict[int, torch.Tensor]):
+        for i in layers:
+            if i in capture:
+                features[i] = x.float().mean(-2)
+            block = self.layers[i]
+            eid = None if block.engram is None else engram[:, :, self._engram_slot[i]]
+            x, pre = block(x, pre, ctx, eid)
+        return x, pre
+
+    def logits_from_streams(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
+        """Final collapse (V4: ``hc_head``; V4.1: last block's FFN pre), norm and head."""
+        h = self.hc_head(x) if self.hc_head is not None else collapse(x, pre)
+        return self.head(self.norm(h))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
+                start: torch.Tensor | None = None, fake_quant: bool = False, encoder_only: bool = False,
+                run_decoder: bool = True, logits_rows: int | None = None,
+                capture: tuple[int, ...] = (), return_streams: bool = False) -> ForwardOutput:
+        """Run ``input_ids`` [B,S] continuing ``state`` (a fresh one when None).
+
+        ``encoder_only`` (V4.1): layers before the decoder run on all rows, the decoder's cache producer on
+        all rows, and the decoder (if ``run_decoder``) only on the last ``sliding_window`` positions of the
+        sequence (bounded replay). ``logits_rows``: compute the head only on the last that many rows.
+        """
+        cfg = self.cfg
+        B, S = input_ids.shape
+        if state is None:
+            state = self.new_state(B)
+        state.begin(S, start)
+        positions = state.start[:, None] + torch.arange(S, device=input_ids.device)
+        ctx = ForwardContext(state=state, positions=positions, input_ids=input_ids, rope=self.rope,
+                             fake_quant=fake_quant, image_mask=self.image_mask(input_ids))
+        x = self.embed(input_ids)
+        x = x[..., None, :].expand(B, S, cfg.hc_mult, cfg.hidden_size).contiguous()
+        pre = None
+        if cfg.is_v41:
+            pre = torch.zeros(B, S, cfg.hc_mult, device=x.device)
+            pre[..., 0] = 1.0
+        engram = self._engram_ids(input_ids, state)
+        features: dict[int, torch.Tensor] = {}
+        L = cfg.num_hidden_layers
+        split = cfg.decoder_start if (encoder_only and cfg.is_v41) else L
+        x, pre = self._run(x, pre, ctx, range(split), engram, capture, features)
+        if split < L:
+            x, pre, ctx, features = self._replay(x, pre, ctx, engram, capture, features, run_decoder)
+            if x is None:
+                return ForwardOutput(None, features)
+        rows = x.shape[1] if logits_rows is None else min(logits_rows, x.shape[1])
+        x, pre = x[:, -rows:], (None if pre is None else pre[:, -rows:])
+        return ForwardOutput(self.logits_from_streams(x, pre), features, x if return_streams else None)
+
+    def _replay(self, x, pre, ctx, engram, capture, features, run_decoder):
+        """Encoder-only tail: produce the decoder's global cache on all rows, then run the decoder on the
+        last ``window`` positions (kept across chunks in the state) if ``run_decoder``."""
+        cfg, state = self.cfg, ctx.state
+        split, W, S = cfg.decoder_start, cfg.sliding_window, x.shape[1]
+        self.layers[split].produce(x, pre, ctx)
+        end = ctx.positions[:, -1] + 1
+        keep_from = (end - W).clamp(min=0)
+        flat = torch.cat([x.flatten(-2), pre, ctx.input_ids[..., None].to(x.dtype)], dim=-1)
+        stash = state.compressor_raw("decoder_replay", flat, keep_from)
+        if not run_decoder:
+            return None, None, ctx, features
+        R = min(int(end.min()), W)
+        rows = stash[:, -R:]
+        n, D = cfg.hc_mult, cfg.hidden_size
+        xr = rows[..., :n * D].unflatten(-1, (n, D))
+        pr = rows[..., n * D:n * D + n]
+        ids = rows[..., -1].round().long()
+        state.begin(R, end - R)
+        positions = state.start[:, None] + torch.arange(R, device=x.device)
+        rctx = ForwardContext(state=state, positions=positions, input_ids=ids, rope=self.rope,
+                              fake_quant=ctx.fake_quant, image_mask=self.image_mask(ids), produced=ctx.produced)
+        xr, pr = self._run(xr, pr, rctx, range(split, cfg.num_hidden_layers), engram, capture, features)
+        return xr, pr, rctx, features
+
+    # ------------------------------------------------------------------ checkpoint names
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Released checkpoint name → tensor (views into stacked experts for per-expert names)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if name.startswith(("rope.", "engram_hasher.")):
+                continue
+            if ".experts.w" in name:
+                prefix, w = name.rsplit(".experts.", 1)
+                for e in range(t.shape[0]):
+                    out[f"{prefix}.experts.{e}.{w}.weight"] = t[e]
+                continue
+            name = name.replace("hc_head.hc_head_", "hc_head_")
+            out[name] = t
+        return out
