@@ -51,6 +51,7 @@ class Transformer(nn.Module):
         self.rope = RotaryTables(cfg)
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
         self._engram_slot = {lid: i for i, lid in enumerate(cfg.engram_layer_ids)}
+        self.fake_quant = False  # QAT quantisation points (spec §2.1); load_model turns it on for V4.1
         self.mtp = None
         if with_mtp and cfg.num_nextn_predict_layers:
             from .draft import DSparkStages, MTPBlocks
@@ -94,7 +95,7 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
-                start: torch.Tensor | None = None, fake_quant: bool = False, encoder_only: bool = False,
+                start: torch.Tensor | None = None, fake_quant: bool | None = None, encoder_only: bool = False,
                 run_decoder: bool = True, logits_rows: int | None = None,
                 capture: tuple[int, ...] = (), return_streams: bool = False) -> ForwardOutput:
         """Run ``input_ids`` [B,S] continuing ``state`` (a fresh one when None).
@@ -105,6 +106,7 @@ class Transformer(nn.Module):
         """
         cfg = self.cfg
         B, S = input_ids.shape
+        fake_quant = self.fake_quant if fake_quant is None else fake_quant
         if state is None:
             state = self.new_state(B)
         state.begin(S, start)

@@ -1,0 +1,56 @@
+"""``load_model``: a preset with seeded random weights, or a checkpoint folder in either naming scheme."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig, load_config
+from ..config.presets import PRESET_JSON, RUNNABLE_PRESETS
+from .init import random_init
+from .transformer import Transformer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``torch.float32`` from ``"float32"``/``"fp32"``/``torch.float32``; a clear error otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
+               fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True) -> Transformer:
+    """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
+
+    ``fake_quant`` switches the QAT quantisation points of spec §2.1 on (default: on for V4.1, off for V4).
+    Shards are streamed into the model's parameters one tensor at a time.
+    """
+    name = str(path_or_preset)
+    cfg: ModelConfig = load_config(path_or_preset)
+    if name in PRESET_JSON and name not in RUNNABLE_PRESETS:
+        raise ValueError(f"preset {name!r} has the real model's dimensions and is for arithmetic and planning "
+                         f"only; runnable presets: {', '.join(RUNNABLE_PRESETS)}")
+    torch_dtype = resolve_dtype(dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg, with_mtp=with_mtp)
+    model = model.to_empty(device=device)
+    model.rope.__init__(cfg)  # buffers computed, not loaded
+    if model.engram_hasher is not None:
+        model.engram_hasher.__init__(cfg)
+    model = model.to(device)
+    if name in PRESET_JSON:
+        random_init(model, seed)
+    else:
+        from .checkpoint import load_checkpoint
+
+        load_checkpoint(model.checkpoint_tensors(), Path(path_or_preset), cfg, strict=with_mtp)
+    model = model.to(torch_dtype)
+    model.rope.float()
+    model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
+    return model.eval()
