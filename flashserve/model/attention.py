@@ -148,7 +148,7 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch
         -1, newest[..., None], torch.where(has_any, float("inf"), NEG_INF)[..., None].expand(-1, -1, 1))
     keep = block_scores.topk(min(n_blocks, nb), dim=-1)
     chosen = torch.zeros(B, S, nb, dtype=torch.bool, device=scores.device)
-    chosen.scatter_(-1, keep.indices, torch.isfinite(keep.values))
+    chosen.scatter_(-1, keep.indices, keep.values > NEG_INF)
     return chosen.repeat_interleave(block, dim=-1)[..., :T]
 
 
