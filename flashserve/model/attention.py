@@ -14,7 +14,7 @@ from torch import nn
 
 from ..config.model_config import ModelConfig
 from .context import ForwardContext
-from .norms import RMSNorm, rms
+from .norms import fp32, RMSNorm, rms
 from .quant import fake_quant_fp4, fake_quant_fp8
 from .rope import apply_rope
 
@@ -55,8 +55,8 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
         state, ratio = ctx.state, self.ratio
-        c = self.wkv(x).float()
-        raw = c if self.wgate is None else torch.cat([c, self.wgate(x).float()], dim=-1)
+        c = fp32(self.wkv(x))
+        raw = c if self.wgate is None else torch.cat([c, fp32(self.wgate(x))], dim=-1)
         start = ctx.positions[:, 0]
         end = ctx.positions[:, -1] + 1
         first_group = start // ratio  # groups before this one were emitted by earlier forwards
@@ -74,14 +74,14 @@ class Compressor(nn.Module):
             pooled = kv[:, :, 0]
         else:
             if self.ape is not None:
-                gate = gate + self.ape.float()
+                gate = gate + fp32(self.ape)
             gate = gate.masked_fill(~present[..., None], NEG_INF)
             if self.overlap:
                 prev, prev_present = _gather_groups(full, last, (first_group - 1) * ratio, G, ratio)
                 d = self.dim
                 prev_gate = prev[..., width:][..., :d]
                 if self.ape is not None:
-                    prev_gate = prev_gate + self.ape.float()[:, :d]
+                    prev_gate = prev_gate + fp32(self.ape)[:, :d]
                 prev_gate = prev_gate.masked_fill(~prev_present[..., None], NEG_INF)
                 kv = torch.cat([prev[..., :width][..., :d], kv[..., d:]], dim=2)
                 gate = torch.cat([prev_gate, gate[..., d:]], dim=2)
@@ -120,8 +120,8 @@ class Indexer(nn.Module):
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         if fake_quant:
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
-        s = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu() * self.head_dim ** -0.5
+        w = fp32(self.weights_proj(x)) * self.n_heads ** -0.5
+        s = torch.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
         return torch.einsum("bsht,bsh->bst", s, w)
 
 
@@ -144,8 +144,8 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch
     block_scores = padded.view(B, S, nb, block).amax(-1)
     newest = ((n_visible - 1).clamp(min=0) // block).clamp(max=nb - 1)  # [B,S]
     has_any = n_visible > 0
-    block_scores = block_scores.scatter(
-        -1, newest[..., None], torch.where(has_any, float("inf"), NEG_INF)[..., None].expand(-1, -1, 1))
+    pin = torch.where(has_any, float("inf"), NEG_INF).to(block_scores.dtype)
+    block_scores = block_scores.scatter(-1, newest[..., None], pin[..., None])
     keep = block_scores.topk(min(n_blocks, nb), dim=-1)
     chosen = torch.zeros(B, S, nb, dtype=torch.bool, device=scores.device)
     chosen.scatter_(-1, keep.indices, keep.values > NEG_INF)
@@ -201,7 +201,7 @@ class Attention(nn.Module):
         if self.v41:
             if ctx.fake_quant:
                 main = fake_quant_fp4(main, block=16, e4m3_scale=True)
-            index = self.indexer.k_norm(self.indexer.wk(latent.to(self.indexer.wk.weight.dtype)).float())
+            index = self.indexer.k_norm(fp32(self.indexer.wk(latent.to(self.indexer.wk.weight.dtype))))
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)
@@ -250,8 +250,8 @@ class Attention(nn.Module):
         win_ok = (kp >= 0) if ctx.noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
         win_ok = win_ok.expand(B, S, kp.shape[-1])
         scale = hd ** -0.5
-        qf = q.float()
-        logits = [torch.einsum("bshd,btd->bhst", qf, keys.float()) * scale]
+        qf = fp32(q)
+        logits = [torch.einsum("bshd,btd->bhst", qf, fp32(keys)) * scale]
         logits[0] = logits[0].masked_fill(~win_ok[:, None], NEG_INF)
         values = None
         if self.ratio > 0:
@@ -263,7 +263,7 @@ class Attention(nn.Module):
             visible = (j[None, None, :] < ((t + 1) // self.ratio)[..., None]) & (j[None, None, :] < n_entries[:, None, None])
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
-                comp = torch.einsum("bshd,btd->bhst", qf, entries.float()) * scale
+                comp = torch.einsum("bshd,btd->bhst", qf, fp32(entries)) * scale
                 logits.append(comp.masked_fill(~visible[:, None], NEG_INF))
                 values = ("dense", entries)
             else:
@@ -273,18 +273,18 @@ class Attention(nn.Module):
                     idx, valid = ctx.topk[idx_src]
                 picked = torch.gather(entries[:, None].expand(-1, S, -1, -1), 2,
                                       idx[..., None].expand(-1, -1, -1, hd))  # [B,S,k,hd]
-                comp = torch.einsum("bshd,bskd->bhsk", qf, picked.float()) * scale
+                comp = torch.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * scale
                 logits.append(comp.masked_fill(~valid[:, None], NEG_INF))
                 values = ("sparse", picked)
         scores = torch.cat(logits, dim=-1)
-        sink = self.attn_sink.float().view(1, H, 1, 1).expand(B, H, S, 1)
+        sink = fp32(self.attn_sink).view(1, H, 1, 1).expand(B, H, S, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         tw = keys.shape[1]
-        out = torch.einsum("bhst,btd->bshd", probs[..., :tw], keys.float())
+        out = torch.einsum("bhst,btd->bshd", probs[..., :tw], fp32(keys))
         if values is not None:
             kind, v = values
             pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
-            out = out + torch.einsum(pattern, probs[..., tw:], v.float())
+            out = out + torch.einsum(pattern, probs[..., tw:], fp32(v))
         out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
         G = self.cfg.o_groups
         grouped = out.reshape(B, S, G, -1)

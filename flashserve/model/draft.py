@@ -12,7 +12,7 @@ from ..config.model_config import ModelConfig
 from .block import Block
 from .context import ForwardContext
 from .mhc import HyperHead, collapse
-from .norms import RMSNorm
+from .norms import fp32, RMSNorm
 from .quant import fake_quant_fp8
 from .rope import apply_rope
 from .state import DenseState
@@ -117,18 +117,18 @@ class DSparkStages(nn.ModuleList):
             x, pre = stage(x, pre, ctx)
         last = self[-1]
         h = collapse(x, pre)
-        base = model.head(last.norm(h)).float()
+        base = fp32(model.head(last.norm(h)))
         markov = last.markov_head
         prev = first_token
         out_tokens, out_logits, conf = [], [], []
         for i in range(k):
             m = markov.embed(prev)
-            logits = base[:, i] + markov.head(m).float()
+            logits = base[:, i] + fp32(markov.head(m))
             c = torch.sigmoid(last.confidence_head.proj(torch.cat([h[:, i], m.to(h.dtype)], dim=-1))).squeeze(-1)
             prev = logits.argmax(-1)
             out_tokens.append(prev)
             out_logits.append(logits)
-            conf.append(c.float())
+            conf.append(fp32(c))
         return Draft(torch.stack(out_tokens, 1), torch.stack(out_logits, 1), torch.stack(conf, 1))
 
 

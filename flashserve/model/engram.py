@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config.engram_primes import engram_primes
 from ..config.model_config import ModelConfig
+from .norms import fp32
 
 _WS = re.compile(r"[ \t\r\n]+")
 _SPACE_SENTINEL = "\ue000"
@@ -116,11 +117,11 @@ class Engram(nn.Module):
     def forward(self, x: torch.Tensor, row_ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
         """``x`` [B,S,n,D] streams, ``row_ids`` [B,S,lookups] → updated streams."""
         e = self.embed(row_ids).flatten(-2)
-        kv = self.wkv(e).float().unflatten(-1, (self.n + 1, self.dim))
+        kv = fp32(self.wkv(e)).unflatten(-1, (self.n + 1, self.dim))
         keys, value = kv[..., :self.n, :], kv[..., self.n, :]
-        xf = x.float()
+        xf = fp32(x)
         r = torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(keys.square().mean(-1) + self.eps)
-        wprod = (self.q_weight.float() * self.k_weight.float())
+        wprod = (fp32(self.q_weight) * fp32(self.k_weight))
         dot = (xf * wprod * keys).sum(-1) * r / self.dim ** 0.5
         g = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
         if dead is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .norms import rms
+from .norms import fp32, rms
 
 
 class HyperMix:
@@ -20,9 +20,9 @@ class HyperMix:
 def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
               n: int, iters: int, hc_eps: float, norm_eps: float) -> HyperMix:
     """Compute (pre, post, comb) from the streams ``x`` [.., n, D] in fp32."""
-    f = rms(x.flatten(-2).float(), norm_eps)
-    m = f @ fn.float().t()
-    base, scale = base.float(), scale.float()
+    f = rms(fp32(x.flatten(-2)), norm_eps)
+    m = f @ fp32(fn).t()
+    base, scale = fp32(base), fp32(scale)
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
@@ -57,6 +57,6 @@ class HyperHead(nn.Module):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = rms(x.flatten(-2).float(), self.norm_eps) @ self.hc_head_fn.float().t()
-        pre = torch.sigmoid(m * self.hc_head_scale.float() + self.hc_head_base.float()) + self.hc_eps
+        m = rms(fp32(x.flatten(-2)), self.norm_eps) @ fp32(self.hc_head_fn).t()
+        pre = torch.sigmoid(m * fp32(self.hc_head_scale) + fp32(self.hc_head_base)) + self.hc_eps
         return collapse(x, pre)

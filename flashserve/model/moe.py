@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.model_config import ModelConfig
+from .norms import fp32
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -32,13 +33,13 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]."""
-        scores = torch.sqrt(F.softplus((x @ self.weight.t()).float() / self.temp))
+        scores = torch.sqrt(F.softplus(fp32(x @ self.weight.t()) / self.temp))
         if self.hash_routed:
             idx = self.tid2eid[ids]
         else:
-            bias = self.bias.float()
+            bias = fp32(self.bias)
             if self.bias_vl is not None and image is not None:
-                bias = torch.where(image[:, None], self.bias_vl.float(), bias)
+                bias = torch.where(image[:, None], fp32(self.bias_vl), bias)
             idx = (scores + bias).topk(self.top_k, dim=-1).indices
         w = scores.gather(1, idx)
         if self.normalize:
@@ -61,7 +62,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_k w[t,k] · expert_{idx[t,k]}(x_t), grouping tokens by expert (a loop over hit experts only)."""
-        out = torch.zeros_like(x, dtype=torch.float32)
+        out = torch.zeros(x.shape, dtype=fp32(x[:0]).dtype, device=x.device)
         flat = idx.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
@@ -74,7 +75,7 @@ class Experts(nn.Module):
             t = tokens[pos:pos + n]
             h = x[t]
             y = clamped_swiglu(h @ self.w1[e].t(), h @ self.w3[e].t(), self.limit) @ self.w2[e].t()
-            out.index_add_(0, t, y.float() * weights[pos:pos + n, None])
+            out.index_add_(0, t, fp32(y) * weights[pos:pos + n, None])
             pos += n
         return out.to(x.dtype)
 

@@ -6,9 +6,14 @@ import torch
 from torch import nn
 
 
+def fp32(x: torch.Tensor) -> torch.Tensor:
+    """The accumulation dtype of a tensor: float32, or float64 for float64 tensors (exactness tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x²) + eps)`` over the last axis, computed in fp32, returned in x's dtype."""
-    xf = x.float()
+    xf = fp32(x)
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
@@ -21,6 +26,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = fp32(x)
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * y).to(x.dtype)
+        return (fp32(self.weight) * y).to(x.dtype)

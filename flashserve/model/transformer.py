@@ -18,7 +18,7 @@ from .block import Block
 from .context import ForwardContext
 from .engram import EngramHasher
 from .mhc import HyperHead, collapse
-from .norms import RMSNorm
+from .norms import fp32, RMSNorm
 from .rope import RotaryTables
 from .state import DenseState, SequenceState
 
@@ -82,7 +82,7 @@ class Transformer(nn.Module):
              engram: torch.Tensor | None, capture: tuple[int, ...], features: dict[int, torch.Tensor]):
         for i in layers:
             if i in capture:
-                features[i] = x.float().mean(-2)
+                features[i] = fp32(x).mean(-2)
             block = self.layers[i]
             eid = None if block.engram is None else engram[:, :, self._engram_slot[i]]
             x, pre = block(x, pre, ctx, eid)

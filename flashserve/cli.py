@@ -1,0 +1,75 @@
+"""The ``flashserve`` command: ``info``, ``generate``, ``serve``, ``plan`` (each part registers its own)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+
+def _info(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config, model_arithmetic
+
+    try:
+        cfg = load_config(args.model)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    a = model_arithmetic(cfg)
+    data = {
+        "model": args.model,
+        "model_type": cfg.model_type,
+        "params_total": a.params_total,
+        "params_all": a.params_all,
+        "params_active_prefill": a.params_active_prefill,
+        "params_active_decode": a.params_active_decode,
+        "kv_bytes_per_token": a.kv_bytes_per_token,
+        "window_bytes_per_sequence": a.window_bytes_per_sequence,
+        "kv_record_bytes": {"main": a.kv.main, "index": a.kv.index, "window": a.kv.window},
+        "params_by_part": a.by_part,
+        "layer_roles": [cfg.layer_role(i) for i in range(cfg.num_hidden_layers)],
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{args.model} ({cfg.model_type})")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for key in ("params_total", "params_all", "params_active_prefill", "params_active_decode"):
+        table.add_row(key, f"{data[key] / 1e9:,.3f} B")
+    table.add_row("kv_bytes_per_token", f"{a.kv_bytes_per_token:,.2f} B")
+    table.add_row("window_bytes_per_sequence", f"{a.window_bytes_per_sequence / 2**20:,.2f} MiB")
+    for part, n in sorted(a.by_part.items(), key=lambda kv: -kv[1]):
+        table.add_row(f"  {part}", f"{n / 1e9:,.3f} B")
+    Console().print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="parameter and KV-cache arithmetic of a preset or checkpoint")
+    info.add_argument("model", help="preset name or checkpoint folder")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(func=_info)
+    for module in ("flashserve.engine.cli", "flashserve.server.cli", "flashserve.plan.cli"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""Read and write DeepSeek-V4 / V4.1 checkpoints (safetensors only; nothing is ever unpickled).
+
+Reading: :func:`load_checkpoint` fills caller-owned tensors, keyed by the released names of
+:func:`flashserve.config.layout.checkpoint_layout`, one stored tensor (or row chunk) at a time. It understands
+
+* ``released`` — DeepSeek's own names (spec §9): ``embed.weight``, ``layers.N.attn.wq_a.weight`` + ``.scale``
+  (block FP8), experts as MXFP4 ``int8`` + ``.scale``, engram tables FP8 + per-row ``.scale``, plain floats;
+* ``hf`` — what transformers 5.24 ``DeepseekV4ForCausalLM.save_pretrained`` writes (default
+  ``save_original_format=True``): released names behind a ``model.`` prefix except ``head.weight``, plus
+  ``model.embed_tokens.weight``, ``model.hc_head.hc_{fn,base,scale}`` and ``attn.norm.weight`` for the
+  main KV norm, everything float;
+* ``hf-modules`` — transformers' in-memory names (``save_original_format=False``): ``self_attn.q_a_proj``,
+  ``mlp.experts.gate_up_proj [E, 2I, D]`` (w1 ‖ w3 fused), ``attn_hc.fn``, ``sinks``, ``position_bias``, ...
+
+Stored values are decoded by their *stored* dtype: F8_E4M3 + scale -> block/row FP8, I8/U8 + scale -> MXFP4,
+anything else -> cast. Every mismatch (missing, unexpected, mis-shaped) is collected and raised once as
+:class:`CheckpointError`.
+
+Writing: :func:`save_checkpoint` writes ``config.json`` + safetensors shards + ``model.safetensors.index.json``,
+quantising by layout kind (or float32 throughout with ``quantize=False``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from flashserve.config.layout import BF16, FP4, FP8, FP8_TABLE, FP32, INT, TensorSpec, checkpoint_layout
+from flashserve.config.model_config import ModelConfig
+from flashserve.config.serialize import config_to_json
+
+from . import quant
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+SCALE_SUFFIXES = (".scale", ".weight_scale_inv", ".weight_scale")
+RELEASED, HF, HF_MODULES = "released", "hf", "hf-modules"
+DEFAULT_SHARD_BYTES = 5 * 10**9
+_CHUNK_BYTES = 256 * 2**20  # larger stored tensors are read and decoded in row chunks
+_LIST_LIMIT = 20
+_OPTIONAL_PARTS = ({"mtp", "dspark"}, {"vision"})  # groups a checkpoint may omit as a whole
+
+_FLOAT_STORAGE = {BF16: torch.bfloat16, FP32: torch.float32}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot fill the model: the message names the offending tensors and files."""
+
+
+# ============================================================================ naming
+
+
+_HF_RULES: tuple[tuple[str, str], ...] = (
+    (r"^embed_tokens\.weight$", "embed.weight"),
+    (r"^lm_head\.weight$", "head.weight"),
+    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"\.self_attn\.", ".attn."),
+    (r"\.mlp\.", ".ffn."),
+    (r"\.input_layernorm\.", ".attn_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"),
+    (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.attn\.sinks$", ".attn.attn_sink"),
+    (r"\.attn\.norm\.weight$", ".attn.kv_norm.weight"),  # save_pretrained's spelling of the main KV norm
+    (r"\.attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+    (r"\.attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+    (r"\.attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+    (r"\.compressor\.position_bias$", ".compressor.ape"),
+    (r"\.compressor\.kv_proj\.", ".compressor.wkv."),
+    (r"\.compressor\.gate_proj\.", ".compressor.wgate."),
+    (r"\.compressor\.kv_norm\.", ".compressor.norm."),
+    (r"\.attn\.q_a_proj\.", ".attn.wq_a."),
+    (r"\.attn\.q_a_norm\.", ".attn.q_norm."),
+    (r"\.attn\.q_b_proj\.", ".attn.wq_b."),
+    (r"\.attn\.kv_proj\.", ".attn.wkv."),
+    (r"\.attn\.o_a_proj\.", ".attn.wo_a."),
+    (r"\.attn\.o_b_proj\.", ".attn.wo_b."),
+    (r"\.ffn\.gate\.e_score_correction_bias$", ".ffn.gate.bias"),
+    (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+    (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+    (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+)
+_HF_COMPILED = tuple((re.compile(p), r) for p, r in _HF_RULES)
+_FUSED_EXPERTS = re.compile(r"^(?P<prefix>.*\.ffn\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def hf_to_released_name(name: str) -> str:
+    """Released name of a transformers DeepSeek-V4 key (saved or in-memory spelling; ``model.`` optional).
+
+    Fused expert tensors (``...experts.gate_up_proj`` / ``down_proj``) keep their fused name here; see
+    :func:`split_fused_experts`. Released names pass through unchanged.
+    """
+    out = name[len("model."):] if name.startswith("model.") else name
+    for pattern, repl in _HF_COMPILED:
+        out = pattern.sub(repl, out)
+    return out
+
+
+def split_fused_experts(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, slice]]] | None:
+    """Per-expert released names of a fused transformers expert tensor, with ``(expert, row slice)`` picks.
+
+    ``gate_up_proj [E, 2I, D]`` -> ``experts.e.w1`` rows ``:I`` and ``experts.e.w3`` rows ``I:``;
+    ``down_proj [E, D, I]`` -> ``experts.e.w2``. None if ``name`` is not a fused expert tensor.
+    """
+    m = _FUSED_EXPERTS.match(name)
+    if m is None or len(shape) != 3:
+        return None
+    prefix, n_experts, rows = m["prefix"], shape[0], shape[1]
+    if m["kind"] == "down_proj":
+        return [(f"{prefix}.{e}.w2.weight", (e, slice(0, rows))) for e in range(n_experts)]
+    half = rows // 2
+    return [item for e in range(n_experts) for item in (
+        (f"{prefix}.{e}.w1.weight", (e, slice(0, half))), (f"{prefix}.{e}.w3.weight", (e, slice(half, rows))))]
+
+
+def released_to_hf_name(name: str) -> str:
+    """The key transformers' ``save_pretrained`` writes for a released V4 name (inverse of the ``hf`` scheme)."""
+    if name == "head.weight":
+        return name
+    if name == "embed.weight":
+        return "model.embed_tokens.weight"
+    m = re.fullmatch(r"hc_head_(fn|base|scale)", name)
+    if m:
+        return f"model.hc_head.hc_{m[1]}"
+    return "model." + re.sub(r"\.attn\.kv_norm\.weight$", ".attn.norm.weight", name)
+
+
+def detect_scheme(keys: Iterable[str]) -> str:
+    """``released``, ``hf`` (transformers save_pretrained) or ``hf-modules`` (transformers in-memory names)."""
+    keys = list(keys)
+    if not any(k.startswith(("model.", "lm_head.")) for k in keys):
+        return RELEASED
+    modules = any(k.startswith("lm_head.") or ".self_attn." in k or ".mlp." in k for k in keys)
+    return HF_MODULES if modules else HF
+
+
+# ============================================================================ reading: discovery
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Header of one stored tensor."""
+
+    file: Path
+    key: str
+    dtype: str  # safetensors dtype string, e.g. F8_E4M3
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One logical checkpoint tensor, decoded into a released name."""
+
+    name: str
+    weight: _Stored
+    scale: _Stored | None
+    shape: tuple[int, ...]  # logical (dequantised) shape
+    pick: tuple[int, slice] | None = None  # (expert, rows) of a fused transformers expert tensor
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder (per the index when present) or a single file."""
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            raise CheckpointError(_pickle_message([path]))
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {exc}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shard files that do not exist: {', '.join(absent)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES or p.name.endswith(".bin.index.json"))
+    if pickles:
+        raise CheckpointError(_pickle_message(pickles))
+    raise CheckpointError(f"no *.safetensors files in {path}")
+
+
+def _pickle_message(files: list[Path]) -> str:
+    names = ", ".join(str(f) for f in files[:_LIST_LIMIT])
+    return (f"refusing pickle-based checkpoint files ({names}): loading them would execute arbitrary code. "
+            "Convert them to safetensors first (e.g. with transformers: save_pretrained(..., "
+            "safe_serialization=True)) on a machine you trust.")
+
+
+def _read_headers(files: list[Path]) -> dict[str, _Stored]:
+    """Every stored tensor's header, without reading any data."""
+    headers: dict[str, _Stored] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as handle:
+                for key in handle.keys():
+                    sl = handle.get_slice(key)
+                    if key in headers:
+                        raise CheckpointError(f"tensor {key!r} is stored twice: in {headers[key].file} and {f}")
+                    headers[key] = _Stored(f, key, sl.get_dtype(), tuple(sl.get_shape()))
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error type for corrupt files
+            raise CheckpointError(f"cannot read safetensors file {f} (truncated or corrupt?): {exc}") from None
+    return headers
+
+
+def _pair_scales(headers: Mapping[str, _Stored]) -> list[tuple[_Stored, _Stored | None]]:
+    """(weight, scale) pairs: ``X.scale`` / ``X.weight_scale_inv`` is a scale only when ``X.weight`` exists."""
+    scale_of: dict[str, str] = {}
+    for key in headers:
+        for suffix in SCALE_SUFFIXES:
+            if key.endswith(suffix) and key[: -len(suffix)] + ".weight" in headers:
+                scale_of[key[: -len(suffix)] + ".weight"] = key
+    scales = set(scale_of.values())
+    return [(h, headers[scale_of[k]] if k in scale_of else None) for k, h in headers.items() if k not in scales]
+
+
+def _logical_shape(weight: _Stored, scale: _Stored | None) -> tuple[int, ...]:
+    if scale is not None and weight.dtype in ("I8", "U8") and len(weight.shape) == 2:
+        return (weight.shape[0], 2 * weight.shape[1])  # MXFP4: two values per byte
+    return weight.shape
+
+
+def _sources(headers: Mapping[str, _Stored], scheme: str) -> list[_Source]:
+    """Logical tensors of the checkpoint under their released names (fused experts split per expert)."""
+    out: list[_Source] = []
+    for weight, scale in _pair_scales(headers):
+        shape = _logical_shape(weight, scale)
+        name = weight.key if scheme == RELEASED else hf_to_released_name(weight.key)
+        fused = split_fused_experts(name, shape) if scheme != RELEASED and scale is None else None
+        if fused is None:
+            out.append(_Source(name, weight, scale, shape))
+            continue
+        for expert_name, (e, rows) in fused:
+            out.append(_Source(expert_name, weight, None, (rows.stop - rows.start, shape[2]), (e, rows)))
+    return out
+
+
+# ============================================================================ reading: validation
+
+
+def _listing(title: str, items: list[str]) -> str:
+    shown = "\n    ".join(items[:_LIST_LIMIT])
+    more = f"\n    ... and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else ""
+    return f"  {len(items)} {title}:\n    {shown}{more}"
+
+
+def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: ModelConfig, path: Path,
+              scheme: str, strict: bool) -> dict[str, _Source]:
+    """Match checkpoint tensors to ``dest``; raise one CheckpointError listing every problem."""
+    layout_names = {t.name for t in checkpoint_layout(cfg)}
+    foreign = sorted(n for n in dest if n not in layout_names)
+    by_name: dict[str, _Source] = {}
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    for src in sources:
+        stored_as = "" if src.weight.key == src.name else f"stored as {src.weight.key} "
+        where = f"{stored_as}in {src.weight.file.name}"
+        if src.name not in dest:
+            if strict:
+                unexpected.append(f"{src.name} ({where})")
+            continue
+        if src.name in by_name:
+            unexpected.append(f"{src.name} (duplicate, {where})")
+            continue
+        by_name[src.name] = src
+        want = tuple(dest[src.name].shape)
+        if src.shape != want:
+            misshaped.append(f"{src.name}: checkpoint {list(src.shape)} vs model {list(want)} ({where})")
+    missing = sorted(n for n in dest if n not in by_name and n in layout_names)
+    problems = [_listing(title, items) for title, items in (
+        ("missing (expected by the model, absent from the checkpoint)", missing),
+        ("unexpected (in the checkpoint, not in the model)", sorted(unexpected)),
+        ("mis-shaped", sorted(misshaped)),
+        ("destination names that are not tensors of this config's layout", foreign)) if items]
+    if problems:
+        raise CheckpointError(f"checkpoint {path} (naming: {scheme}) does not match the model:\n" + "\n".join(problems))
+    return by_name
+
+
+# ============================================================================ reading: decoding
+
+
+class _Handles:
+    """Open safetensors files, shared by all reads of one load."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._open: dict[Path, object] = {}
+
+    def get(self, stored: _Stored, index: slice | tuple[slice, ...] | None = None) -> torch.Tensor:
+        """A stored tensor, or a slice of it (only the sliced part is read)."""
+        try:
+            if stored.file not in self._open:
+                self._open[stored.file] = self._stack.enter_context(safe_open(stored.file, framework="pt"))
+            handle = self._open[stored.file]
+            if index is None or not stored.shape:
+                return handle.get_tensor(stored.key)
+            return handle.get_slice(stored.key)[index]
+        except Exception as exc:
+            raise CheckpointError(f"cannot read {stored.key!r} from {stored.file} (truncated or corrupt?): "
+                                  f"{exc}") from None
+
+
+def _scale_blocks(src: _Source, block_hint: int) -> tuple[int, int]:
+    """(row_block, col_block) of a tensor's scale grid: (1, 1) unscaled, (1, 32) MXFP4, (b, b) block FP8,
+    (1, 32) FP8 table rows. Raises ValueError when the scale cannot cover the weight."""
+    if src.scale is None:
+        return 1, 1
+    if len(src.weight.shape) != 2 or len(src.scale.shape) != 2:
+        raise ValueError(f"scaled tensors must be 2-D, got weight {list(src.weight.shape)} "
+                         f"and scale {list(src.scale.shape)}")
+    (rows, cols), (s_rows, s_cols) = src.shape, src.scale.shape
+    if src.weight.dtype in ("I8", "U8"):  # MXFP4: one scale per row per 32 values
+        if s_rows != rows:
+            raise ValueError(f"MXFP4 scale has {s_rows} rows for {rows} weight rows")
+        return 1, quant.infer_block(cols, s_cols, quant.MX_BLOCK)
+    if s_rows == rows and -(-cols // quant.MX_BLOCK) == s_cols and not (rows == 1 or s_rows == -(-rows // block_hint)):
+        return 1, quant.MX_BLOCK  # FP8 table: one scale per row per 32 columns
+    b = quant.infer_square_block((rows, cols), (s_rows, s_cols), block_hint)
+    return b, b
+
+
+def _plan_blocks(sources: Mapping[str, _Source], block_hint: int, path: Path) -> dict[str, tuple[int, int]]:
+    """Scale blocks of every source; one CheckpointError naming every scale that does not fit its weight."""
+    blocks: dict[str, tuple[int, int]] = {}
+    bad: list[str] = []
+    for name, src in sources.items():
+        try:
+            blocks[name] = _scale_blocks(src, block_hint)
+        except ValueError as exc:
+            bad.append(f"{src.weight.key} in {src.weight.file.name}: {exc}")
+    if bad:
+        raise CheckpointError(f"checkpoint {path} has scales that do not fit their weights:\n"
+                              + _listing("bad scales", sorted(bad)))
+    return blocks
+
+
+def _decode(src: _Source, handles: _Handles, rows: slice | None, row_block: int, col_block: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``rows`` (all when None) of a logical tensor, dequantised into ``dtype``."""
+    if src.scale is None:
+        if src.pick is not None:  # one expert's rows of a fused transformers tensor
+            e, picked = src.pick
+            return handles.get(src.weight, (slice(e, e + 1), picked))[0].to(dtype)
+        return handles.get(src.weight, rows).to(dtype)
+    scale_rows = None if rows is None else slice(rows.start // row_block, -(-rows.stop // row_block))
+    w = handles.get(src.weight, rows)
+    s = handles.get(src.scale, scale_rows)
+    if src.weight.dtype in ("I8", "U8"):
+        return quant.dequantize_mxfp4(w, s, dtype)
+    return quant.dequantize_fp8_grid(w, s, row_block, col_block, dtype)
+
+
+def _row_chunks(src: _Source, row_block: int) -> Iterator[slice | None]:
+    """Row ranges to read a tensor in (None = whole), aligned to the scale's row block."""
+    stored = src.weight
+    numel = 1
+    for d in stored.shape:
+        numel *= d
+    if src.pick is not None or len(stored.shape) < 1 or numel * 4 <= _CHUNK_BYTES:
+        yield None
+        return
+    n_rows = stored.shape[0]
+    per_row = max(1, numel // max(n_rows, 1)) * 4
+    step = max(row_block, (_CHUNK_BYTES // per_row) // row_block * row_block)
+    for start in range(0, n_rows, step):
+        yield slice(start, min(start + step, n_rows))
+
+
+def _fill(dest: Mapping[str, torch.Tensor], sources: Mapping[str, _Source],
+          blocks: Mapping[str, tuple[int, int]]) -> None:
+    """Copy every source into its destination, file by file, in row chunks for large tensors."""
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        handles = _Handles(stack)
+        for name, src in sorted(sources.items(), key=lambda kv: (str(kv[1].weight.file), kv[1].weight.key)):
+            target = dest[name]
+            rb, cb = blocks[name]
+            for rows in _row_chunks(src, rb):
+                value = _decode(src, handles, rows, rb, cb, target.dtype)
+                (target if rows is None else target[rows]).copy_(value)
+
+
+def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
+                    strict: bool = True) -> None:
+    """Fill ``dest`` (released name -> destination tensor, e.g. a parameter or a view into a stacked one) in place.
+
+    Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
+    tensor at a time, in any supported naming scheme (see module docstring), dequantising into each
+    destination's dtype. All problems are checked from the headers before any data is copied and raised as
+    one :class:`CheckpointError`. With ``strict=False`` checkpoint tensors that ``dest`` lacks (e.g. MTP
+    stages the caller did not build) are skipped; missing and mis-shaped tensors are always errors.
+    """
+    path = Path(path)
+    files = _checkpoint_files(path)
+    headers = _read_headers(files)
+    scheme = detect_scheme(headers)
+    by_name = _validate(dest, _sources(headers, scheme), cfg, path, scheme, strict)
+    blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
+    _fill(dest, by_name, blocks)
+
+
+# ============================================================================ writing
+
+
+def _scale_name(name: str) -> str:
+    return (name[: -len(".weight")] if name.endswith(".weight") else name) + ".scale"
+
+
+def _stored_bytes(spec: TensorSpec, cfg: ModelConfig, quantize: bool) -> int:
+    """Bytes a tensor takes on disk (weight + scale), computed from its spec alone."""
+    n = spec.numel
+    if spec.kind == INT:
+        return 8 * n
+    if not quantize:
+        return 4 * n
+    if spec.kind in _FLOAT_STORAGE:
+        return _FLOAT_STORAGE[spec.kind].itemsize * n
+    rows, cols = spec.shape
+    if spec.kind == FP8:
+        b = cfg.quantization.weight_block_size
+        return n + (-(-rows // b)) * (-(-cols // b))
+    per_row_scales = rows * (-(-cols // quant.MX_BLOCK))
+    return (n // 2 if spec.kind == FP4 else n) + per_row_scales
+
+
+def _encode(spec: TensorSpec, t: torch.Tensor, cfg: ModelConfig, quantize: bool) -> list[tuple[str, torch.Tensor]]:
+    """Stored tensors (released names) of one layout tensor."""
+    if spec.kind == INT:
+        return [(spec.name, t.to(torch.int64))]
+    if not quantize:
+        return [(spec.name, t.to(torch.float32))]
+    if spec.kind in _FLOAT_STORAGE:
+        return [(spec.name, t.to(_FLOAT_STORAGE[spec.kind]))]
+    if spec.kind == FP8:
+        w, s = quant.quantize_fp8_blocks(t, cfg.quantization.weight_block_size)
+    elif spec.kind == FP4:
+        w, s = quant.quantize_mxfp4(t)
+    elif spec.kind == FP8_TABLE:
+        w, s = quant.quantize_fp8_rows(t)
+    else:
+        raise ValueError(f"unknown storage kind {spec.kind!r} for {spec.name}")
+    return [(spec.name, w), (_scale_name(spec.name), s)]
+
+
+def _select_specs(src: Mapping[str, torch.Tensor], cfg: ModelConfig) -> list[TensorSpec]:
+    """Layout specs of the tensors in ``src`` (layout order); optional parts must be whole or absent."""
+    layout = checkpoint_layout(cfg)
+    known = {t.name: t for t in layout}
+    unknown = sorted(n for n in src if n not in known)
+    present_parts = {t.part for t in layout if t.name in src}
+    skipped = set().union(*(group for group in _OPTIONAL_PARTS if not group & present_parts))
+    wanted = [t for t in layout if t.part not in skipped]
+    missing = [t.name for t in wanted if t.name not in src]
+    misshaped = [f"{t.name}: given {list(src[t.name].shape)} vs layout {list(t.shape)}"
+                 for t in wanted if t.name in src and tuple(src[t.name].shape) != t.shape]
+    problems = [_listing(title, items) for title, items in (
+        ("missing", missing), ("not in the layout of this config", unknown), ("mis-shaped", misshaped)) if items]
+    if problems:
+        raise CheckpointError("cannot save: the tensors do not match the checkpoint layout:\n" + "\n".join(problems))
+    return wanted
+
+
+def _plan_shards(specs: list[TensorSpec], sizes: list[int], max_bytes: int) -> list[list[TensorSpec]]:
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec, size in zip(specs, sizes):
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += size
+    return shards
+
+
+def _config_json(cfg: ModelConfig, fmt: str) -> dict:
+    """``config.json`` of a written checkpoint; the ``hf`` layout is unquantised float32, so it states none."""
+    config = config_to_json(cfg)
+    if fmt == HF:
+        config.pop("quantization_config", None)
+        config["dtype"] = "float32"
+    return config
+
+
+def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
+                    max_shard_bytes: int = DEFAULT_SHARD_BYTES, fmt: str = RELEASED,
+                    quantize: bool = True) -> list[Path]:
+    """Write ``src`` (released name -> tensor) as a checkpoint folder; returns the shard paths.
+
+    The names must be exactly those of ``checkpoint_layout(cfg)``, except that the MTP/DSpark stages and the
+    vision tower may each be left out as a whole. ``fmt="released"`` stores each tensor by its layout kind
+    (fp8 -> block FP8 + ``.scale`` with ``cfg.quantization.weight_block_size``, fp4 -> MXFP4 + ``.scale``,
+    fp8_table -> FP8 rows + ``.scale``, bf16, fp32, int -> int64); ``quantize=False`` writes every float as
+    float32 (exact round trips). ``fmt="hf"`` writes what transformers' ``save_pretrained`` writes for
+    DeepSeek-V4 (float32, ``model.``-prefixed names, no ``quantization_config``; V4 only, no MTP), which
+    ``DeepseekV4ForCausalLM.from_pretrained`` loads.
+    """
+    if fmt not in (RELEASED, HF):
+        raise ValueError(f"fmt must be {RELEASED!r} or {HF!r}, got {fmt!r}")
+    specs = _select_specs(src, cfg)
+    if fmt == HF:
+        if cfg.is_v41 or any(t.part in ("mtp", "dspark", "vision") for t in specs):
+            raise ValueError("fmt='hf' is transformers' DeepSeek-V4 layout: V4 configs only, without MTP tensors")
+        quantize = False
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(_config_json(cfg, fmt), indent=2) + "\n")
+    sizes = [_stored_bytes(t, cfg, quantize) for t in specs]
+    shards = _plan_shards(specs, sizes, max_shard_bytes)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    written: list[Path] = []
+    for i, group in enumerate(shards, start=1):
+        fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+        tensors: dict[str, torch.Tensor] = {}
+        for spec in group:
+            for key, t in _encode(spec, src[spec.name].detach(), cfg, quantize):
+                key = released_to_hf_name(key) if fmt == HF else key
+                tensors[key] = t.contiguous()
+                weight_map[key] = fname
+        save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        written.append(path / fname)
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return written
+
+
+__all__ = [
+    "CheckpointError", "load_checkpoint", "save_checkpoint", "detect_scheme", "hf_to_released_name",
+    "released_to_hf_name", "split_fused_experts", "INDEX_FILE",
+]
