@@ -1,0 +1,257 @@
+"""Fit a hardware entry's efficiency terms to measured points and report the error on held-out points.
+
+The objective is the summed squared log error of per-agent tokens/s (and of per-GPU output tokens/s where
+measured). Each fitted term is searched in its own bounded range, one term at a time (golden-section
+search), for a few rounds: the model has few terms and is monotone in each, so this is enough.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .errors import PlanError
+from .hardware import Hardware, get_hardware
+from .inputs import PlanInputs
+from .model_terms import ModelTerms
+from .models import resolve_model
+from .planner import plan
+
+# Search range of every term that may be fitted (log-spaced search where the range spans decades).
+BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "eta_mem": (0.05, 1.0, True),
+    "eta_flop": (0.02, 1.0, True),
+    "eta_comm": (0.05, 1.0, True),
+    "layer_overhead_us": (0.0, 5000.0, False),
+    "pass_overhead_us": (0.0, 1e5, False),
+    "comm_overlap": (0.0, 1.0, False),
+}
+DEFAULT_FIT = ("eta_mem", "eta_flop", "layer_overhead_us")
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One measured point: a deployment and what was observed on it."""
+
+    inputs: PlanInputs
+    tokens_per_s_per_agent: float
+    output_tokens_per_s_per_gpu: float | None = None
+
+
+@dataclass(frozen=True)
+class PointError:
+    concurrency: int
+    measured_agent: float
+    predicted_agent: float
+    measured_gpu: float | None
+    predicted_gpu: float
+    held_out: bool
+
+    @property
+    def agent_error(self) -> float:
+        return self.predicted_agent / self.measured_agent - 1.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted terms and per-point errors."""
+
+    fitted: dict[str, float]
+    points: tuple[PointError, ...]
+
+    def mean_abs_error(self, held_out: bool) -> float:
+        errs = [abs(p.agent_error) for p in self.points if p.held_out == held_out]
+        return sum(errs) / len(errs) if errs else float("nan")
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "fitted": self.fitted,
+            "fit_mean_abs_error": self.mean_abs_error(False),
+            "held_out_mean_abs_error": self.mean_abs_error(True),
+            "points": [{**p.__dict__, "agent_error": p.agent_error} for p in self.points],
+        }
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    point: Measured
+    model: ModelTerms
+    hw: Hardware
+
+
+def _resolve(points: Sequence[Measured]) -> list[_Resolved]:
+    """Look each model and hardware entry up once, not once per trial."""
+    models: dict[tuple[str, str | None], ModelTerms] = {}
+    hws: dict[str, Hardware] = {}
+    out = []
+    for p in points:
+        key = (p.inputs.model, p.inputs.kv_dtype)
+        if key not in models:
+            models[key] = resolve_model(*key)
+        if p.inputs.hardware not in hws:
+            hws[p.inputs.hardware] = get_hardware(p.inputs.hardware)
+        out.append(_Resolved(p, models[key], hws[p.inputs.hardware]))
+    return out
+
+
+def _predict(r: _Resolved, overrides: dict[str, float]) -> tuple[float, float]:
+    inp = replace(r.point.inputs, overrides={**r.point.inputs.overrides, **overrides})
+    res = plan(inp, model=r.model, hw=r.hw)
+    return res.tokens_per_s_per_agent, res.output_tokens_per_s_per_gpu
+
+
+def _loss(points: Sequence[_Resolved], overrides: dict[str, float]) -> float:
+    total = 0.0
+    for r in points:
+        p = r.point
+        agent, gpu = _predict(r, overrides)
+        total += math.log(agent / p.tokens_per_s_per_agent) ** 2
+        if p.output_tokens_per_s_per_gpu:
+            total += math.log(gpu / p.output_tokens_per_s_per_gpu) ** 2
+    return total
+
+
+def _golden(f: Callable[[float], float], lo: float, hi: float, iters: int = 40) -> float:
+    g = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - g * (b - a), a + g * (b - a)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc < fd:
+            b, d, fd = d, c, fc
+            c = b - g * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + g * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def _to_unit(term: str, value: float) -> float:
+    lo, hi, log = BOUNDS[term]
+    return math.log(min(max(value, lo), hi)) if log else math.log1p(min(max(value, lo), hi))
+
+
+def _from_unit(term: str, x: float) -> float:
+    lo, hi, log = BOUNDS[term]
+    return min(max(math.exp(x) if log else math.expm1(x), lo), hi)
+
+
+def _nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float = 0.3, iters: int = 400) -> list[float]:
+    """Minimise ``f`` from ``x0`` (plain Nelder-Mead: reflect, expand, contract, shrink)."""
+    n = len(x0)
+    simplex = [list(x0)] + [[x + (step if i == j else 0.0) for j, x in enumerate(x0)] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = sorted(range(n + 1), key=values.__getitem__)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < 1e-14:
+            break
+        centre = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
+        worst = simplex[-1]
+        refl = [c + (c - w) for c, w in zip(centre, worst)]
+        fr = f(refl)
+        if fr < values[0]:
+            exp = [c + 2 * (c - w) for c, w in zip(centre, worst)]
+            fe = f(exp)
+            simplex[-1], values[-1] = (exp, fe) if fe < fr else (refl, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = refl, fr
+        else:
+            con = [c + 0.5 * (w - c) for c, w in zip(centre, worst)]
+            fc = f(con)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = con, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (x - b) for b, x in zip(best, xs)] for xs in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    return simplex[min(range(n + 1), key=values.__getitem__)]
+
+
+def fit(points: Sequence[Measured], terms: Sequence[str], start: dict[str, float], rounds: int = 4) -> dict[str, float]:
+    """Terms minimising the log error over ``points``: coordinate-wise golden-section search from ``start``,
+    then a Nelder-Mead polish in the transformed (log) space."""
+    resolved = _resolve(points)
+    for t in terms:
+        if t not in BOUNDS:
+            raise PlanError("--fit", f"cannot fit {t!r}; choose from {', '.join(BOUNDS)}")
+    values = dict(start)
+    for _ in range(rounds):
+        for t in terms:
+            lo, hi, log = BOUNDS[t]
+
+            def f(x: float, t: str = t, log: bool = log) -> float:
+                return _loss(resolved, {**values, t: math.exp(x) if log else x})
+
+            x = _golden(f, math.log(lo), math.log(hi)) if log else _golden(f, lo, hi)
+            values[t] = math.exp(x) if log else x
+    if len(terms) > 1:
+        def g(xs: list[float]) -> float:
+            return _loss(resolved, {**values, **{t: _from_unit(t, x) for t, x in zip(terms, xs)}})
+
+        best = _nelder_mead(g, [_to_unit(t, values[t]) for t in terms])
+        values.update({t: _from_unit(t, x) for t, x in zip(terms, best)})
+    return values
+
+
+def split_held_out(n: int) -> list[bool]:
+    """Which of ``n`` points (sorted by concurrency) are held out: every second one from the second, or the
+    last one when there are fewer than four; none when there is one."""
+    if n < 2:
+        return [False] * n
+    if n < 4:
+        return [False] * (n - 1) + [True]
+    return [i % 2 == 1 for i in range(n)]
+
+
+def calibrate(points: Sequence[Measured], terms: Sequence[str] = DEFAULT_FIT) -> Calibration:
+    """Fit ``terms`` on the non-held-out points and report errors on all of them."""
+    ordered = sorted(points, key=lambda p: p.inputs.concurrency)
+    held = split_held_out(len(ordered))
+    train = [p for p, h in zip(ordered, held) if not h]
+    if not train:
+        raise PlanError("BENCH.json", "needs at least one measured point")
+    eff = get_hardware(ordered[0].inputs.hardware).efficiency.with_overrides(**ordered[0].inputs.overrides)
+    start = {t: getattr(eff, t) for t in terms}
+    fitted = fit(train, terms, start)
+    rows = []
+    for r, h in zip(_resolve(ordered), held):
+        p = r.point
+        agent, gpu = _predict(r, fitted)
+        rows.append(PointError(p.inputs.concurrency, p.tokens_per_s_per_agent, agent,
+                               p.output_tokens_per_s_per_gpu, gpu, h))
+    return Calibration(fitted=fitted, points=tuple(rows))
+
+
+def read_bench(path: str | Path, base: PlanInputs) -> list[Measured]:
+    """A ``bench sweep`` JSON: a list of points, or an object with ``points`` (each with ``concurrency``,
+    ``tokens_per_s_per_agent`` and optionally ``output_tokens_per_s_per_gpu``) and optional ``context``."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PlanError("--calibrate", f"cannot read {path}: {exc}") from None
+    meta = data if isinstance(data, dict) else {}
+    rows = data.get("points") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not rows:
+        raise PlanError("--calibrate", "expected a non-empty list of points (or an object with 'points')")
+    if isinstance(meta.get("context"), int):
+        base = replace(base, context=meta["context"])
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise PlanError(f"--calibrate points[{i}]", "must be an object")
+        conc, agent = row.get("concurrency"), row.get("tokens_per_s_per_agent")
+        gpu = row.get("output_tokens_per_s_per_gpu")
+        if not isinstance(conc, int) or isinstance(conc, bool) or conc < 1:
+            raise PlanError(f"--calibrate points[{i}].concurrency", f"must be an integer >= 1, got {conc!r}")
+        if not isinstance(agent, (int, float)) or agent <= 0:
+            raise PlanError(f"--calibrate points[{i}].tokens_per_s_per_agent", f"must be > 0, got {agent!r}")
+        if gpu is not None and (not isinstance(gpu, (int, float)) or gpu <= 0):
+            raise PlanError(f"--calibrate points[{i}].output_tokens_per_s_per_gpu", f"must be > 0, got {gpu!r}")
+        out.append(Measured(replace(base, concurrency=conc), float(agent), float(gpu) if gpu else None))
+    return out

@@ -1,0 +1,50 @@
+"""How many sequences fit in HBM at a given context, and what the host must hold (V4.1 engram tables)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from .dtypes import WEIGHT_BYTES
+from .roofline import Deployment
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Per-GPU memory budget and the sessions it holds."""
+
+    weight_bytes_per_gpu: float
+    workspace_bytes_per_gpu: float
+    kv_budget_bytes_per_gpu: float
+    bytes_per_sequence: float  # global cache at the context plus bounded state
+    sessions_fit: int  # across the deployment (attention-DP ranks × sessions per rank)
+    host_table_bytes: float  # engram tables, one copy (host memory)
+    host_fits: bool  # one copy fits in the host memory of one scale-up domain (or all GPUs if fewer)
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return asdict(self)
+
+
+def capacity(dep: Deployment, ctx: float) -> Capacity:
+    """Sessions that fit: (usable HBM − workspace − weights) / bytes per sequence, per attention-DP rank.
+
+    A sequence's MLA/MQA latent cache is replicated on each TP rank of its attention group, so one rank's
+    budget, not the group's, bounds its sequences.
+    """
+    m, hw, eff = dep.model, dep.hw, dep.eff
+    wb_d, wb_e = WEIGHT_BYTES[dep.dense_dtype], WEIGHT_BYTES[dep.expert_dtype]
+    d = m.draft
+    weights = (m.dense_params_total * wb_d / dep.tp + m.routed_params_total * wb_e / dep.gpus)
+    if dep.draft_tokens and d.kind != "none":
+        weights += d.dense_params * wb_d / dep.tp + d.layers * d.n_experts * d.expert_params * wb_e / dep.gpus
+    workspace = hw.hbm_usable_bytes * eff.workspace_fraction
+    budget = hw.hbm_usable_bytes - workspace - weights
+    per_seq = m.sequence_bytes(ctx)
+    per_rank = math.floor(budget / per_seq) if budget > 0 and per_seq > 0 else 0
+    host = m.host_params * (1.0 + 1.0 / 32)  # FP8 rows + one UE8M0 scale per 32 values
+    host_gpus = min(dep.gpus, hw.scaleup_domain)
+    return Capacity(
+        weight_bytes_per_gpu=weights, workspace_bytes_per_gpu=workspace, kv_budget_bytes_per_gpu=max(budget, 0.0),
+        bytes_per_sequence=per_seq, sessions_fit=per_rank * dep.dp, host_table_bytes=host,
+        host_fits=host <= hw.host_mem_bytes * host_gpus,
+    )

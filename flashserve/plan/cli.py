@@ -1,0 +1,218 @@
+"""``flashserve plan``: command-line front end of the planner.
+
+``register(subparsers)`` adds the ``plan`` subcommand to a parent argparse parser (its handler is stored as
+``func`` and returns an exit code); ``main(argv)`` runs it standalone (``python -m flashserve.plan``).
+Actions: ``run`` (default), ``sweep``, ``published``, ``seed``, ``verdict``. Bad input exits with code 2 and
+one line naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Sequence
+
+from .errors import PlanError
+from .inputs import PlanInputs
+
+ACTIONS = ("run", "sweep", "published", "seed", "verdict")
+OVERRIDE_FLAGS = ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap")
+DESCRIPTION = ("Predict per-agent decode speed, throughput per GPU, TTFT, sessions that fit and cost per "
+               "million tokens for a DeepSeek-V3/V4/V4.1 deployment, from a roofline with every term visible.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The planner's flags (shared by ``register`` and ``main``)."""
+    p.add_argument("action", nargs="?", default="run", choices=ACTIONS,
+                   help="run (default): one plan; sweep: concurrency curve as JSON + PNG; published: predicted vs "
+                        "published points; seed: the V4.1 GB300 headline; verdict: the 1M tok/s and $0.002/M claims")
+    p.add_argument("--model", default="deepseek-v41-flash", help="preset or config.json path (deepseek_v3/v4/v41)")
+    p.add_argument("--hardware", default="gb300-nvl72", help="preset name from hardware.json")
+    p.add_argument("--gpus", type=int, default=8, help="decode GPUs (all GPUs when prefill is co-located)")
+    p.add_argument("--tp", type=int, default=1, help="attention tensor parallelism")
+    p.add_argument("--ep", type=int, default=None, help="expert parallelism (default: --gpus)")
+    p.add_argument("--attention-dp", type=int, default=None, help="attention data-parallel ranks (default: gpus/tp)")
+    p.add_argument("--prefill-gpus", type=int, default=0, help="separate prefill GPUs (0: prefill shares the GPUs)")
+    p.add_argument("--weight-dtype", default="fp4", help="routed-expert dtype: fp4, fp8, bf16, fp32")
+    p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
+    p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
+    p.add_argument("--context", type=int, default=None, help="mean KV length while decoding (default prompt + output/2)")
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--accept-length", type=float, default=1.0, help="mean tokens accepted per step (bonus included)")
+    p.add_argument("--draft-tokens", type=int, default=None, help="drafted tokens per step (default: the drafter's block)")
+    p.add_argument("--prefix-hit-rate", type=float, default=0.0, help="fraction of prompt tokens from the prefix cache")
+    p.add_argument("--cost-per-gpu-hour", type=float, default=None, help="US$ (default: the preset's)")
+    for flag in OVERRIDE_FLAGS:
+        p.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help=f"override efficiency term {flag}")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--explain", action="store_true", help="print every term and assumption")
+    p.add_argument("--levels", default=None, help="sweep: comma-separated concurrencies")
+    p.add_argument("--out", default="plan-sweep", help="sweep: output path prefix (writes PREFIX.json and PREFIX.png)")
+    p.add_argument("--calibrate", metavar="BENCH.json", default=None,
+                   help="fit efficiency terms to a measured bench sweep and report held-out error")
+    p.add_argument("--fit", default="eta_mem,eta_flop,layer_overhead_us", help="calibrate: comma-separated terms")
+
+
+def _inputs(a: argparse.Namespace) -> PlanInputs:
+    overrides = {k: getattr(a, k) for k in OVERRIDE_FLAGS if getattr(a, k) is not None}
+    return PlanInputs(
+        model=a.model, hardware=a.hardware, gpus=a.gpus, tp=a.tp, ep=a.ep, attention_dp=a.attention_dp,
+        prefill_gpus=a.prefill_gpus, weight_dtype=a.weight_dtype, kv_dtype=a.kv_dtype, concurrency=a.concurrency,
+        context=a.context, prompt_len=a.prompt_len, output_len=a.output_len, accept_length=a.accept_length,
+        draft_tokens=a.draft_tokens, prefix_hit_rate=a.prefix_hit_rate, cost_per_gpu_hour=a.cost_per_gpu_hour,
+        overrides=overrides)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PlanError(flag, f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise PlanError(flag, "needs at least one concurrency, each >= 1")
+    return values
+
+
+def _summary(d: dict[str, object]) -> str:
+    return (f"{d['model']} on {d['gpus']}× {d['hardware']} (TP{d['tp']} EP{d['ep']} DP{d['attention_dp']}), "
+            f"concurrency {d['concurrency']}, context {d['context']:,.0f}\n"
+            f"  tokens/s per agent        {d['tokens_per_s_per_agent']:,.1f}\n"
+            f"  output tokens/s per GPU   {d['output_tokens_per_s_per_gpu']:,.1f}\n"
+            f"  step time                 {d['step_time_ms']:.3f} ms ({d['bound']}-bound)\n"
+            f"  TTFT (idle)               {d['ttft_ms']:,.1f} ms\n"
+            f"  sessions that fit         {d['sessions_fit']:,}\n"
+            f"  $ per million output tok  {d['cost_per_million_output_tokens']:.4g}")
+
+
+def _run(a: argparse.Namespace) -> int:
+    from .explain import explain_rows, print_explain
+    from .planner import plan
+
+    res = plan(_inputs(a))
+    if a.json:
+        d = res.as_dict()
+        if a.explain:
+            d["terms"] = [dict(zip(("section", "term", "value", "note"), row)) for row in explain_rows(res)]
+        print(json.dumps(d, indent=1))
+    elif a.explain:
+        print_explain(res)
+    else:
+        print(_summary(res.as_dict()))
+    return 0
+
+
+def _sweep(a: argparse.Namespace) -> int:
+    from .sweep import DEFAULT_LEVELS, sweep, sweep_points, write_sweep
+
+    levels = _int_list(a.levels, "--levels") if a.levels else list(DEFAULT_LEVELS)
+    results = sweep(_inputs(a), levels)
+    prefix = Path(a.out)
+    if prefix.parent and not prefix.parent.exists():
+        raise PlanError("--out", f"folder {prefix.parent} does not exist")
+    json_path, png_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".png")
+    write_sweep(results, json_path, png_path)
+    if a.json:
+        print(json.dumps({"json": str(json_path), "png": str(png_path), "points": sweep_points(results)}, indent=1))
+    else:
+        for p in sweep_points(results):
+            print(f"concurrency {p['concurrency']:>6}: {p['tokens_per_s_per_agent']:9.1f} tok/s/agent "
+                  f"{p['output_tokens_per_s_per_gpu']:10.1f} tok/s/GPU  ({p['bound']}{'' if p['fits'] else ', exceeds HBM'})")
+        print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _calibrate(a: argparse.Namespace) -> int:
+    from .calibrate import calibrate, read_bench
+
+    terms = [t.strip() for t in a.fit.split(",") if t.strip()]
+    cal = calibrate(read_bench(a.calibrate, _inputs(a)), terms)
+    if a.json:
+        print(json.dumps(cal.as_dict(), indent=1))
+        return 0
+    print("fitted: " + ", ".join(f"{k}={v:.4g}" for k, v in cal.fitted.items()))
+    for p in cal.points:
+        print(f"  concurrency {p.concurrency:>6}: measured {p.measured_agent:9.2f} predicted {p.predicted_agent:9.2f} "
+              f"tok/s/agent ({p.agent_error:+.1%}){'  held out' if p.held_out else ''}")
+    print(f"mean |error|: fit {cal.mean_abs_error(False):.1%}, held out {cal.mean_abs_error(True):.1%}")
+    return 0
+
+
+def _published(a: argparse.Namespace) -> int:
+    from .validation import compare_published
+
+    rows = compare_published()
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    for r in rows:
+        gpu = f" | per GPU {r['predicted_gpu']:,.0f} vs {r['published_gpu']:,.0f} ({r['gpu_error']:+.0%})" if r["published_gpu"] else ""
+        print(f"{r['name']:28} [{r['role']:8}] per agent {r['predicted_agent']:7.1f} vs {r['published_agent']:6.0f} "
+              f"({r['agent_error']:+.0%}){gpu}")
+    return 0
+
+
+def _seed(a: argparse.Namespace) -> int:
+    from .seed import SEED_BEFORE_TERMS, SEED_PUBLISHED, seed_scenario
+
+    res = seed_scenario()
+    out = {k: {"predicted": r.tokens_per_s_per_agent, "published": SEED_PUBLISHED[k],
+               "step_time_ms": r.step.t_step * 1e3, "cost_per_million_output_tokens": r.cost_per_million_output_tokens}
+           for k, r in res.items()}
+    out["differing_terms"] = {k: {"before": v, "after": getattr(res["after"].deployment.eff, k)}
+                              for k, v in SEED_BEFORE_TERMS.items()}
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    for k in ("before", "after"):
+        print(f"{k:6}: {out[k]['predicted']:.0f} tokens/s per agent (published {out[k]['published']:.0f}), "
+              f"step {out[k]['step_time_ms']:.2f} ms")
+    for k, v in out["differing_terms"].items():
+        print(f"differs: {k} {v['before']} → {v['after']}")
+    return 0
+
+
+def _verdict(a: argparse.Namespace) -> int:
+    from .verdict import THROUGHPUT_BASE, verdict
+
+    base = replace(THROUGHPUT_BASE, model=a.model, hardware=a.hardware) if a.model != THROUGHPUT_BASE.model or \
+        a.hardware != THROUGHPUT_BASE.hardware else THROUGHPUT_BASE
+    v = verdict(base)
+    if a.json:
+        print(json.dumps({"peak_output_tokens_per_s_per_gpu": v.peak_output_tokens_per_s,
+                          "best_output_tokens_per_s_per_gpu": v.best_output_tokens_per_s,
+                          "required_tokens_per_s_per_gpu_for_price": v.required_for_price,
+                          "hit_rate_for_1m_tokens_per_s": v.hit_rate_for_tokens,
+                          "hit_rate_for_price": v.hit_rate_for_price, "lines": v.lines()}, indent=1))
+    else:
+        print("\n".join(v.lines()))
+    return 0
+
+
+def run(a: argparse.Namespace) -> int:
+    """Dispatch a parsed namespace; PlanError becomes one line on stderr and exit code 2."""
+    try:
+        if a.calibrate:
+            return _calibrate(a)
+        return {"run": _run, "sweep": _sweep, "published": _published, "seed": _seed, "verdict": _verdict}[a.action](a)
+    except PlanError as exc:
+        print(f"flashserve plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    """Add the ``plan`` subcommand to a parent parser's subparsers; its handler is ``args.func(args) -> int``."""
+    p = subparsers.add_parser("plan", help="performance, capacity and cost model", description=DESCRIPTION)
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry point: ``python -m flashserve.plan [action] [flags]``."""
+    parser = argparse.ArgumentParser(prog="flashserve plan", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

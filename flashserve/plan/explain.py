@@ -1,0 +1,92 @@
+"""Every term and assumption behind one plan, as rows (for ``--explain`` tables and JSON)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from .planner import PlanResult
+
+Row = tuple[str, str, str, str]  # section, term, value, note / source
+
+
+def _g(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}".strip()
+
+
+def _model_rows(r: PlanResult) -> Iterator[Row]:
+    m, dep = r.deployment.model, r.deployment
+    yield "model", "name / family", f"{m.name} / {m.family}", "; ".join(m.notes)
+    yield "model", "parameters (backbone)", _g(m.params_total), "host-memory tables excluded"
+    yield "model", "active per decode token", _g(m.params_active_decode), f"{m.n_moe_layers} MoE layers × top-{m.top_k} of {m.n_experts}"
+    yield "model", "active per prompt token", _g(m.params_active_prefill), f"{m.prefill_layers} layers per prompt token"
+    yield "model", "global KV per token", _g(m.kv_bytes_per_token, "B"), f"KV dtype {m.kv_dtype}"
+    yield "model", "bounded state per sequence", _g(m.state_bytes_per_sequence, "B"), "window rings (do not grow with context)"
+    yield "model", "KV bytes read per sequence per step", _g(m.kv_read_bytes(r.context), "B"), f"at context {r.context:,.0f}"
+    yield "model", "drafter", f"{m.draft.kind}, {dep.draft_tokens} drafted/step", f"{m.draft.passes(dep.draft_tokens)} pass(es) of {m.draft.layers} layer(s)"
+    if m.host_params:
+        yield "model", "host tables (engram)", _g(r.capacity.host_table_bytes, "B"), "fits host memory" if r.capacity.host_fits else "DOES NOT fit host memory"
+
+
+def _hardware_rows(r: PlanResult) -> Iterator[Row]:
+    hw, src = r.deployment.hw, r.deployment.hw.sources
+    p = f"presets.{hw.name}."
+    yield "hardware", "HBM usable", _g(hw.hbm_usable_bytes, "B"), src.get(p + "hbm_usable_bytes", "")
+    yield "hardware", "HBM bandwidth", _g(hw.hbm_bw, "B/s"), src.get(p + "hbm_bw", "")
+    for d, v in hw.flops.items():
+        yield "hardware", f"{d} dense peak", _g(v, "FLOP/s"), src.get(p + f"flops.{d}", "")
+    yield "hardware", "scale-up link", f"{_g(hw.scaleup_bw, 'B/s')} × {hw.scaleup_domain} GPUs", src.get(p + "scaleup_bw", "")
+    yield "hardware", "scale-out link", _g(hw.scaleout_bw, "B/s"), src.get(p + "scaleout_bw", "")
+    yield "hardware", "price", f"${r.price_per_gpu_hour:.2f} / GPU-hour", src.get(p + "cost_per_gpu_hour", "") if r.inputs.cost_per_gpu_hour is None else "--cost-per-gpu-hour"
+    eff = r.deployment.eff
+    for term in ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap", "workspace_fraction"):
+        note = "override" if term in r.inputs.overrides else src.get(f"efficiency.{eff.name}.{term}", "")
+        yield "efficiency", term, f"{getattr(eff, term):.4g}", note
+
+
+def _step_rows(r: PlanResult) -> Iterator[Row]:
+    s, dep = r.step, r.deployment
+    yield "layout", "decode GPUs / TP / EP / attention DP", f"{dep.gpus} / {dep.tp} / {dep.ep} / {dep.dp}", f"{r.inputs.prefill_gpus} prefill GPUs (0 = shared)"
+    yield "layout", "dtypes experts / dense / KV", f"{dep.expert_dtype} / {dep.dense_dtype} / {dep.model.kv_dtype}", ""
+    yield "step", "sequences per attention rank", f"{s.sequences_per_rank:.4g}", f"{s.rows_per_sequence} rows each (1 + drafted)"
+    yield "step", "distinct experts per layer", f"{s.distinct_experts_per_layer:.4g}", "E·(1−(1−k/E)^B), all rows of the step"
+    yield "step", "bytes: dense weights", _g(s.bytes_dense, "B"), "per GPU: dense / TP"
+    yield "step", "bytes: routed experts", _g(s.bytes_experts, "B"), "distinct experts × expert bytes / GPUs"
+    yield "step", "bytes: KV read", _g(s.bytes_kv, "B"), "window + selected entries + index scan, per local sequence"
+    yield "step", "bytes: drafter", _g(s.bytes_draft, "B"), ""
+    yield "step", "FLOPs dense / experts / attention / drafter", " / ".join(_g(x) for x in (s.flops_dense, s.flops_experts, s.flops_attention, s.flops_draft)), "per GPU"
+    yield "step", "link bytes EP / TP / host", " / ".join(_g(x, "B") for x in (s.comm_bytes_ep, s.comm_bytes_tp, s.comm_bytes_host)), f"EP over {s.comm_link}"
+    yield "step", "t_mem / t_flop / t_comm", " / ".join(f"{x * 1e3:.3f} ms" for x in (s.t_mem, s.t_flop, s.t_comm)), "roofline terms"
+    yield "step", "t_overhead", f"{s.t_overhead * 1e3:.3f} ms", "layers × layer overhead + passes × pass overhead"
+    yield "step", "step time", f"{s.t_step * 1e3:.3f} ms", f"{s.bound}-bound; cycle with prefill share {r.cycle_time_s * 1e3:.3f} ms"
+
+
+def _output_rows(r: PlanResult) -> Iterator[Row]:
+    yield "output", "tokens/s per agent", f"{r.tokens_per_s_per_agent:,.1f}", f"acceptance length {r.accept_length:g} / cycle"
+    yield "output", "output tokens/s per GPU", f"{r.output_tokens_per_s_per_gpu:,.1f}", f"over {r.total_gpus} GPUs" + (" (prefill-limited)" if r.prefill_limited else "")
+    yield "output", "prompt+output tokens/s per GPU", f"{r.total_tokens_per_s_per_gpu:,.1f}", "InferenceX tput_per_gpu convention"
+    yield "output", "prefill tokens/s per GPU", f"{r.prefill.tokens_per_s_per_gpu:,.0f}", f"{r.prefill.bound}-bound, uncached tokens"
+    yield "output", "TTFT (idle)", f"{r.prefill.ttft_s * 1e3:,.1f} ms", f"prompt {r.inputs.prompt_len:,}, hit rate {r.inputs.prefix_hit_rate:g}"
+    fits = r.inputs.concurrency <= r.capacity.sessions_fit
+    yield "output", "sessions that fit", f"{r.capacity.sessions_fit:,}", f"at context {r.context:,.0f}; concurrency {r.inputs.concurrency:,} " + ("fits" if fits else "DOES NOT fit")
+    yield "output", "$ per million output tokens", f"{r.cost_per_million_output_tokens:.4g}", "$/GPU-h × GPUs × 1e6 / (3600 × output tokens/s)"
+
+
+def explain_rows(r: PlanResult) -> list[Row]:
+    """All rows, inputs first, outputs last."""
+    return [*_model_rows(r), *_hardware_rows(r), *_step_rows(r), *_output_rows(r)]
+
+
+def print_explain(r: PlanResult) -> None:
+    """Print the rows as a rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"flashserve plan: {r.deployment.model.name} on {r.deployment.gpus}× {r.deployment.hw.name}")
+    for col in ("section", "term", "value", "note / source"):
+        table.add_column(col, overflow="fold")
+    for row in explain_rows(r):
+        table.add_row(*row)
+    Console(width=160).print(table)

@@ -1,0 +1,102 @@
+"""The planner's inputs, checked: every refusal names the flag it came from."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .dtypes import KV_DTYPES, WEIGHT_BYTES
+from .errors import PlanError
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """One deployment and workload. ``None`` means "derive a default" (see :meth:`resolved`)."""
+
+    model: str = "deepseek-v41-flash"
+    hardware: str = "gb300-nvl72"
+    gpus: int = 8  # decode GPUs (the whole deployment when prefill is co-located)
+    tp: int = 1  # attention tensor parallelism
+    ep: int | None = None  # expert parallelism (default: all decode GPUs)
+    attention_dp: int | None = None  # attention data-parallel ranks (default: gpus / tp)
+    prefill_gpus: int = 0  # disaggregated prefill pool; 0 = prefill shares the decode GPUs
+    weight_dtype: str = "fp4"  # routed experts; dense weights FP8 unless bf16/fp32 is asked
+    kv_dtype: str | None = None  # default: the model's native cache format
+    concurrency: int = 1  # sequences decoding at once across the decode GPUs
+    context: int | None = None  # mean KV length while decoding (default prompt + output/2)
+    prompt_len: int = 1024
+    output_len: int = 1024
+    accept_length: float = 1.0  # mean tokens accepted per verification step, bonus token included
+    draft_tokens: int | None = None  # drafted tokens verified per step (default from the drafter)
+    prefix_hit_rate: float = 0.0  # fraction of prompt tokens served from the prefix cache
+    cost_per_gpu_hour: float | None = None  # default: the hardware preset's price
+    overrides: dict[str, float] = field(default_factory=dict)  # efficiency terms to replace
+
+    def resolved_context(self) -> float:
+        return float(self.context) if self.context is not None else self.prompt_len + self.output_len / 2
+
+    def resolved_ep(self) -> int:
+        return self.ep if self.ep is not None else self.gpus
+
+    def resolved_dp(self) -> int:
+        return self.attention_dp if self.attention_dp is not None else self.gpus // self.tp
+
+    def resolved_draft_tokens(self, block: int) -> int:
+        if self.draft_tokens is not None:
+            return self.draft_tokens
+        if self.accept_length <= 1.0:
+            return 0
+        return max(block, math.ceil(self.accept_length - 1.0 - 1e-9))
+
+
+def _positive_int(value: object, flag: str, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise PlanError(flag, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def _number(value: object, flag: str, low: float, high: float = math.inf) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not (low <= value <= high) or math.isnan(value):
+        bound = f"between {low} and {high}" if high != math.inf else f">= {low}"
+        raise PlanError(flag, f"must be a number {bound}, got {value!r}")
+
+
+def validate(inp: PlanInputs) -> None:
+    """Refuse impossible or meaningless inputs before any arithmetic."""
+    _positive_int(inp.gpus, "--gpus")
+    _positive_int(inp.tp, "--tp")
+    if inp.gpus % inp.tp:
+        raise PlanError("--tp", f"TP {inp.tp} does not divide --gpus {inp.gpus}")
+    if inp.ep is not None:
+        _positive_int(inp.ep, "--ep")
+        if inp.gpus % inp.ep:
+            raise PlanError("--ep", f"EP {inp.ep} does not divide --gpus {inp.gpus}")
+    if inp.attention_dp is not None:
+        _positive_int(inp.attention_dp, "--attention-dp")
+        if inp.attention_dp * inp.tp != inp.gpus:
+            raise PlanError("--attention-dp", f"attention DP {inp.attention_dp} × TP {inp.tp} must equal --gpus {inp.gpus}")
+    _positive_int(inp.prefill_gpus, "--prefill-gpus", 0)
+    if inp.weight_dtype not in WEIGHT_BYTES:
+        raise PlanError("--weight-dtype", f"unknown dtype {inp.weight_dtype!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    if inp.kv_dtype is not None and inp.kv_dtype not in KV_DTYPES:
+        raise PlanError("--kv-dtype", f"unknown KV dtype {inp.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+    _positive_int(inp.concurrency, "--concurrency")
+    if inp.context is not None:
+        _positive_int(inp.context, "--context")
+    _positive_int(inp.prompt_len, "--prompt-len")
+    _positive_int(inp.output_len, "--output-len")
+    _number(inp.accept_length, "--accept-length", 1.0)
+    if inp.draft_tokens is not None:
+        _positive_int(inp.draft_tokens, "--draft-tokens", 0)
+        if inp.accept_length > inp.draft_tokens + 1:
+            raise PlanError("--accept-length", f"{inp.accept_length} exceeds draft tokens + 1 = {inp.draft_tokens + 1}")
+    _number(inp.prefix_hit_rate, "--prefix-hit-rate", 0.0, 1.0)
+    if inp.cost_per_gpu_hour is not None:
+        _number(inp.cost_per_gpu_hour, "--cost-per-gpu-hour", 0.0)
+    for key, value in inp.overrides.items():
+        flag = f"--{key.replace('_', '-')}"
+        if key.startswith("eta_"):
+            _number(value, flag, 1e-6, 1.0)
+        elif key == "comm_overlap":
+            _number(value, flag, 0.0, 1.0)
+        else:
+            _number(value, flag, 0.0)

@@ -1,0 +1,151 @@
+"""The model-side inputs of the roofline: parameter groups, per-layer attention reads, drafter.
+
+Every model family (DeepSeek-V3/R1 MLA, V4 CSA/HCA, V4.1 CSA2) is reduced to this one structure, so the
+roofline never looks at a config. Sizes are in parameters or bytes; "per query" means per token row that
+attends (a decode token, or one verification row under speculative decoding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer reads and computes when one query attends at context length ``ctx``.
+
+    ``window``: raw rows of the most recent tokens (0 = none). ``ratio``: tokens per global entry (0 = the
+    layer has no global branch). ``topk``: global entries selected per query (0 = attend every entry, as in
+    MLA or V4's HCA). ``scan_ratio``/``scan_cap``: an indexer on this layer scores ctx/scan_ratio index rows
+    (at most ``scan_cap``, 0 = no cap) before selecting.
+    """
+
+    window: int
+    window_row_bytes: float
+    ratio: int
+    topk: int
+    main_row_bytes: float
+    heads: int
+    qk_dim: int
+    v_dim: int
+    scan_ratio: int = 0
+    scan_cap: int = 0
+    index_row_bytes: float = 0.0
+    index_flops_per_row: float = 0.0  # 2 × index heads × index head dim
+
+    def keys(self, ctx: float) -> tuple[float, float]:
+        """(window rows, global entries) one query attends to."""
+        win = min(ctx, self.window) if self.window else 0.0
+        if not self.ratio:
+            return win, 0.0
+        pool = ctx / self.ratio
+        return win, (min(pool, self.topk) if self.topk else pool)
+
+    def scanned(self, ctx: float) -> float:
+        """Index rows the indexer scores (0 when the layer reuses another layer's selection)."""
+        if not self.scan_ratio:
+            return 0.0
+        rows = ctx / self.scan_ratio
+        return min(rows, self.scan_cap) if self.scan_cap else rows
+
+    def read_bytes(self, ctx: float) -> float:
+        """Cache bytes read for one sequence (shared by all its query rows in the step)."""
+        win, glob = self.keys(ctx)
+        return win * self.window_row_bytes + glob * self.main_row_bytes + self.scanned(ctx) * self.index_row_bytes
+
+    def flops(self, ctx: float) -> float:
+        """Attention-core FLOPs of one query: scores and weighted values over every key, plus indexer scoring."""
+        win, glob = self.keys(ctx)
+        return 2.0 * self.heads * (win + glob) * (self.qk_dim + self.v_dim) + self.scanned(ctx) * self.index_flops_per_row
+
+
+@dataclass(frozen=True)
+class DraftTerms:
+    """A speculative drafter. ``parallel``: drafts its whole block in one pass (DSpark); otherwise one pass
+    per drafted token (MTP). Params are per pass: ``dense_params`` always read, experts routed."""
+
+    kind: str  # "mtp", "dspark" or "none"
+    layers: int
+    dense_params: int
+    n_experts: int
+    top_k: int
+    expert_params: int
+    parallel: bool
+    block: int  # drafted tokens per step this drafter is built for
+    attention: LayerAttention | None = None  # what one drafter layer reads (None: no attention)
+
+    def passes(self, draft_tokens: int) -> int:
+        """Sequential drafter forwards per step."""
+        if draft_tokens <= 0 or self.kind == "none":
+            return 0
+        return 1 if self.parallel else draft_tokens
+
+    def rows_per_pass(self, draft_tokens: int) -> int:
+        """Token rows per sequence in one drafter forward."""
+        return draft_tokens if self.parallel else 1
+
+
+NO_DRAFT = DraftTerms(kind="none", layers=0, dense_params=0, n_experts=1, top_k=0, expert_params=0,
+                      parallel=False, block=0)
+
+
+@dataclass(frozen=True)
+class ModelTerms:
+    """One model, reduced to what the planner needs (see module docstring)."""
+
+    name: str
+    family: str  # deepseek_v3, deepseek_v4, deepseek_v41
+    hidden_size: int
+    n_layers: int  # layers a decode token passes
+    n_moe_layers: int
+    n_experts: int
+    top_k: int
+    expert_params: int
+    dense_params_decode: int  # matmul weights per decode token other than routed experts (head included)
+    dense_params_total: int  # every non-routed backbone weight held on GPU
+    prefill_layers: int  # layers a prompt token passes (V4.1: the encoder only)
+    prefill_moe_layers: int
+    dense_params_prefill: int
+    params_total: int  # backbone (no engram tables, drafter or vision)
+    host_params: int  # tables kept in host memory (V4.1 engram)
+    host_row_bytes_per_token: float  # host bytes gathered per decode token (engram rows)
+    attention: tuple[LayerAttention, ...]  # one entry per decode layer
+    prefill_attention: tuple[LayerAttention, ...]  # layers a prompt token attends through
+    kv_bytes_per_token: float  # persistent global cache, grows with context
+    state_bytes_per_sequence: float  # bounded per-sequence state (window rings, compressor state)
+    kv_dtype: str
+    draft: DraftTerms
+    notes: tuple[str, ...] = ()
+
+    @property
+    def params_active_decode(self) -> int:
+        return self.dense_params_decode + self.n_moe_layers * self.top_k * self.expert_params
+
+    @property
+    def params_active_prefill(self) -> int:
+        return self.dense_params_prefill + self.prefill_moe_layers * self.top_k * self.expert_params
+
+    @property
+    def routed_params_total(self) -> int:
+        return self.n_moe_layers * self.n_experts * self.expert_params
+
+    def kv_read_bytes(self, ctx: float) -> float:
+        """Cache bytes one sequence reads per decode step across all layers."""
+        return sum(layer.read_bytes(ctx) for layer in self.attention)
+
+    def attention_flops(self, ctx: float, prefill: bool = False) -> float:
+        """Attention-core FLOPs of one query row across its layers."""
+        layers = self.prefill_attention if prefill else self.attention
+        return sum(layer.flops(ctx) for layer in layers)
+
+    def sequence_bytes(self, ctx: float) -> float:
+        """HBM one sequence holds at context ``ctx``: global cache plus bounded state."""
+        return self.kv_bytes_per_token * ctx + self.state_bytes_per_sequence
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, tokens: float) -> float:
+    """Expected experts touched by ``tokens`` tokens each picking ``top_k`` of ``n_experts`` uniformly:
+    E·(1 − (1 − k/E)^B)."""
+    if tokens <= 0 or top_k <= 0:
+        return 0.0
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)

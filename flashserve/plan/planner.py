@@ -1,0 +1,145 @@
+"""Put the terms together: per-agent speed, throughput per GPU, TTFT, sessions that fit, cost.
+
+Prefill accounting: with ``prefill_gpus`` = 0 prefill shares the decode GPUs (each decode cycle also pays
+for the prompts of the requests that finish in it); otherwise a separate pool serves prompts and caps the
+output rate when it cannot keep up. Throughput per GPU always divides by every GPU deployed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .capacity import Capacity, capacity
+from .dtypes import dense_dtype_for
+from .errors import PlanError
+from .hardware import Hardware, get_hardware
+from .inputs import PlanInputs, validate
+from .model_terms import ModelTerms
+from .models import resolve_model
+from .prefill import Prefill, prefill_terms
+from .roofline import DecodeStep, Deployment, decode_step
+
+
+def cost_per_million(price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:
+    """US$ per million tokens: $/GPU-hour × GPUs × 10⁶ / (3600 × tokens/s)."""
+    if tokens_per_s <= 0:
+        return float("inf")
+    return price_per_gpu_hour * gpus * 1e6 / (3600.0 * tokens_per_s)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """Everything the planner concluded, with the terms it used."""
+
+    inputs: PlanInputs
+    deployment: Deployment
+    step: DecodeStep
+    prefill: Prefill
+    capacity: Capacity
+    context: float
+    accept_length: float
+    cycle_time_s: float  # decode step plus the co-located prefill share
+    tokens_per_s_per_agent: float
+    output_tokens_per_s: float  # whole deployment
+    total_gpus: int
+    prefill_limited: bool
+    price_per_gpu_hour: float
+
+    @property
+    def output_tokens_per_s_per_gpu(self) -> float:
+        return self.output_tokens_per_s / self.total_gpus
+
+    @property
+    def decode_tokens_per_s_per_gpu(self) -> float:
+        """Output tokens/s per decode GPU while decoding (no prefill share, no prefill cap)."""
+        return self.inputs.concurrency * self.accept_length / self.step.t_step / self.deployment.gpus
+
+    @property
+    def total_tokens_per_s_per_gpu(self) -> float:
+        """Prompt (cached or not) plus output tokens per GPU: InferenceX's ``tput_per_gpu``."""
+        ratio = 1.0 + self.inputs.prompt_len / self.inputs.output_len
+        return self.output_tokens_per_s_per_gpu * ratio
+
+    @property
+    def cost_per_million_output_tokens(self) -> float:
+        return cost_per_million(self.price_per_gpu_hour, self.total_gpus, self.output_tokens_per_s)
+
+    @property
+    def cost_per_million_total_tokens(self) -> float:
+        return cost_per_million(self.price_per_gpu_hour, 1, self.total_tokens_per_s_per_gpu)
+
+    def as_dict(self) -> dict[str, object]:
+        """Machine-readable summary (the ``--json`` output)."""
+        dep = self.deployment
+        return {
+            "model": dep.model.name, "hardware": dep.hw.name,
+            "gpus": dep.gpus, "prefill_gpus": self.inputs.prefill_gpus, "total_gpus": self.total_gpus,
+            "tp": dep.tp, "ep": dep.ep, "attention_dp": dep.dp,
+            "weight_dtype": dep.expert_dtype, "dense_dtype": dep.dense_dtype, "kv_dtype": dep.model.kv_dtype,
+            "concurrency": self.inputs.concurrency, "context": self.context,
+            "accept_length": self.accept_length, "draft_tokens": dep.draft_tokens,
+            "tokens_per_s_per_agent": self.tokens_per_s_per_agent,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "output_tokens_per_s_per_gpu": self.output_tokens_per_s_per_gpu,
+            "total_tokens_per_s_per_gpu": self.total_tokens_per_s_per_gpu,
+            "decode_tokens_per_s_per_gpu": self.decode_tokens_per_s_per_gpu,
+            "step_time_ms": self.step.t_step * 1e3,
+            "cycle_time_ms": self.cycle_time_s * 1e3,
+            "bound": self.step.bound,
+            "prefill_tokens_per_s_per_gpu": self.prefill.tokens_per_s_per_gpu,
+            "ttft_ms": self.prefill.ttft_s * 1e3,
+            "prefill_limited": self.prefill_limited,
+            "sessions_fit": self.capacity.sessions_fit,
+            "fits": self.inputs.concurrency <= self.capacity.sessions_fit,
+            "cost_per_gpu_hour": self.price_per_gpu_hour,
+            "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
+            "cost_per_million_total_tokens": self.cost_per_million_total_tokens,
+            "efficiency_profile": dep.eff.name,
+            "step": self.step.as_dict(), "prefill": self.prefill.as_dict(), "capacity": self.capacity.as_dict(),
+        }
+
+
+def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None = None) -> Deployment:
+    """Check the inputs and place the model on the hardware."""
+    validate(inp)
+    model = model or resolve_model(inp.model, inp.kv_dtype)
+    hw = hw or get_hardware(inp.hardware)
+    draft = inp.resolved_draft_tokens(model.draft.block)
+    if draft and model.draft.kind == "none":
+        raise PlanError("--accept-length", f"{model.name} has no drafter; speculative decoding needs one")
+    if inp.accept_length > draft + 1:
+        raise PlanError("--accept-length", f"{inp.accept_length} exceeds draft tokens + 1 = {draft + 1}")
+    if inp.tp > hw.scaleup_domain:
+        raise PlanError("--tp", f"TP {inp.tp} spans more than one {hw.scaleup_domain}-GPU scale-up domain")
+    eff = hw.efficiency.with_overrides(**inp.overrides)
+    return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
+                      dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
+                      dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft)
+
+
+def plan(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None = None) -> PlanResult:
+    """Run the planner on ``inp`` (``model``/``hw`` may be passed to skip the lookups)."""
+    dep = build_deployment(inp, model, hw)
+    ctx = inp.resolved_context()
+    step = decode_step(dep, inp.concurrency, ctx)
+    disagg = inp.prefill_gpus > 0
+    xfer = (dep.hw.scaleout_bw or dep.hw.scaleup_bw) * dep.eff.eta_comm if disagg else 0.0
+    pre = prefill_terms(dep, inp.prompt_len, inp.prefix_hit_rate, inp.prefill_gpus or inp.gpus, step.t_step, xfer)
+    uncached = inp.prompt_len * (1.0 - inp.prefix_hit_rate)
+    al = inp.accept_length
+    if disagg:
+        cycle = step.t_step
+        out = inp.concurrency * al / cycle
+        limit = inp.prefill_gpus * pre.tokens_per_s_per_gpu * inp.output_len / uncached if uncached else float("inf")
+        limited = out > limit
+        out = min(out, limit)
+    else:
+        finished = inp.concurrency * al / inp.output_len  # requests completing per cycle
+        cycle = step.t_step + finished * uncached * pre.gpu_seconds_per_token / inp.gpus
+        out, limited = inp.concurrency * al / cycle, False
+    price = inp.cost_per_gpu_hour if inp.cost_per_gpu_hour is not None else dep.hw.cost_per_gpu_hour
+    return PlanResult(
+        inputs=inp, deployment=dep, step=step, prefill=pre, capacity=capacity(dep, ctx), context=ctx,
+        accept_length=al, cycle_time_s=cycle, tokens_per_s_per_agent=al / cycle, output_tokens_per_s=out,
+        total_gpus=inp.gpus + inp.prefill_gpus, prefill_limited=limited, price_per_gpu_hour=price,
+    )

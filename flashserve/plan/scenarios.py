@@ -1,0 +1,93 @@
+"""Published measurements the planner is checked against, each with the deployment assumed for it.
+
+``metric`` says which planner output the published per-GPU figure corresponds to:
+``decode`` = output tokens/s per decode GPU (prefill pool excluded), ``total`` = InferenceX's
+``tput_per_gpu`` (prompt + output tokens over every GPU), ``none`` = no per-GPU figure.
+``role`` is ``fit`` when the point set its hardware's efficiency profile, ``held_out`` otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .inputs import PlanInputs
+
+RF = "shared/data/reference-figures.md §3"
+
+
+@dataclass(frozen=True)
+class PublishedPoint:
+    """One published (per-agent, per-GPU) point and the deployment the planner assumes for it."""
+
+    name: str
+    source: str
+    inputs: PlanInputs
+    tokens_per_s_per_agent: float
+    tokens_per_s_per_gpu: float | None
+    metric: str  # decode, total or none
+    role: str  # fit or held_out
+    assumptions: str
+
+
+def _r1(**kw: object) -> PlanInputs:
+    return PlanInputs(model="deepseek-r1", **kw)  # type: ignore[arg-type]
+
+
+def _inferencex(per_user: float, per_gpu: float, gpus: int, **kw: object) -> PlanInputs:
+    """InferenceX 1k/1k: concurrency implied by the point (tput_per_gpu / 2 output tokens per GPU per user)."""
+    conc = round(per_gpu / 2 / per_user * gpus)
+    return _r1(hardware="gb300-nvl72", gpus=gpus, weight_dtype="fp4", kv_dtype="fp8", concurrency=conc,
+               prompt_len=1024, output_len=1024, **kw)
+
+
+PUBLISHED: tuple[PublishedPoint, ...] = (
+    PublishedPoint(
+        "b200-r1-batch1", f"{RF}: TensorRT-LLM tech blog 1 (8×B200, ISL 1k / OSL 2k, no MTP)",
+        _r1(hardware="b200", gpus=8, tp=8, ep=8, weight_dtype="fp4", kv_dtype="fp8", concurrency=1,
+            prompt_len=1024, output_len=2048),
+        111.0, None, "none", "fit",
+        "TP8 attention, FP4 experts on 8 EP ranks, FP8 KV; context = ISL + OSL/2"),
+    PublishedPoint(
+        "b200-r1-batch1-mtp3", f"{RF}: TensorRT-LLM tech blog 1 (MTP-3, acceptance length 2.82)",
+        _r1(hardware="b200", gpus=8, tp=8, ep=8, weight_dtype="fp4", kv_dtype="fp8", concurrency=1,
+            prompt_len=1024, output_len=2048, accept_length=2.82, draft_tokens=3),
+        368.0, None, "none", "held_out",
+        "as batch 1, plus three sequential MTP passes (one layer + head each) and 4 verified rows per step"),
+    PublishedPoint(
+        "b200-r1-batch1-mtp3-mar2025", f"{RF}: TensorRT-LLM tech blog 1, March 2025 figure (253 = 111 × 2.28, §4)",
+        _r1(hardware="b200", gpus=8, tp=8, ep=8, weight_dtype="fp4", kv_dtype="fp8", concurrency=1,
+            prompt_len=1024, output_len=2048, accept_length=2.82, draft_tokens=3),
+        253.0, None, "none", "held_out",
+        "the same software generation as the 111 point: MTP-3's 2.28x speed-up at AL 2.82 (§4)"),
+    PublishedPoint(
+        "h100-sglang-ep72", f"{RF}: SGLang on 96×H100 (LMSYS, May 2025), decode 9 nodes EP72",
+        _r1(hardware="h100", gpus=72, ep=72, prefill_gpus=24, weight_dtype="fp8", kv_dtype="bf16",
+            concurrency=20052, prompt_len=2000, output_len=100, context=2050),
+        10.0, 2785.0, "decode", "fit",
+        "9 decode nodes: attention DP72, DeepEP low-latency over RDMA, no MTP; 3 prefill nodes; "
+        "ITL 100 ms → 10 tok/s/user; "
+        "concurrency = 2,785 / 10 × 72 sequences"),
+    PublishedPoint(
+        "h800-deepseek-production", f"{RF}: DeepSeek inference system overview (open-infra-index day 6)",
+        _r1(hardware="h800", gpus=144, ep=144, prefill_gpus=48, weight_dtype="fp8", kv_dtype="bf16",
+            concurrency=13320, context=4989, accept_length=1.8, draft_tokens=1),
+        20.0, 1850.0, "decode", "held_out",
+        "decode EP144 with attention DP144 (separate prefill pool), MTP-1 at AL 1.8 (85-90% second-token "
+        "acceptance), mean KV 4,989; "
+        "concurrency = 1,850 / 20 × 144 sequences"),
+    PublishedPoint(
+        "gb300-inferencex-71", f"{RF}: InferenceX GB300 FP4 1k/1k (tput_per_gpu counts prompt + output tokens)",
+        _inferencex(71.0, 11951.0, 72, ep=72),
+        71.0, 11951.0, "total", "fit",
+        "72 GPUs, attention DP72 + EP72, FP8 KV, no MTP, prefill sharing the GPUs"),
+    PublishedPoint(
+        "gb300-inferencex-128", f"{RF}: InferenceX GB300 FP4 1k/1k",
+        _inferencex(128.0, 4793.0, 72, ep=72),
+        128.0, 4793.0, "total", "held_out",
+        "72 GPUs, attention DP72 + EP72, FP8 KV, no MTP, prefill sharing the GPUs"),
+    PublishedPoint(
+        "gb300-inferencex-184", f"{RF}: InferenceX GB300 FP4 1k/1k",
+        _inferencex(184.0, 959.0, 72, tp=8, ep=72),
+        184.0, 959.0, "total", "fit",
+        "72 GPUs, TP8 attention groups (9 DP ranks), EP72, FP8 KV, no MTP, prefill sharing the GPUs"),
+)

@@ -1,0 +1,33 @@
+"""Predicted versus published: run the planner on every documented published point."""
+
+from __future__ import annotations
+
+from .planner import PlanResult, plan
+from .scenarios import PUBLISHED, PublishedPoint
+
+
+def predicted_per_gpu(point: PublishedPoint, res: PlanResult) -> float | None:
+    """The planner output that matches the point's per-GPU metric."""
+    if point.metric == "decode":
+        return res.decode_tokens_per_s_per_gpu
+    if point.metric == "total":
+        return res.total_tokens_per_s_per_gpu
+    return None
+
+
+def compare_published(points: tuple[PublishedPoint, ...] = PUBLISHED) -> list[dict[str, object]]:
+    """One row per point: predicted and published per-agent and per-GPU figures and relative errors."""
+    rows: list[dict[str, object]] = []
+    for p in points:
+        res = plan(p.inputs)
+        gpu = predicted_per_gpu(p, res)
+        rows.append({
+            "name": p.name, "role": p.role, "source": p.source, "assumptions": p.assumptions,
+            "hardware": p.inputs.hardware, "concurrency": p.inputs.concurrency,
+            "predicted_agent": res.tokens_per_s_per_agent, "published_agent": p.tokens_per_s_per_agent,
+            "agent_error": res.tokens_per_s_per_agent / p.tokens_per_s_per_agent - 1.0,
+            "predicted_gpu": gpu, "published_gpu": p.tokens_per_s_per_gpu,
+            "gpu_error": (gpu / p.tokens_per_s_per_gpu - 1.0) if gpu and p.tokens_per_s_per_gpu else None,
+            "profile": res.deployment.eff.name, "bound": res.step.bound,
+        })
+    return rows
