@@ -330,7 +330,7 @@ def _scale_blocks(src: _Source, block_hint: int) -> tuple[int, int]:
         if s_rows != rows:
             raise ValueError(f"MXFP4 scale has {s_rows} rows for {rows} weight rows")
         return 1, quant.infer_block(cols, s_cols, quant.MX_BLOCK)
-    if s_rows == rows and -(-cols // quant.MX_BLOCK) == s_cols and not (rows == 1 or s_rows == -(-rows // block_hint)):
+    if s_rows == rows != -(-rows // block_hint) and s_cols == -(-cols // quant.MX_BLOCK):
         return 1, quant.MX_BLOCK  # FP8 table: one scale per row per 32 columns
     b = quant.infer_square_block((rows, cols), (s_rows, s_cols), block_hint)
     return b, b
@@ -531,7 +531,7 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
         for spec in group:
             for key, t in _encode(spec, src[spec.name].detach(), cfg, quantize):
                 key = released_to_hf_name(key) if fmt == HF else key
-                tensors[key] = t.contiguous()
+                tensors[key] = t.contiguous().cpu()
                 weight_map[key] = fname
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
         written.append(path / fname)

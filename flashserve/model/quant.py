@@ -25,7 +25,7 @@ E2M1_MAX = 6.0
 E8M0_BIAS = 127
 MX_BLOCK = 32  # MXFP4 / FP8-table scale group (columns)
 
-_E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# E2M1 magnitudes by code 0..7: 0, .5, 1, 1.5, 2, 3, 4, 6.
 # Round-to-nearest thresholds between consecutive magnitudes; a value equal to a threshold goes to the even
 # code. Ties at 0.25, 1.25, 2.5, 5 go down (to codes 0, 2, 4, 6), ties at 0.75, 1.75, 3.5 go up (codes 2, 4, 6).
 _E2M1_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
@@ -84,19 +84,24 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 
     Round to nearest, ties to the even code; magnitudes above 6 saturate to 6.
     """
-    mag = v.abs().contiguous()
-    down = torch.tensor(_E2M1_TIES_DOWN, dtype=torch.float32, device=v.device)
-    up = torch.tensor(_E2M1_TIES_UP, dtype=torch.float32, device=v.device)
-    # number of thresholds passed: strictly for ties-down thresholds, inclusively for ties-up ones
-    code = torch.bucketize(mag, down, right=False) + torch.bucketize(mag, up, right=True)
-    return (code + torch.signbit(v).to(code.dtype) * 8).to(torch.uint8)
+    mag = v.abs()
+    # the magnitude code counts the thresholds passed: strictly for ties-down ones, inclusively for ties-up ones
+    code = torch.signbit(v).to(torch.uint8) * 8
+    for t in _E2M1_TIES_DOWN:
+        code += mag > t
+    for t in _E2M1_TIES_UP:
+        code += mag >= t
+    return code
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    """float32 values of E2M1 codes (uint8 0..15)."""
-    mags = torch.tensor(_E2M1_MAGNITUDES, dtype=torch.float32, device=codes.device)
-    lut = torch.cat([mags, -mags])
-    return lut[codes.long()]
+    """float32 values of E2M1 codes (uint8 0..15): magnitude codes 0-3 -> m/2, 4-5 -> m-2, 6-7 -> 2m-8.
+
+    Arithmetic rather than a table lookup: small gathers pay a thread-pool round trip on CPU.
+    """
+    m = (codes & 7).to(torch.float32)
+    mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2, m * 2 - 8))
+    return torch.where(codes >= 8, -mag, mag)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

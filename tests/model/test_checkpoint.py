@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -105,6 +106,18 @@ def test_quantized_roundtrip(name: str, tmp_path: Path) -> None:
         else:
             want = w
         assert torch.equal(got, want), t.name
+
+
+def test_block_size_is_read_from_the_scales(tmp_path: Path) -> None:
+    """A config whose weight_block_size disagrees with the files still decodes them (inferred from shapes)."""
+    cfg = preset_config("tiny-v4")
+    src = random_weights(cfg, mtp=False)
+    save_checkpoint(src, tmp_path, cfg)  # 32 x 32 blocks
+    ref, dest = empty_like_poisoned(src), empty_like_poisoned(src)
+    load_checkpoint(ref, tmp_path, cfg)
+    other = dataclasses.replace(cfg, quantization=dataclasses.replace(cfg.quantization, weight_block_size=128))
+    load_checkpoint(dest, tmp_path, other)
+    assert all(torch.equal(dest[k], ref[k]) for k in src)
 
 
 def test_quantized_storage_dtypes_and_index(tmp_path: Path) -> None:
