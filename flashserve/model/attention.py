@@ -21,6 +21,34 @@ from .rope import apply_rope
 NEG_INF = float("-inf")
 
 
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard rotation of the last axis (a power of two), computed in place-free
+    butterflies; V4's indexer rotates q and k with it before the FP4 simulation."""
+    d = x.shape[-1]
+    y = x
+    h = 1
+    while h < d:
+        y = y.unflatten(-1, (d // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return y * d ** -0.5
+
+
+def v4_fake_quant_kv(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """V4 reference QAT point: FP8 with power-of-two scales per 64 on the non-RoPE dims (Appendix A)."""
+    return torch.cat([fake_quant_fp8(x[..., :-rope_dim], block=64), x[..., -rope_dim:]], dim=-1)
+
+
+def v4_fake_quant_index(x: torch.Tensor) -> torch.Tensor:
+    """V4 reference indexer QAT point: Hadamard rotation then FP4 (UE8M0 scale per 32). The block size of
+    the reference's FP4 simulation is not pinned by our sources; 32 follows V4.1's index rows."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        return x
+    return fake_quant_fp4(hadamard(x), block=32, e4m3_scale=False)
+
+
 def _gather_groups(raw: torch.Tensor, last: torch.Tensor, first_pos: torch.Tensor, n_groups: int,
                    ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``n_groups`` position-aligned groups starting at ``first_pos`` [B] (a multiple of ratio)
@@ -112,14 +140,16 @@ class Indexer(nn.Module):
             self.weights_proj = nn.Linear(D, nih, bias=False)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
-               fake_quant: bool) -> torch.Tensor:
+               fake_quant: bool | str) -> torch.Tensor:
         """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d]."""
         B, S, _ = x.shape
         q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
         cos, sin = ctx.angles("compress")
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        if fake_quant:
+        if fake_quant is True:
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
+        if fake_quant == "v4":
+            q = v4_fake_quant_index(q)
         w = fp32(self.weights_proj(x)) * self.n_heads ** -0.5
         s = torch.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
         return torch.einsum("bsht,bsh->bst", s, w)
@@ -210,7 +240,12 @@ class Attention(nn.Module):
             ilatent, n_idx = self.indexer.compressor(x, ctx, f"{key}.index")
             ipos = (first[:, None] + torch.arange(ilatent.shape[1], device=x.device)) * self.ratio
             icos, isin = ctx.rope.angles("compress", ipos)
-            ctx.state.compressed(f"{key}.index", apply_rope(ilatent, icos, isin).to(x.dtype), n_idx)
+            index = apply_rope(ilatent, icos, isin)
+            if ctx.fake_quant:
+                index = v4_fake_quant_index(index)
+            ctx.state.compressed(f"{key}.index", index.to(x.dtype), n_idx)
+        if ctx.fake_quant and not self.v41:
+            main = v4_fake_quant_kv(main, self.cfg.qk_rope_head_dim)
         ctx.state.compressed(f"{key}.main", main.to(x.dtype), n_new)
         ctx.produced.add(self.layer)
 
@@ -218,7 +253,8 @@ class Attention(nn.Module):
                 visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it."""
         keys, _ = ctx.state.compressed(f"{src}.index")
-        scores = self.indexer.scores(x, qr, keys, ctx, ctx.fake_quant and self.v41)
+        mode = (True if self.v41 else "v4") if ctx.fake_quant else False
+        scores = self.indexer.scores(x, qr, keys, ctx, mode)
         cfg = self.cfg
         if self.v41 and cfg.candidate_source_layer_id >= 0:
             if self.layer == cfg.candidate_source_layer_id:
@@ -242,8 +278,8 @@ class Attention(nn.Module):
             q = rms(q, self.cfg.rms_norm_eps)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        if ctx.fake_quant and self.v41:
-            kv = fake_quant_fp8(kv, block=32)
+        if ctx.fake_quant:
+            kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
         keys, kpos = ctx.state.window(self.layer if self.layer is not None else -1, kv)
         t = ctx.positions
         kp = kpos[:, None, :]

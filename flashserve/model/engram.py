@@ -55,16 +55,24 @@ class EngramHasher(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        for name in ("primes", "offsets", "multipliers", "token_map"):
+            self.register_buffer(name, torch.empty(0, dtype=torch.long), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute primes, offsets, multipliers and the identity token map (also after meta init)."""
+        cfg = self.cfg
         n_layers, order = len(cfg.engram_layer_ids), cfg.engram_max_ngram_size
         primes = engram_primes(n_layers, order, cfg.engram_n_heads, cfg.engram_vocab_size)
         offsets = [[sum(p[:i]) for i in range(len(p))] for p in primes]
         mults = [engram_multipliers(lid, order, max(cfg.engram_compressed_vocab_size, 1))
                  for lid in cfg.engram_layer_ids]
-        self.register_buffer("primes", torch.tensor(primes, dtype=torch.long), persistent=False)
-        self.register_buffer("offsets", torch.tensor(offsets, dtype=torch.long), persistent=False)
-        self.register_buffer("multipliers", torch.tensor(mults, dtype=torch.long), persistent=False)
+        device = self.primes.device
+        self.primes = torch.tensor(primes, dtype=torch.long, device=device)
+        self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.multipliers = torch.tensor(mults, dtype=torch.long, device=device)
         # compressed class per token; identity until a tokenizer provides the real map
-        self.register_buffer("token_map", torch.arange(cfg.vocab_size, dtype=torch.long), persistent=False)
+        self.token_map = torch.arange(cfg.vocab_size, dtype=torch.long, device=device)
 
     def set_token_map(self, token_map: list[int], n_classes: int) -> None:
         if n_classes != self.cfg.engram_compressed_vocab_size:

@@ -28,7 +28,9 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
-    ``fake_quant`` switches the QAT quantisation points of spec §2.1 on (default: on for V4.1, off for V4).
+    ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
+    window rows and FP4 main/index rows (spec §2.1); V4's FP8 KV on non-RoPE dims and Hadamard+FP4
+    indexer (spec Appendix A).
     Shards are streamed into the model's parameters one tensor at a time.
     """
     name = str(path_or_preset)
@@ -40,10 +42,9 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     with torch.device("meta"):
         model = Transformer(cfg, with_mtp=with_mtp)
     model = model.to_empty(device=device)
-    model.rope.__init__(cfg)  # buffers computed, not loaded
-    if model.engram_hasher is not None:
-        model.engram_hasher.__init__(cfg)
-    model = model.to(device)
+    for module in (model.rope, model.engram_hasher):  # computed, never loaded
+        if module is not None:
+            module.reset_buffers()
     if name in PRESET_JSON:
         random_init(model, seed)
     else:

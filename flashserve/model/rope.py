@@ -33,10 +33,19 @@ class RotaryTables(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.rope_dim = cfg.qk_rope_head_dim
-        self.register_buffer("main", rope_inv_freq(self.rope_dim, cfg.rope_theta, None), persistent=False)
-        self.register_buffer(
-            "compress", rope_inv_freq(self.rope_dim, cfg.compress_rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("main", torch.empty(self.rope_dim // 2), persistent=False)
+        self.register_buffer("compress", torch.empty(self.rope_dim // 2), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the frequencies; needed after building on the meta device."""
+        cfg = self.cfg
+        with torch.no_grad():
+            self.main = rope_inv_freq(self.rope_dim, cfg.rope_theta, None).to(self.main.device)
+            self.compress = rope_inv_freq(self.rope_dim, cfg.compress_rope_theta, cfg.rope_scaling).to(
+                self.compress.device)
 
     def angles(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape ``positions.shape + (rope_dim/2,)`` in fp32."""
