@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from .engram_primes import engram_table_rows
+
 V4 = "deepseek_v4"
 V41 = "deepseek_v41"
 MODEL_TYPES = (V4, V41)
@@ -535,18 +537,36 @@ def validate(cfg: ModelConfig) -> None:
              "config field 'candidate_source_layer_id' must be one of index_source_layer_ids")
         need(cfg.candidate_block_size >= 1 and cfg.candidate_topk_blocks >= 1,
              "config fields 'candidate_block_size'/'candidate_topk_blocks' must be >= 1")
+    need(not cfg.tie_word_embeddings, "config field 'tie_word_embeddings' = true is not supported (the V4 family "
+         "ships an untied head)")
+    for name in ("image_token_id", "engram_pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, name)
+        need(value is None or 0 <= value < cfg.vocab_size,
+             f"config field {name!r} ({value}) is outside the vocabulary (0..{cfg.vocab_size - 1})")
+    start = cfg.decoder_start
+    need(all(s == start for s in cfg.kv_source_layer_ids if s >= start),
+         f"config field 'kv_source_layer_ids': decoder layers (>= {start}) must all read layer {start}'s KV")
+    need(all(i < start for i in cfg.engram_layer_ids),
+         f"config field 'engram_layer_ids' must lie in the encoder (layers < {start})")
     need(len(cfg.engram_num_embeddings) == len(cfg.engram_layer_ids),
          f"config field 'engram_num_embeddings' has {len(cfg.engram_num_embeddings)} entries for "
          f"{len(cfg.engram_layer_ids)} engram layers")
     if cfg.engram_layer_ids:
         need(cfg.engram_max_ngram_size >= 2, "config field 'engram_max_ngram_size' must be >= 2")
         need(cfg.engram_compressed_vocab_size >= 1, "config field 'engram_compressed_vocab_size' must be >= 1")
+        rows = engram_table_rows(len(cfg.engram_layer_ids), cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                 cfg.engram_vocab_size)
+        need(list(cfg.engram_num_embeddings) == rows,
+             f"config field 'engram_num_embeddings' {list(cfg.engram_num_embeddings)} does not match the hash "
+             f"bucket primes of engram_vocab_size={cfg.engram_vocab_size} (expected {rows})")
     if cfg.num_nextn_predict_layers:
         need(len(cfg.dspark_target_layer_ids) >= 1,
              "config field 'dspark_target_layer_ids' must name the target layers feeding the DSpark stages")
         need(1 <= cfg.dspark_num_experts_per_tok <= cfg.dspark_n_routed_experts,
              "config fields 'dspark_num_experts_per_tok'/'dspark_n_routed_experts' are inconsistent")
         need(0 <= cfg.dspark_noise_token_id < cfg.vocab_size, "config field 'dspark_noise_token_id' is outside the vocabulary")
+        need(cfg.dspark_block_size >= 1, "config field 'dspark_block_size' must be >= 1")
+        need(cfg.dspark_markov_rank >= 1, "config field 'dspark_markov_rank' must be >= 1")
 
 
 def read_config_json(path: str | Path) -> ModelConfig:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config.model_config import ModelConfig
@@ -83,8 +84,9 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
         state, ratio = ctx.state, self.ratio
-        c = fp32(self.wkv(x))
-        raw = c if self.wgate is None else torch.cat([c, fp32(self.wgate(x))], dim=-1)
+        xf = fp32(x)  # compressor weights are applied in fp32 (spec §2.7)
+        c = F.linear(xf, fp32(self.wkv.weight))
+        raw = c if self.wgate is None else torch.cat([c, F.linear(xf, fp32(self.wgate.weight))], dim=-1)
         start = ctx.positions[:, 0]
         end = ctx.positions[:, -1] + 1
         first_group = start // ratio  # groups before this one were emitted by earlier forwards
@@ -150,7 +152,7 @@ class Indexer(nn.Module):
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
         if fake_quant == "v4":
             q = v4_fake_quant_index(q)
-        w = fp32(self.weights_proj(x)) * self.n_heads ** -0.5
+        w = F.linear(fp32(x), fp32(self.weights_proj.weight)) * self.n_heads ** -0.5
         s = torch.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
         return torch.einsum("bsht,bsh->bst", s, w)
 
@@ -231,7 +233,7 @@ class Attention(nn.Module):
         if self.v41:
             if ctx.fake_quant:
                 main = fake_quant_fp4(main, block=16, e4m3_scale=True)
-            index = self.indexer.k_norm(fp32(self.indexer.wk(latent.to(self.indexer.wk.weight.dtype))))
+            index = self.indexer.k_norm(F.linear(fp32(latent), fp32(self.indexer.wk.weight)))
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)

@@ -84,7 +84,7 @@ class DSparkStages(nn.ModuleList):
         self.cfg = cfg
 
     def draft(self, model: nn.Module, features: dict[int, torch.Tensor], positions: torch.Tensor,
-              first_token: torch.Tensor, *, fake_quant: bool = False) -> Draft:
+              first_token: torch.Tensor, *, fake_quant: bool | None = None) -> Draft:
         """Greedy-draft ``dspark_block_size`` tokens after the context rows.
 
         ``features[L]`` [B,T,D]: mean stream entering target layer L at context positions ``positions``
@@ -92,6 +92,7 @@ class DSparkStages(nn.ModuleList):
         placed at position ``positions[:, -1] + 1``.
         """
         cfg = self.cfg
+        fake_quant = model.fake_quant if fake_quant is None else fake_quant
         W, k = cfg.sliding_window, cfg.dspark_block_size
         feats = torch.cat([features[L][:, -W:] for L in cfg.dspark_target_layer_ids], dim=-1)
         ctx_pos = positions[:, -W:]
@@ -154,16 +155,19 @@ class MTPBlocks(nn.ModuleList):
         self.cfg = cfg
 
     def logits(self, model: nn.Module, streams: torch.Tensor, next_ids: torch.Tensor,
-               state: DenseState | None = None, stage: int = 0) -> torch.Tensor:
-        """Logits for token t+2 from the final streams at t [B,S,n,D] and the token at t+1 [B,S]."""
+               state: DenseState | None = None, stage: int = 0, start: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for token t+2 from the final streams at t [B,S,n,D] and the token at t+1 [B,S].
+
+        ``state`` is the MTP block's own window state (not the backbone's); rows continue it, or start at
+        ``start`` [B] (the position of the streams' first row) on a fresh one."""
         blk = self[stage]
         B, S = next_ids.shape
         if state is None:
             state = DenseState(B, self.cfg.sliding_window, streams.device)
-        state.begin(S)
+        state.begin(S, start)
         positions = state.start[:, None] + torch.arange(S, device=streams.device)
         ctx = ForwardContext(state=state, positions=positions, input_ids=next_ids, rope=model.rope,
-                             fake_quant=False)
+                             fake_quant=model.fake_quant)
         e = blk.e_proj(blk.enorm(model.embed(next_ids)))
         x = blk.h_proj(blk.hnorm(streams)) + e[..., None, :]
         x, _ = blk(x, None, ctx)

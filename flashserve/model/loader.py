@@ -24,6 +24,18 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+# Parameters the checkpoint stores in fp32 and the model applies in fp32 whatever the compute dtype
+# (spec §2.1): mHC coefficients, attention sinks, router biases, V4 compressor position biases.
+_FP32_LEAVES = ("_fn", "_base", "_scale", "attn_sink", "bias", "bias_vl", "ape")
+
+
+def keep_fp32(model: torch.nn.Module) -> None:
+    """Return the always-fp32 parameters to fp32 after a cast of the whole model."""
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1].endswith(_FP32_LEAVES) and p.dtype != torch.float64:
+            p.data = p.data.float()
+
+
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
@@ -53,5 +65,6 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         load_checkpoint(model.checkpoint_tensors(), Path(path_or_preset), cfg, strict=with_mtp)
     model = model.to(torch_dtype)
     model.rope.float()
+    keep_fp32(model)
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
     return model.eval()

@@ -33,7 +33,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]."""
-        scores = torch.sqrt(F.softplus(fp32(x @ self.weight.t()) / self.temp))
+        scores = torch.sqrt(F.softplus(F.linear(fp32(x), fp32(self.weight)) / self.temp))
         if self.hash_routed:
             idx = self.tid2eid[ids]
         else:

@@ -70,12 +70,24 @@ class DenseState:
         return self.start + self.num_new
 
     def begin(self, num_new: int, start: torch.Tensor | None = None) -> None:
-        """Start a forward of ``num_new`` tokens per row, continuing where the last one ended."""
+        """Start a forward of ``num_new`` tokens per row, continuing where the last one ended.
+
+        ``start`` may restate that position (or, inside one forward, move within it for the decoder
+        replay); a fresh state starts at 0. Anything else would desynchronise the cached rows (rolling back
+        rejected speculative tokens is not supported by this float state).
+        """
+        end = self.start + self.num_new
         if start is not None:
-            self.start = start.to(self.device)
-        elif self.num_new:
-            self.start = self.start + self.num_new
+            start = start.to(self.device)
+            if bool((start > end).any()) or (not self._touched() and bool((start != 0).any())):
+                raise ValueError(f"state holds positions < {end.tolist()}; cannot start at {start.tolist()}")
+            self.start = start
+        else:
+            self.start = end
         self.num_new = num_new
+
+    def _touched(self) -> bool:
+        return bool(self._windows or self._raw or self._entries or self._ids is not None)
 
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         prior = self._windows.get(layer)

@@ -134,22 +134,35 @@ class Transformer(nn.Module):
 
     def _replay(self, x, pre, ctx, engram, capture, features, run_decoder):
         """Encoder-only tail: produce the decoder's global cache on all rows, then run the decoder on the
-        last ``window`` positions (kept across chunks in the state) if ``run_decoder``."""
+        last ``window`` positions (kept across chunks in the state) if ``run_decoder``.
+
+        Contract: the encoder-only forwards of a sequence come first and the replay runs once, on the last
+        chunk; every row of the forward ends at the same position. Violations raise ``ValueError``.
+        """
         cfg, state = self.cfg, ctx.state
-        split, W, S = cfg.decoder_start, cfg.sliding_window, x.shape[1]
+        split, W = cfg.decoder_start, cfg.sliding_window
         self.layers[split].produce(x, pre, ctx)
         end = ctx.positions[:, -1] + 1
         keep_from = (end - W).clamp(min=0)
-        flat = torch.cat([x.flatten(-2), pre, ctx.input_ids[..., None].to(x.dtype)], dim=-1)
-        stash = state.compressor_raw("decoder_replay", flat, keep_from)
+        # the decoder's inputs for the last window of positions, kept across chunks (fp32 for pre, ids, pos)
+        xs = state.compressor_raw("decoder_replay.x", x.flatten(-2), keep_from)
+        ps = state.compressor_raw("decoder_replay.pre", pre.float(), keep_from)
+        meta = torch.stack([ctx.input_ids.float(), ctx.positions.float()], dim=-1)
+        ms = state.compressor_raw("decoder_replay.meta", meta, keep_from)
         if not run_decoder:
             return None, None, ctx, features
-        R = min(int(end.min()), W)
-        rows = stash[:, -R:]
+        if bool((end != end[0]).any()):
+            raise ValueError("decoder replay needs every row of the forward to end at the same position")
+        R = min(int(end[0]), W)
+        expected = torch.arange(int(end[0]) - R, int(end[0]), device=x.device, dtype=torch.float32)
+        if ms.shape[1] < R or not torch.equal(ms[:, -R:, 1], expected.expand(ms.shape[0], -1)):
+            raise ValueError("encoder-only prefill must precede any other forward of the sequence and "
+                             "replay the decoder once; use exact forwards to continue a sequence")
+        state.compressor_raw("decoder_replay.meta", ms[:, :0], end + W)  # consume: a second replay fails
         n, D = cfg.hc_mult, cfg.hidden_size
-        xr = rows[..., :n * D].unflatten(-1, (n, D))
-        pr = rows[..., n * D:n * D + n]
-        ids = rows[..., -1].round().long()
+        xr = xs[:, -R:].unflatten(-1, (n, D))
+        pr = ps[:, -R:]
+        ids = ms[:, -R:, 0].round().long()
         state.begin(R, end - R)
         positions = state.start[:, None] + torch.arange(R, device=x.device)
         rctx = ForwardContext(state=state, positions=positions, input_ids=ids, rope=self.rope,

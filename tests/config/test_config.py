@@ -105,3 +105,24 @@ def test_info_command_prints_json():
     assert {"params_total", "params_active_prefill", "params_active_decode"} <= set(data)
     bad = subprocess.run([sys.executable, "-m", "flashserve", "info", "no-such-model"], capture_output=True, text=True)
     assert bad.returncode == 2 and "no-such-model" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("mutate, field", [
+    (lambda t: t.update(engram_num_embeddings=[100, 200]), "engram_num_embeddings"),
+    (lambda t: t.update(engram_layer_ids=[1, 7]), "engram_layer_ids"),
+    (lambda t: t.update(kv_source_layer_ids=[2, 4, 6, 8], index_source_layer_ids=[2, 4, 6, 8]), "kv_source_layer_ids"),
+    (lambda t: t.update(tie_word_embeddings=True), "tie_word_embeddings"),
+    (lambda t: t.update(dspark_block_size=0), "dspark_block_size"),
+])
+def test_structural_contradictions_are_named(mutate, field):
+    data = preset_json("tiny-v41")
+    mutate(data["text_config"])
+    with pytest.raises(ConfigError, match=field):
+        config_from_dict(data)
+
+
+def test_image_token_outside_vocab_is_named():
+    data = preset_json("tiny-v41")
+    data["image_token_id"] = 10_000
+    with pytest.raises(ConfigError, match="image_token_id"):
+        config_from_dict(data)

@@ -74,8 +74,7 @@ def test_v4_falls_back_to_transformers_keys() -> None:
 
 
 def test_non_default_fields_roundtrip() -> None:
-    cfg = dataclasses.replace(preset_config("tiny-v41"), gate_temp=0.5, pad_token_id=None, rope_scaling=None,
-                              tie_word_embeddings=True)
+    cfg = dataclasses.replace(preset_config("tiny-v41"), gate_temp=0.5, pad_token_id=None, rope_scaling=None)
     out = config_to_json(cfg)
     assert out["text_config"]["gate_temp"] == 0.5 and "rope_scaling" not in out["text_config"]
     assert config_from_dict(json.loads(json.dumps(out))) == cfg

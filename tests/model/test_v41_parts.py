@@ -220,3 +220,28 @@ def test_draft_heads_produce_tokens(v41):
     o4 = v4(ids, return_streams=True)
     logits = v4.mtp.logits(v4, o4.streams, ids)
     assert logits.shape == (2, 20, v4.cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_bf16_model_keeps_fp32_parameters_and_runs_encoder_only():
+    model = load_model("tiny-v41", dtype=torch.bfloat16)
+    params = dict(model.named_parameters())
+    assert params["layers.3.ffn.gate.bias"].dtype == torch.float32
+    assert params["layers.0.hc_attn_fn"].dtype == torch.float32
+    assert params["layers.0.attn.attn_sink"].dtype == torch.float32
+    assert params["layers.0.attn.wq_a.weight"].dtype == torch.bfloat16
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(6))
+    ids[0, 30] = model.cfg.image_token_id  # ids survive the replay stash exactly
+    out = model(ids, encoder_only=True, logits_rows=1).logits
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+def test_replay_contract_is_enforced(v41):
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(6))
+    state = v41.new_state(1)
+    v41(ids[:, :30], state, encoder_only=True, run_decoder=False)
+    v41(ids[:, 30:], state, encoder_only=True)  # the replay, once
+    with pytest.raises(ValueError, match="replay"):
+        v41(ids[:, :5], state, encoder_only=True)
+    fresh = v41.new_state(1)
+    with pytest.raises(ValueError, match="cannot start"):
+        v41(ids[:, :5], fresh, start=torch.tensor([5]))
