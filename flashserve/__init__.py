@@ -8,3 +8,13 @@ def load_model(*args, **kwargs):
     from .model.loader import load_model as _load
 
     return _load(*args, **kwargs)
+
+
+def __getattr__(name: str):
+    """Lazy exports of the engine API (``from flashserve import LLM, SamplingParams``) so that importing
+    ``flashserve.config`` or ``flashserve.plan`` never pulls in torch."""
+    if name in ("LLM", "SamplingParams", "LLMEngine", "EngineConfig"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'flashserve' has no attribute {name!r}")

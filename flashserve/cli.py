@@ -56,11 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", help="preset name or checkpoint folder")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_info)
-    for module in ("flashserve.engine.cli", "flashserve.server.cli", "flashserve.plan.cli"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ImportError:
-            continue
+    from .engine import cli as engine_cli
+    from .plan import cli as plan_cli
+    from .server import cli as server_cli
+
+    for mod in (engine_cli, server_cli, plan_cli):
         mod.register(sub)
     return parser
 

@@ -1,0 +1,64 @@
+"""Offline API: ``LLM(model, **engine_options).generate(prompts, params)`` and ``LLM.stream``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Iterator
+
+from .llm_engine import EngineConfig, LLMEngine
+from .sampling_params import SamplingParams
+from .sequence import RequestOutput
+
+
+class LLM:
+    def __init__(self, model: str, **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @staticmethod
+    def _normalize(prompts) -> list:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [prompts]
+        return prompts
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = self._normalize(prompts)
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("params: one SamplingParams per prompt, or one for all")
+        order = []
+        for p, sp in zip(prompts, plist):
+            rid = f"gen-{next(self._ids)}"
+            self.engine.add_request(rid, p, sp)
+            order.append(rid)
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[r] for r in order]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a :class:`RequestOutput` (with ``delta_text`` / ``delta_token_ids``) per step that produced
+        tokens for this prompt, the last one with ``finished=True``."""
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params or SamplingParams())
+        try:
+            while True:
+                done = False
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        done = out.finished
+                if done or not self.engine.has_unfinished_requests():
+                    return
+        finally:
+            self.engine.abort_request(rid)

@@ -1,0 +1,252 @@
+"""``LLMEngine``: requests in, one schedule → run → sample → postprocess per ``step()``, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache, parse_bytes
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .sampler import SampleRow, prompt_logprobs, sample
+from .sampling_params import QueueFullError, RequestError, SamplingParams
+from .scheduler import Scheduler
+from .sequence import RequestGroup, RequestOutput, Sequence
+from .tokenizer import load_tokenizer, set_engram_token_map
+
+log = logging.getLogger("flashserve.engine")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_memory: str | int = "1GiB"
+    cache_dtype: str | None = None  # "packed" | "float"; None: packed for V4.1, float for V4
+    exact_prefill: bool = False
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_waiting: int = 256
+    seed: int = 0
+    block_size: int = 64  # tokens per page (rounded up to a multiple of every compression ratio)
+    prefill_chunk: int | None = None  # largest prefill chunk (default: max_num_batched_tokens)
+    num_pages: int | None = None  # override the page count derived from kv_memory (tests)
+    fake_quant: bool | None = None
+    prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": spec's C−W rule
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model=None):
+        from ..model.loader import load_model, resolve_dtype
+
+        self.config = c = config
+        device = c.device
+        if device == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' asked but CUDA is not available")
+        self.dtype = torch.float64 if c.dtype in ("float64", "fp64", torch.float64) else resolve_dtype(c.dtype)
+        self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
+                                                                fake_quant=c.fake_quant, with_mtp=False)
+        self.dtype = self.model.dtype
+        self.model_config = cfg = self.model.cfg
+        self.tokenizer = load_tokenizer(c.model, cfg.vocab_size)
+        set_engram_token_map(self.model, self.tokenizer)
+        limit = cfg.max_position_embeddings
+        self.max_model_len = min(c.max_model_len or limit, limit)
+        cache_dtype = c.cache_dtype or ("packed" if cfg.is_v41 else "float")
+        if cache_dtype not in ("packed", "float"):
+            raise ValueError(f"cache_dtype must be 'packed' or 'float', got {cache_dtype!r}")
+        self.cache = KVCache(cfg, dtype=self.dtype, device=self.model.embed.weight.device,
+                             packed=cache_dtype == "packed", kv_memory=parse_bytes(c.kv_memory),
+                             max_num_seqs=c.max_num_seqs, block_size=c.block_size, num_pages=c.num_pages)
+        log.info(self.cache.describe(self.max_model_len))
+        self.scheduler = Scheduler(self.cache, max_num_seqs=c.max_num_seqs,
+                                   max_num_batched_tokens=c.max_num_batched_tokens, prefill_chunk=c.prefill_chunk,
+                                   enable_prefix_caching=c.enable_prefix_caching,
+                                   num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
+                                   encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.encoder_only = cfg.is_v41 and not c.exact_prefill
+        self.generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(c.seed)
+        self.groups: dict[str, RequestGroup] = {}
+        self.lock = threading.RLock()  # add/abort may come from another thread than step()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        with self.lock:
+            self._add_request(request_id, prompt, params)
+
+    def _add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None) -> None:
+        params = params or SamplingParams()
+        cfg = self.model_config
+        params.validate(cfg.vocab_size)
+        if request_id in self.groups:
+            raise RequestError(f"request_id: {request_id!r} is already running")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            if any(t < 0 or t >= cfg.vocab_size for t in ids):
+                raise RequestError(f"prompt: token ids must be in [0, {cfg.vocab_size})")
+        if not ids:
+            raise RequestError("prompt: empty prompt")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"prompt: {len(ids)} tokens leaves no room in max_model_len {self.max_model_len}")
+        if -(-(len(ids) + 1) // self.cache.page_tokens) > self.cache.num_pages:
+            raise RequestError(f"prompt: {len(ids)} tokens need more cache pages than the engine has "
+                               f"({self.cache.num_pages} pages of {self.cache.page_tokens} tokens)")
+        waiting = sum(1 for s in self.scheduler.waiting if s.num_preemptions == 0)
+        if waiting + params.n > self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} sequences); retry later")
+        group = RequestGroup(request_id, text, ids, params, time.monotonic())
+        exact = not self.encoder_only or params.prompt_logprobs is not None
+        dev = self.model.embed.weight.device
+        for i in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=dev).manual_seed(params.seed + i)
+            detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                           stop=params.stop)
+            seq = Sequence(group, i, ids, params, detok, gen)
+            seq.exact = exact
+            group.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.groups[request_id] = group
+        self.prompt_tokens_total += len(ids)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its pages and slot at once (no further outputs)."""
+        with self.lock:
+            self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One schedule → forward(s) → sample → postprocess; outputs of requests that produced tokens."""
+        with self.lock:
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        self.num_steps += 1
+        if not sched.chunks:
+            return self._postprocess(sched, [], [])
+        decode = [s for s, n in sched.chunks if s.prefill_done]
+        prefills = [(s, n) for s, n in sched.chunks if not s.prefill_done]
+        to_sample: list[Sequence] = []
+        logits_rows: list[torch.Tensor] = []
+        if decode:
+            logits_rows.append(self.runner.decode(decode))
+            to_sample.extend(decode)
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq, n in prefills:  # equal-shape chunks run as one forward
+            want_plp = seq.group.prompt_logprobs is not None and seq.index == 0
+            key = self.runner.prefill_key(seq, n, want_plp)
+            groups.setdefault(key if not want_plp else key + (seq.seq_id,), []).append(seq)
+        for key, seqs in groups.items():
+            chunk, want_plp = key[0], key[4]
+            lg = self.runner.prefill(seqs, chunk, all_logits=want_plp)
+            if want_plp:
+                seq, group = seqs[0], seqs[0].group
+                a = seq.num_computed
+                nxt = seq.tokens[a + 1:a + chunk + 1]
+                upto = min(len(nxt), seq.num_prompt - 1 - a)
+                if upto > 0 and len(group.prompt_logprobs) == a + 1:  # not again after a preemption
+                    group.prompt_logprobs.extend(prompt_logprobs(lg[0, :upto], nxt[:upto],
+                                                                 group.params.prompt_logprobs))
+                lg = lg[:, -1] if a + chunk == seq.num_tokens else None
+            if lg is not None:
+                logits_rows.append(lg)
+                to_sample.extend(seqs)
+        for seq, n in sched.chunks:
+            seq.num_computed += n
+            if seq.num_computed == seq.num_tokens:
+                if not seq.prefill_done:
+                    self.cache.drop_stash(seq.slot)
+                seq.prefill_done = True
+            self.scheduler.register(seq)
+        return self._postprocess(sched, to_sample, logits_rows)
+
+    def _postprocess(self, sched, to_sample: list[Sequence], logits_rows: list[torch.Tensor]) -> list[RequestOutput]:
+        touched: dict[str, RequestGroup] = {}
+        for seq in sched.failed:
+            seq.finish_reason = "length"
+            seq.detok.finish()
+            self.scheduler.finish(seq)
+            touched[seq.group.request_id] = seq.group
+        if to_sample:
+            logits = torch.cat(logits_rows, dim=0)
+            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in to_sample]
+            result = sample(logits, rows, self.generator)
+            for seq, tid, lp in zip(to_sample, result.token_ids, result.logprobs):
+                self._append(seq, tid, lp)
+                touched[seq.group.request_id] = seq.group
+        outputs = []
+        for rid, group in touched.items():
+            out = group.make_output()
+            outputs.append(out)
+            if group.finished:
+                self.groups.pop(rid, None)
+        return outputs
+
+    def _append(self, seq: Sequence, tid: int, lp: dict[int, float] | None) -> None:
+        p = seq.params
+        seq.tokens.append(tid)
+        self.generation_tokens_total += 1
+        if seq.logprobs is not None:
+            seq.logprobs.append(lp or {})
+        reason = stop_reason = None
+        if not p.ignore_eos and tid == self.tokenizer.eos_token_id:
+            reason = "stop"
+        elif p.stop_token_ids and tid in p.stop_token_ids:
+            reason, stop_reason = "stop", tid
+        matched = seq.detok.add(tid)
+        if matched is not None:
+            reason, stop_reason = "stop", matched
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            seq.detok.finish()
+            self.scheduler.finish(seq)
+
+    # ------------------------------------------------------------ introspection
+    def stats(self) -> dict:
+        s = self.scheduler
+        q = s.prefix_query_tokens
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "kv_pages_used": self.cache.pool.num_used,
+            "kv_pages_total": self.cache.num_pages,
+            "kv_page_tokens": self.cache.page_tokens,
+            "kv_bytes_per_token": self.cache.bytes_per_token,
+            "prefix_cache_hit_rate": (s.prefix_hit_tokens / q) if q else 0.0,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions": s.num_preemptions,
+            "num_steps": self.num_steps,
+        }

@@ -1,0 +1,56 @@
+"""Runs the scheduled chunks of one step through the model: one decode forward for every decoding sequence
+(B rows × 1 token), one forward per prefill chunk (V4.1 default: encoder-only with decoder bounded replay)."""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import BatchState, KVCache
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model, cache: KVCache):
+        self.model = model
+        self.cache = cache
+        self.cfg = model.cfg
+        self.device = model.embed.weight.device
+
+    def _state(self, seqs: list[Sequence]) -> BatchState:
+        return BatchState(self.cache, [s.slot for s in seqs], [s.pages for s in seqs])
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] of the next token of each sequence (each has exactly one token to compute)."""
+        ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], dtype=torch.long, device=self.device)
+        start = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=self.device)
+        out = self.model(ids, self._state(seqs), start=start, logits_rows=1)
+        return out.logits[:, -1]
+
+    def prefill_key(self, seq: Sequence, n: int, all_logits: bool) -> tuple:
+        """Chunks with equal keys run as one forward (same S, same mode; encoder-only last chunks also need the
+        same replay length, which the model takes as the batch minimum)."""
+        a = seq.num_computed
+        last = a + n == seq.num_tokens
+        encoder_only = self.cfg.is_v41 and not seq.exact
+        replay = min(a + n, self.cfg.sliding_window) if (encoder_only and last) else 0
+        return (n, encoder_only, last, replay, all_logits)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence], n: int, *, all_logits: bool = False) -> torch.Tensor | None:
+        """Compute ``n`` tokens of each of ``seqs`` (equal :meth:`prefill_key`) from their ``num_computed``;
+        logits [B, V] of the last row when the chunk completes the sequences ([B, n, V] with ``all_logits``),
+        else None."""
+        seq = seqs[0]
+        last = seq.num_computed + n == seq.num_tokens
+        ids = torch.tensor([s.tokens[s.num_computed:s.num_computed + n] for s in seqs], dtype=torch.long,
+                           device=self.device)
+        start = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=self.device)
+        encoder_only = self.cfg.is_v41 and not seq.exact
+        out = self.model(ids, self._state(seqs), start=start, encoder_only=encoder_only,
+                         run_decoder=last or not encoder_only, logits_rows=None if all_logits else 1)
+        if out.logits is None:
+            return None
+        if all_logits:
+            return out.logits
+        return out.logits[:, -1] if last else None

@@ -1,0 +1,141 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+
+Everything runs on the logits tensor of the step's sampled rows; the only host transfer is the sampled ids
+(plus the requested logprobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    N, V = logits.shape
+    dev = logits.device
+    idx = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
+           or r.params.repetition_penalty != 1.0]
+    if not idx:
+        return logits
+    sub = torch.tensor(idx, device=dev)
+    out_len = max(len(rows[i].output_ids) for i in idx)
+    counts = torch.zeros(len(idx), V, device=dev, dtype=logits.dtype)
+    if out_len:
+        ids = torch.tensor([rows[i].output_ids + [0] * (out_len - len(rows[i].output_ids)) for i in idx], device=dev)
+        valid = torch.tensor([[1.0] * len(rows[i].output_ids) + [0.0] * (out_len - len(rows[i].output_ids))
+                              for i in idx], device=dev, dtype=logits.dtype)
+        counts.scatter_add_(1, ids, valid)
+    pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=dev, dtype=logits.dtype)
+    freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=dev, dtype=logits.dtype)
+    rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=dev, dtype=logits.dtype)
+    lg = logits[sub]
+    if (rep != 1.0).any():
+        seen = counts > 0
+        p_len = max(len(rows[i].prompt_ids) for i in idx)
+        if p_len:
+            pids = torch.tensor([rows[i].prompt_ids + [rows[i].prompt_ids[0]] * (p_len - len(rows[i].prompt_ids))
+                                 for i in idx], device=dev)
+            seen = seen.scatter(1, pids, True)
+        r = rep[:, None]
+        lg = torch.where(seen, torch.where(lg > 0, lg / r, lg * r), lg)
+    lg = lg - freq[:, None] * counts - pres[:, None] * (counts > 0).to(lg.dtype)
+    logits = logits.clone()
+    logits[sub] = lg
+    return logits
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> SampleResult:
+    """One token per row of ``logits`` [N, V]."""
+    N, V = logits.shape
+    dev = logits.device
+    raw = logits if logits.dtype == torch.float64 else logits.float()
+    lg = _apply_penalties(raw, rows)
+    chosen = lg.argmax(-1)
+    if not all(r.params.greedy for r in rows):
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=lg.dtype)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
+        scaled = lg / torch.where(greedy, 1.0, temps)[:, None]
+        top_k = [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            srt, order = scaled.sort(dim=-1, descending=True)
+            rank = torch.arange(V, device=dev)[None, :]
+            k = torch.tensor([k or V for k in top_k], device=dev)[:, None]
+            drop = rank >= k
+            probs_sorted = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
+            cum = probs_sorted.cumsum(-1)
+            p = torch.tensor(top_p, device=dev, dtype=cum.dtype)[:, None]
+            drop = drop | ((cum - probs_sorted) >= p) & (rank > 0)
+            srt = srt.masked_fill(drop, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, srt)
+        probs = torch.softmax(scaled, dim=-1)
+        if any(m > 0 for m in min_p):
+            mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
+            probs = probs.masked_fill(probs < mp * probs.amax(-1, keepdim=True), 0.0)
+        # exponential race: argmax(p / E) with E ~ Exp(1) samples from p; per-request generators when seeded
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            if len(unseeded) == N:
+                noise.exponential_(generator=generator)
+            else:
+                noise[unseeded] = torch.empty(len(unseeded), V, device=dev, dtype=noise.dtype).exponential_(
+                    generator=generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None and not r.params.greedy:
+                noise[i] = torch.empty(V, device=dev, dtype=noise.dtype).exponential_(generator=r.generator)
+        sampled = (probs / noise.clamp(min=1e-20)).argmax(-1)
+        chosen = torch.where(greedy, chosen, sampled)
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    logprobs: list[dict[int, float] | None] = [None] * N
+    if want:
+        sub = torch.tensor(want, device=dev)
+        lp = torch.log_softmax(raw[sub], dim=-1)
+        kmax = max(rows[i].params.logprobs for i in want)
+        top = lp.topk(kmax, dim=-1) if kmax else None
+        chosen_lp = lp.gather(1, chosen[sub][:, None])[:, 0]
+        ids = chosen.tolist()
+        c_lp = chosen_lp.tolist()
+        t_ids = top.indices.tolist() if top is not None else [[]] * len(want)
+        t_vals = top.values.tolist() if top is not None else [[]] * len(want)
+        for j, i in enumerate(want):
+            k = rows[i].params.logprobs
+            d = {ids[i]: c_lp[j]}
+            for t, v in zip(t_ids[j][:k], t_vals[j][:k]):
+                d.setdefault(t, v)
+            logprobs[i] = d
+        return SampleResult(ids, logprobs)
+    return SampleResult(chosen.tolist(), logprobs)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[dict[int, float]]:
+    """For each row of ``logits`` [R, V], the logprob of the next prompt token plus the top-``k``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    nxt = torch.tensor(next_ids, device=lp.device)
+    chosen = lp.gather(1, nxt[:, None])[:, 0].tolist()
+    top = lp.topk(k, dim=-1) if k else None
+    out = []
+    for j, t in enumerate(next_ids):
+        d = {t: chosen[j]}
+        if top is not None:
+            for a, b in zip(top.indices[j].tolist(), top.values[j].tolist()):
+                d.setdefault(a, b)
+        out.append(d)
+    return out

@@ -1,0 +1,76 @@
+"""Per-request sampling parameters and the engine's errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class RequestError(ValueError):
+    """A request the engine cannot accept (bad parameters, empty or too-long prompt); the message names the field."""
+
+
+class QueueFullError(RuntimeError):
+    """The bounded waiting queue is full; retry later."""
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self, vocab_size: int) -> None:
+        def bad(name: str, why: str) -> None:
+            raise RequestError(f"{name}: {why}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0):
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", f"must be an integer >= 0 (0 or -1 = off), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}")
+        if not (self.repetition_penalty > 0.0):
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if self.stop is not None:
+            if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+                bad("stop", "must be a list of non-empty strings")
+        if self.stop_token_ids is not None:
+            if not all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids):
+                bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0 or v > min(vocab_size, 20)):
+                bad(name, f"must be an integer in [0, {min(vocab_size, 20)}], got {v!r}")

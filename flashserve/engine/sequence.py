@@ -1,0 +1,113 @@
+"""Engine-side sequences, request groups and the outputs the engine returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, float] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class Sequence:
+    """One generated completion (a request with ``n`` > 1 has ``n`` of them)."""
+
+    def __init__(self, group: "RequestGroup", index: int, prompt_ids: list[int], params: SamplingParams,
+                 detok: IncrementalDetokenizer, generator: torch.Generator | None):
+        self.group, self.index, self.params = group, index, params
+        self.seq_id = f"{group.request_id}#{index}"
+        self.prompt_ids = list(prompt_ids)
+        self.tokens = list(prompt_ids)  # prompt + output
+        self.num_prompt = len(prompt_ids)
+        self.num_computed = 0
+        self.prefill_done = False
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.pages: list[int] = []
+        self.page_hashes: list[bytes] = []  # chain hashes of full pages registered so far
+        self.num_cached = 0  # tokens whose global rows came from the prefix cache
+        self.detok = detok
+        self.generator = generator
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.new_tokens: list[int] = []  # produced since the last output
+        self.emitted_tokens = 0
+        self.exact = False  # run every layer on every row for this sequence's prefill
+        self.num_preemptions = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+
+class RequestGroup:
+    """A request: its prompt, parameters and ``n`` sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 arrival: float):
+        self.request_id, self.prompt, self.prompt_ids, self.params = request_id, prompt, prompt_ids, params
+        self.arrival = arrival
+        self.seqs: list[Sequence] = []
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def make_output(self, *, only_new: bool = True) -> RequestOutput:
+        outs = []
+        for s in self.seqs:
+            new_ids = s.output_ids[s.emitted_tokens:]
+            s.emitted_tokens = len(s.output_ids)
+            delta = s.detok.take_delta(final=s.finished)
+            outs.append(CompletionOutput(
+                index=s.index, text=s.detok.visible_text(final=s.finished), token_ids=list(s.output_ids),
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=None if s.logprobs is None else list(s.logprobs),
+                delta_text=delta, delta_token_ids=new_ids))
+        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), self.prompt_logprobs, outs,
+                             self.finished)
