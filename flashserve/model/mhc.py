@@ -26,11 +26,11 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = torch.softmax(logits, dim=-1) + hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
+    comb = torch.softmax(logits, dim=-1).add_(hc_eps)
+    comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
+    for _ in range(iters - 1):  # in place: this loop is most of mHC's op count at decode
+        comb.div_(comb.sum(-1, keepdim=True).add_(hc_eps))
+        comb.div_(comb.sum(-2, keepdim=True).add_(hc_eps))
     return HyperMix(pre, post, comb)
 
 

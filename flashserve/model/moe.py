@@ -11,6 +11,10 @@ from ..config.model_config import ModelConfig
 from .norms import fp32
 
 
+# Gather experts' weights per (token, expert) pair while that copies at most this many bytes.
+GATHER_BYTES = 8 << 20
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
@@ -61,7 +65,25 @@ class Experts(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Σ_k w[t,k] · expert_{idx[t,k]}(x_t), grouping tokens by expert (a loop over hit experts only)."""
+        """Σ_k w[t,k] · expert_{idx[t,k]}(x_t)."""
+        pairs = idx.numel()
+        # gathering pays when experts are rarely shared by several tokens and the copies stay small
+        if pairs <= self.w1.shape[0] and pairs * 3 * self.w1[0].numel() * self.w1.element_size() <= GATHER_BYTES:
+            return self._gathered(x, idx, w)
+        return self._grouped(x, idx, w)
+
+    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Few (token, expert) pairs (decode): gather each pair's weights and batch-multiply, no host sync."""
+        T, k = idx.shape
+        flat = idx.flatten()
+        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1], 1)
+        gate = torch.bmm(self.w1[flat], h).squeeze(-1)
+        up = torch.bmm(self.w3[flat], h).squeeze(-1)
+        y = torch.bmm(self.w2[flat], clamped_swiglu(gate, up, self.limit).unsqueeze(-1)).squeeze(-1)
+        return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
+
+    def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Many pairs (prefill): group tokens by expert and loop over the experts that were hit."""
         out = torch.zeros(x.shape, dtype=fp32(x[:0]).dtype, device=x.device)
         flat = idx.flatten()
         order = flat.argsort(stable=True)

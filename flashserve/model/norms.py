@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 def fp32(x: torch.Tensor) -> torch.Tensor:
     """The accumulation dtype of a tensor: float32, or float64 for float64 tensors (exactness tests)."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x / sqrt(mean(x²) + eps)`` over the last axis, computed in fp32, returned in x's dtype."""
-    xf = fp32(x)
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = F.rms_norm(fp32(x), (x.shape[-1],), eps=eps)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -27,5 +28,5 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = fp32(x)
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (fp32(self.weight) * y).to(x.dtype)
+        y = F.rms_norm(xf, (x.shape[-1],), fp32(self.weight), eps=self.eps)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
