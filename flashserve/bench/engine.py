@@ -19,20 +19,33 @@ import torch
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
-def build_hf_v4(path: Path, seed: int = 0):
-    """A tiny random ``DeepseekV4ForCausalLM`` shaped like the ``tiny-v4`` preset, saved with save_pretrained."""
+# The checkpoint shapes compared. "peers" is the tiny V4 that ../shared/notes/peers.md measured transformers and
+# llama.cpp on (91M parameters, 53M active: vocab 32000, hidden 512, 8 layers, 16 experts top-4); "tiny" is
+# shaped like the ``tiny-v4`` preset (1.4M parameters), where both engines measure mostly per-op overhead.
+SHAPES = {
+    "peers": dict(vocab_size=32000, hidden_size=512, moe_intermediate_size=256, num_attention_heads=8, head_dim=64,
+                  q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, sliding_window=32, o_lora_rank=128,
+                  index_head_dim=64, index_topk=16),
+    "tiny": dict(vocab_size=512, hidden_size=64, moe_intermediate_size=64, num_attention_heads=4, head_dim=64,
+                 q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, sliding_window=16, o_lora_rank=32,
+                 index_head_dim=32, index_topk=8),
+}
+
+
+def build_hf_v4(path: Path, shape: str = "peers", seed: int = 0):
+    """A random ``DeepseekV4ForCausalLM`` of one of :data:`SHAPES`, saved with save_pretrained."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    experts, top_k = 8, 2
+    dims = SHAPES[shape]
+    experts, top_k = dims["n_routed_experts"], dims["num_experts_per_tok"]
     layer_types = [SWA, SWA, CSA, HCA, CSA, HCA, CSA, SWA]
     cfg = DeepseekV4Config(
-        vocab_size=512, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=len(layer_types),
-        num_attention_heads=4, head_dim=64, partial_rotary_factor=16 / 64, q_lora_rank=32,
-        num_experts_per_tok=top_k, n_routed_experts=experts, n_shared_experts=1, layer_types=layer_types,
+        **dims, num_hidden_layers=len(layer_types), partial_rotary_factor=16 / 64, n_shared_experts=1,
+        layer_types=layer_types,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
         mlp_layer_types=["hash_moe"] * 2 + ["moe"] * (len(layer_types) - 2),
-        sliding_window=16, o_groups=2, o_lora_rank=32, index_n_heads=8, index_head_dim=32, index_topk=8,
-        max_position_embeddings=8192, num_nextn_predict_layers=0, pad_token_id=2, eos_token_id=1, bos_token_id=0)
+        o_groups=2, index_n_heads=8, max_position_embeddings=8192, num_nextn_predict_layers=0,
+        pad_token_id=2, eos_token_id=1, bos_token_id=0)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg).eval()
@@ -56,7 +69,7 @@ def build_hf_v4(path: Path, seed: int = 0):
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(16, 500, (n, length), generator=g).tolist()
+    return torch.randint(16, 500, (n, length), generator=g).tolist()  # ids valid in every shape's vocabulary
 
 
 # --------------------------------------------------------------------------- transformers
@@ -159,16 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer tokens (smoke run)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="peers", help="the V4 checkpoint compared")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..model.loader import load_model
 
     new1, newb = (16, 8) if args.quick else (64, 32)
-    plen = 32
+    plen = 128
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        hf = build_hf_v4(Path(tmp))
+        hf = build_hf_v4(Path(tmp), args.shape)
+        print(f"checkpoint shape {args.shape!r}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters")
         ours = load_model(tmp, dtype=torch.float32, fake_quant=False, with_mtp=False)
         ids = torch.tensor(prompts(1, 40, 5))
         with torch.no_grad():
