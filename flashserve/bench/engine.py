@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .hf_reference import randomize_hf_v4
+
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
@@ -37,7 +39,6 @@ def build_hf_v4(path: Path, shape: str = "peers", seed: int = 0):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     dims = SHAPES[shape]
-    experts, top_k = dims["n_routed_experts"], dims["num_experts_per_tok"]
     layer_types = [SWA, SWA, CSA, HCA, CSA, HCA, CSA, SWA]
     cfg = DeepseekV4Config(
         **dims, num_hidden_layers=len(layer_types), partial_rotary_factor=16 / 64, n_shared_experts=1,
@@ -48,21 +49,7 @@ def build_hf_v4(path: Path, shape: str = "peers", seed: int = 0):
         pad_token_id=2, eos_token_id=1, bos_token_id=0)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("scale", "base", "sinks", "position_bias")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * max(0.02, p.shape[-1] ** -0.5))
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(b.shape[0])]))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    model = randomize_hf_v4(DeepseekV4ForCausalLM(cfg).eval(), seed)
     model.save_pretrained(path)
     return model
 

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from flashserve.bench.hf_reference import randomize_hf_v4
+
 
 def tiny_hf_v4(path: Path, *, hidden: int, heads: int, head_dim: int, rope: int, layer_types: list[str],
                n_hash: int, o_groups: int, window: int, csa: int = 4, hca: int = 16, experts: int = 8,
@@ -28,20 +30,6 @@ def tiny_hf_v4(path: Path, *, hidden: int, heads: int, head_dim: int, rope: int,
         num_nextn_predict_layers=0, pad_token_id=2)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("scale", "base", "sinks", "position_bias")):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * max(0.02, p.shape[-1] ** -0.5))
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                b.copy_(torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(b.shape[0])]))
-            elif name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    model = randomize_hf_v4(DeepseekV4ForCausalLM(cfg).eval(), seed)
     model.save_pretrained(path)
     return model
