@@ -12,7 +12,7 @@ from .norms import fp32
 
 
 # Gather experts' weights per (token, expert) pair while that copies at most this many bytes.
-GATHER_BYTES = 8 << 20
+GATHER_BYTES = 1 << 20
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
