@@ -260,7 +260,8 @@ class KVCache:
         self.window_from: dict[int, torch.Tensor] = {}
         self.raw: dict[str, torch.Tensor] = {}
         self.raw_keep: dict[str, torch.Tensor] = {}  # first position each slot's ring still holds
-        self.stash: dict[int, torch.Tensor] = {}  # slot -> decoder-replay rows (only while prefilling)
+        # (replay buffer key, slot) -> decoder-replay rows (only while the sequence prefills)
+        self.stash: dict[tuple[str, int], torch.Tensor] = {}
         n_hist = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
         self.history = torch.full((max_num_seqs, n_hist), -1, dtype=torch.long, device=self.device)
         self.kv_memory = kv_memory
@@ -316,12 +317,13 @@ class KVCache:
         return slot
 
     def release_slot(self, slot: int) -> None:
-        self.stash.pop(slot, None)
+        self.drop_stash(slot)
         self.free_slots.append(slot)
 
     def drop_stash(self, slot: int) -> None:
         """The decoder-replay rows are only needed until a sequence's prefill ends."""
-        self.stash.pop(slot, None)
+        for key in [k for k in self.stash if k[1] == slot]:
+            del self.stash[key]
 
     def set_resume(self, slot: int, replay_start: int, cached_tokens: int) -> None:
         """A sequence resumes computing at ``replay_start`` with ``cached_tokens`` of global rows cached."""
@@ -344,7 +346,7 @@ class KVCache:
     def raw_capacity(self, key: str) -> int | None:
         """Rows a compressor / replay buffer can need to keep (None: unknown key, grow on demand)."""
         cfg = self.cfg
-        if key == "decoder_replay":
+        if key.startswith("decoder_replay"):
             return self.window_size
         layer, _, kind = key.partition(".")
         if not layer.isdigit() or kind not in ("main", "index"):
@@ -440,13 +442,13 @@ class BatchState:
         cap = cache.raw_capacity(key)
         if cap == 0:
             return raw
-        if key == "decoder_replay":  # wide rows (all streams): kept per prefilling sequence, not in a slab
+        if key.startswith("decoder_replay"):  # wide rows: kept per prefilling sequence, not in a slab
             slots = self.slots.tolist()
             empty = raw.new_zeros(cap, raw.shape[-1])
-            prior = torch.stack([cache.stash.get(s, empty) for s in slots])
+            prior = torch.stack([cache.stash.get((key, s), empty) for s in slots])
             full = torch.cat([prior.to(raw.dtype), raw], dim=1)
             for i, s in enumerate(slots):
-                cache.stash[s] = full[i, -cap:].clone()
+                cache.stash[(key, s)] = full[i, -cap:].clone()
             return full
         if cap is None:  # unknown buffer: keep what the model asks for, growing the slab on demand
             last = self.start + self.num_new - 1

@@ -54,13 +54,13 @@ class IncrementalDetokenizer:
         self.stopped = True
         return best[1]
 
-    def finish(self) -> None:
-        """Flush bytes held back because they did not yet form a whole character."""
-        if not self.stopped and self.read_offset < len(self.ids):
-            self._advance(force=True)
-            s = self._check_stop()
-            if s is not None:
-                self.stopped = True
+    def finish(self) -> str | None:
+        """Flush bytes held back because they did not yet form a whole character; return the stop string
+        the flushed text completed (the text is cut before it), else None."""
+        if self.stopped or self.read_offset >= len(self.ids):
+            return None
+        self._advance(force=True)
+        return self._check_stop()
 
     def _holdback(self) -> int:
         best = 0

@@ -35,10 +35,15 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError("params: one SamplingParams per prompt, or one for all")
         order = []
-        for p, sp in zip(prompts, plist):
-            rid = f"gen-{next(self._ids)}"
-            self.engine.add_request(rid, p, sp)
-            order.append(rid)
+        try:
+            for p, sp in zip(prompts, plist):
+                rid = f"gen-{next(self._ids)}"
+                self.engine.add_request(rid, p, sp)
+                order.append(rid)
+        except Exception:  # a bad prompt rejects the whole call: withdraw the ones already queued
+            for rid in order:
+                self.engine.abort_request(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():

@@ -229,8 +229,10 @@ class LLMEngine:
         if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            flushed = seq.detok.finish()
+            if flushed is not None:  # the last bytes completed a stop string
+                reason, stop_reason = "stop", flushed
             seq.finish_reason, seq.stop_reason = reason, stop_reason
-            seq.detok.finish()
             self.scheduler.finish(seq)
 
     # ------------------------------------------------------------ introspection

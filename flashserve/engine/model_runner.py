@@ -27,14 +27,18 @@ class ModelRunner:
         out = self.model(ids, self._state(seqs), start=start, logits_rows=1)
         return out.logits[:, -1]
 
+    def encoder_only(self, seq: Sequence, n: int) -> bool:
+        """V4.1 encoder-only prefill covers prompt tokens only: tokens generated before a preemption are
+        recomputed exactly, as they were first computed by full decode steps."""
+        return self.cfg.is_v41 and not seq.exact and seq.num_computed + n <= seq.num_prompt
+
     def prefill_key(self, seq: Sequence, n: int, all_logits: bool) -> tuple:
-        """Chunks with equal keys run as one forward (same S, same mode; encoder-only last chunks also need the
-        same replay length, which the model takes as the batch minimum)."""
+        """Chunks with equal keys run as one forward: same S and mode; an encoder-only chunk that ends the
+        prompt replays the decoder, which needs every row to end at the same position."""
         a = seq.num_computed
-        last = a + n == seq.num_tokens
-        encoder_only = self.cfg.is_v41 and not seq.exact
-        replay = min(a + n, self.cfg.sliding_window) if (encoder_only and last) else 0
-        return (n, encoder_only, last, replay, all_logits)
+        encoder_only = self.encoder_only(seq, n)
+        replay_end = a + n if (encoder_only and a + n == seq.num_prompt) else -1
+        return (n, encoder_only, a + n == seq.num_tokens, replay_end, all_logits)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], n: int, *, all_logits: bool = False) -> torch.Tensor | None:
@@ -42,13 +46,15 @@ class ModelRunner:
         logits [B, V] of the last row when the chunk completes the sequences ([B, n, V] with ``all_logits``),
         else None."""
         seq = seqs[0]
-        last = seq.num_computed + n == seq.num_tokens
+        a = seq.num_computed
+        last = a + n == seq.num_tokens
         ids = torch.tensor([s.tokens[s.num_computed:s.num_computed + n] for s in seqs], dtype=torch.long,
                            device=self.device)
         start = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=self.device)
-        encoder_only = self.cfg.is_v41 and not seq.exact
+        encoder_only = self.encoder_only(seq, n)
         out = self.model(ids, self._state(seqs), start=start, encoder_only=encoder_only,
-                         run_decoder=last or not encoder_only, logits_rows=None if all_logits else 1)
+                         run_decoder=not encoder_only or a + n == seq.num_prompt,
+                         logits_rows=None if all_logits else 1)
         if out.logits is None:
             return None
         if all_logits:

@@ -30,6 +30,9 @@ class Scheduler:
     def __init__(self, cache: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_chunk: int | None, enable_prefix_caching: bool, num_layers: int, is_v41: bool,
                  encoder_layers: int | None = None, prefix_replay: str = "exact"):
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence needs a token each step")
         self.cache = cache
         self.pool = cache.pool
         self.P = cache.page_tokens
@@ -111,6 +114,16 @@ class Scheduler:
             self.pool.register(seq.pages[i], h)
             seq.page_hashes.append(h)
 
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens to compute for ``seq`` from ``start``: the rest (decode: 1), a prefill chunk at most, within
+        the budget; a V4.1 encoder-only prefill stops at the prompt's end (its decoder replays there)."""
+        n = seq.num_tokens - start
+        if not seq.prefill_done:
+            n = min(n, self.prefill_chunk)
+            if self.is_v41 and not seq.exact and start < seq.num_prompt:
+                n = min(n, seq.num_prompt - start)
+        return min(n, budget)
+
     def _free(self, seq: Sequence) -> None:
         for p in reversed(seq.pages):
             self.pool.release(p)
@@ -149,10 +162,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = seq.num_tokens - seq.num_computed
-            if not seq.prefill_done:
-                n = min(n, self.prefill_chunk)
-            n = min(n, budget)
+            n = self._chunk(seq, seq.num_computed, budget)
+            if self._pages_for(seq.num_computed + n) > self.pool.num_pages:
+                self.running.pop(i)  # grew past the whole cache: stop it rather than preempt forever
+                out.failed.append(seq)
+                continue
             victim = None
             while self._pages_for(seq.num_computed + n) - len(seq.pages) > self.pool.num_free:
                 victim = self.running.pop()
@@ -174,11 +188,11 @@ class Scheduler:
             hits = self._lookup(seq)
             cached = len(hits) * self.P
             start = self.replay_start(cached, seq.exact)
-            n = min(seq.num_tokens - start, self.prefill_chunk, budget)
+            n = self._chunk(seq, start, budget)
             need = max(0, self._pages_for(start + n) - len(hits))
             reuse_free = sum(1 for p in hits if self.pool.ref[p] == 0)
             if need + reuse_free > self.pool.num_free:
-                if not self.running and not out.chunks and need + len(hits) > self.pool.num_pages:
+                if self._pages_for(seq.num_tokens) > self.pool.num_pages:
                     self.waiting.popleft()  # grew past the whole cache: stop it rather than loop
                     out.failed.append(seq)
                     continue

@@ -17,39 +17,3 @@ def models():
         return cache[key]
 
     return get
-
-
-def make_engine(model, name: str, **kw):
-    from flashserve.engine import EngineConfig, LLMEngine
-
-    kw.setdefault("dtype", "float64")
-    cfg = EngineConfig(model=name, **kw)
-    return LLMEngine(cfg, model=model)
-
-
-def run_greedy(engine, prompts, max_tokens, **params):
-    from flashserve.engine import SamplingParams
-
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"r{i}"] for i in range(len(prompts))]
-
-
-@torch.inference_mode()
-def reference_greedy(model, prompt, n):
-    ids = list(prompt)
-    for _ in range(n):
-        logits = model(torch.tensor([ids]), logits_rows=1).logits[0, -1]
-        ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
-
-
-def prompt_of(length: int, seed: int, vocab: int = 512) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(16, vocab - 1, (length,), generator=g).tolist()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import make_engine
+from engine_helpers import make_engine
 from flashserve.engine import LLM, QueueFullError, RequestError, SamplingParams
 from flashserve.engine.detokenizer import IncrementalDetokenizer
 from flashserve.engine.tokenizer import load_tokenizer

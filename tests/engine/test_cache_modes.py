@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import make_engine, prompt_of, run_greedy
+from engine_helpers import make_engine, prompt_of, run_greedy
 from flashserve.config.arithmetic import model_arithmetic
 from flashserve.engine import SamplingParams
 

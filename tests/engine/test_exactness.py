@@ -3,7 +3,7 @@ preemption (float64, exact prefill, so near-ties in routing / top-k cannot flip)
 
 import pytest
 
-from conftest import make_engine, prompt_of, reference_greedy, run_greedy
+from engine_helpers import make_engine, prompt_of, reference_greedy, run_greedy
 
 # prompt lengths cross the window (16), the ratio-2/4 groups and (tiny-v4, with generation) the ratio-128 group
 CASES = {"tiny-v4": [7, 90], "tiny-v41": [7, 37]}
