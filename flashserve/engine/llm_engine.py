@@ -105,6 +105,9 @@ class LLMEngine:
             raise RequestError(f"prompt: {len(ids)} tokens need more cache pages than the engine has "
                                f"({self.cache.num_pages} pages of {self.cache.page_tokens} tokens)")
         waiting = sum(1 for s in self.scheduler.waiting if s.num_preemptions == 0)
+        if params.n > self.config.max_waiting:
+            raise RequestError(f"n: {params.n} completions exceed the waiting queue's capacity "
+                               f"({self.config.max_waiting} sequences)")
         if waiting + params.n > self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} sequences); retry later")
         group = RequestGroup(request_id, text, ids, params, time.monotonic())

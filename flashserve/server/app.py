@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from . import chat_encoding
 from .engine_loop import EngineDeadError, EngineLoop, RequestStream
@@ -390,12 +391,16 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
             raise APIError(f"unsupported Content-Type {ctype!r}; send application/json", status=400,
                            code="invalid_content_type")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(f"request body exceeds the limit of {limit} bytes", status=413,
-                               code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(f"request body exceeds the limit of {limit} bytes", status=413,
+                                   code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise APIError("client closed the connection while sending the request", status=499,
+                           code="client_disconnected") from None
         return decode_json_body(b"".join(chunks))
 
     def count(endpoint: str, status: int) -> None:
@@ -649,6 +654,9 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
         except APIError as e:
             srv.abort_unfinished(streams)
             count("completions", e.status)
+            raise
+        except BaseException:  # cancelled or failed after some prompts were queued: withdraw them
+            srv.abort_unfinished(streams)
             raise
         n = req.sampling.n
         created = int(time.time())

@@ -105,7 +105,11 @@ class EngineLoop:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.append(("add", request_id, prompt, params, stream, fut))
         self._wake.set()
-        await asyncio.wrap_future(fut)
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the client left while the engine thread may have added it
+            self.abort(request_id)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:

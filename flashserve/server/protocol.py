@@ -460,7 +460,8 @@ def _parse_messages(body: dict) -> list[dict[str, Any]]:
         role = m.get("role")
         if role not in ROLES:
             raise invalid(f"{p}.role", f"'{p}.role' must be one of {list(ROLES)}, got {role!r}")
-        msg: dict[str, Any] = {"role": role}
+        # OpenAI's "developer" role is the system prompt of newer clients: encode it as one
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role}
         has_calls = role == "assistant" and m.get("tool_calls") not in (None, [])
         if role != "assistant" and "content" not in m:
             raise invalid(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")

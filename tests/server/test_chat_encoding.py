@@ -159,3 +159,15 @@ def test_plain_template():
             {"role": "assistant", "content": "A"}, {"role": "tool", "content": "R"}]
     assert encode_plain(msgs, bos="<s>") == "<s>System: S\n\nUser: hi\n\nAssistant: A\n\nTool result: R\n\nAssistant:"
     assert "get_weather" in encode_plain(U, tools=TOOLS)
+
+
+def test_openai_developer_role_is_the_system_prompt():
+    from flashserve.server.protocol import parse_chat_request
+
+    dev = parse_chat_request({"model": "m", "messages": [{"role": "developer", "content": "DEV RULES"}] + U},
+                             vocab_size=512)
+    sys_ = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "DEV RULES"}] + U},
+                              vocab_size=512)
+    for thinking in (True, False):
+        text = encode_v41(dev.messages, thinking=thinking)
+        assert "DEV RULES" in text and text == encode_v41(sys_.messages, thinking=thinking)

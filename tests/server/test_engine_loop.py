@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from flashserve.engine import EngineConfig, LLMEngine, QueueFullError, RequestError, SamplingParams
+from flashserve.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
 from flashserve.server.engine_loop import EngineLoop
 
 
@@ -57,8 +57,8 @@ def test_add_errors_reach_the_caller(engine):
                 await loop.add("e", [], SamplingParams(max_tokens=1))
             with pytest.raises(RequestError):
                 await loop.add("t", "x", SamplingParams(max_tokens=1, temperature=-1.0))
-            with pytest.raises(QueueFullError):
-                await loop.add("q", "hello", SamplingParams(max_tokens=1, n=3))  # 3 > max_waiting 2
+            with pytest.raises(RequestError, match="n"):  # 3 > max_waiting 2: never fits, not "retry later"
+                await loop.add("q", "hello", SamplingParams(max_tokens=1, n=3))
             assert loop.alive
         finally:
             loop.stop()
