@@ -1,0 +1,88 @@
+"""Reasoning and tool calls end to end, deterministically: the real engine and app, with the sampler
+replaced by a script of tokens (random tiny weights never emit ``</think>`` or DSML on their own).
+
+The official ``openai`` client talks to the app in-process (httpx over ASGI, via Starlette's TestClient):
+the HTTP request and response bodies, SSE framing, parsing and finish reasons are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+from starlette.testclient import TestClient
+
+import flashserve.engine.llm_engine as llm_engine_mod
+from flashserve.engine import EngineConfig, LLMEngine
+from flashserve.engine.sampler import SampleResult
+from flashserve.server.app import ServerConfig, create_app
+from flashserve.server.chat_encoding import EOS, encode_tool_calls
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"]}}}]
+SCRIPT = "Let me check the weather.</think>Checking now." + "\n\n" + encode_tool_calls([CALL]) + EOS
+
+
+@pytest.fixture(scope="module")
+def client():
+    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=8, max_num_batched_tokens=256))
+    script = engine.tokenizer.encode(SCRIPT)
+
+    def scripted(logits, rows, generator=None):
+        return SampleResult([script[min(len(r.output_ids), len(script) - 1)] for r in rows], [None] * len(rows))
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(llm_engine_mod, "sample", scripted)
+    app = create_app(engine, ServerConfig(model_name="tiny-v41"))
+    with TestClient(app) as http:
+        yield OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http)
+    mp.undo()
+
+
+def test_reasoning_content_tool_calls_and_finish_reason(client):
+    r = client.chat.completions.create(model="tiny-v41", messages=[{"role": "user", "content": "Weather?"}],
+                                       tools=TOOLS, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "Let me check the weather."
+    assert choice.message.content == "Checking now."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+
+def test_streamed_tool_call_deltas_rebuild_the_call(client):
+    stream = client.chat.completions.create(model="tiny-v41", messages=[{"role": "user", "content": "Weather?"}],
+                                            tools=TOOLS, max_tokens=200, stream=True,
+                                            stream_options={"include_usage": True})
+    reasoning, content, name, args, finish, usage = "", "", "", "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            d = c.delta
+            reasoning += getattr(d, "reasoning_content", None) or ""
+            content += d.content or ""
+            for tc in d.tool_calls or []:
+                name += tc.function.name or ""
+                args += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (reasoning, content, name) == ("Let me check the weather.", "Checking now.", "get_weather")
+    assert json.loads(args) == {"city": "Paris", "days": 2}
+    assert finish == "tool_calls"
+    assert usage is not None and usage.completion_tokens > 10
+
+
+def test_tool_result_round_trip_is_encoded(client):
+    """The assistant's call and the tool's answer go back in; the next turn is generated normally."""
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+    r = client.chat.completions.create(model="tiny-v41", messages=msgs, tools=TOOLS, max_tokens=200)
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert r.usage.prompt_tokens > 30
