@@ -742,7 +742,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
                                     etext, elp = echo_piece(p)
                                     text = etext + text
                                     lp = merge_lp(elp, lp) if k is not None else None
-                                if text or lp or finish:
+                                if text or (lp and lp["tokens"]) or finish:
                                     yield _sse({**base, "choices": [{"index": p * n + co.index, "text": text,
                                                                      "logprobs": lp, "finish_reason": finish,
                                                                      "stop_reason": choices[(p, co.index)].stop_reason

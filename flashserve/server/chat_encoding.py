@@ -104,12 +104,12 @@ def effort_value(effort: str | int | None) -> int:
 def resolve_mode(thinking: bool | None, reasoning_effort: str | int | None,
                  default_thinking: bool = True) -> tuple[bool, int]:
     """(thinking?, effort) for one request: ``chat_template_kwargs.thinking`` wins; ``reasoning_effort="none"``
-    selects chat mode; otherwise ``default_thinking``."""
+    selects chat mode and any other effort thinking mode; otherwise ``default_thinking``."""
     if reasoning_effort == "none":
         return (bool(thinking) if thinking is not None else False), DEFAULT_EFFORT
     eff = effort_value(reasoning_effort)
     if thinking is None:
-        thinking = default_thinking
+        thinking = True if reasoning_effort is not None else default_thinking
     return bool(thinking), eff
 
 

@@ -171,3 +171,9 @@ def test_openai_developer_role_is_the_system_prompt():
     for thinking in (True, False):
         text = encode_v41(dev.messages, thinking=thinking)
         assert "DEV RULES" in text and text == encode_v41(sys_.messages, thinking=thinking)
+
+
+def test_an_explicit_effort_turns_thinking_on_even_when_the_default_is_off():
+    assert resolve_mode(None, "high", default_thinking=False) == (True, 50)
+    assert resolve_mode(None, None, default_thinking=False)[0] is False
+    assert resolve_mode(False, "high", default_thinking=True)[0] is False  # the explicit switch wins
