@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prefill-len", type=int, default=4096)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="peers", help="the V4 checkpoint compared")
+    ap.add_argument("--sweep-json", default=None, metavar="PATH",
+                    help="also write the measured points as a bench sweep (PATH) and the checkpoint's config "
+                         "(PATH.config.json), the input of `flashserve plan --calibrate`")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"ratio {ratio:6.2f}x", flush=True)
 
         eng = engine_for(ours, tmp, max_num_seqs=64)
-        table("decode per agent, batch 1", fs_decode_rate(eng, plen, new1), hf_decode_rate(hf, plen, new1))
+        batch1 = fs_decode_rate(eng, plen, new1)
+        table("decode per agent, batch 1", batch1, hf_decode_rate(hf, plen, new1))
+        sweep = [{"concurrency": 1, "tokens_per_s_per_agent": batch1, "output_tokens_per_s_per_gpu": batch1}]
         floor = model_floor_rate(ours, plen, new1)
         print(f"{'  (bare model + DenseState, batch 1)':<34} {floor:10.1f} tok/s: the engine runs at "
               f"{rows[-1][1] / floor:.0%} of the model's own eager speed", flush=True)
@@ -194,6 +199,16 @@ def main(argv: list[str] | None = None) -> int:
             t_ours, _ = fs_run(eng, batch, newb)
             t_hf = hf_generate_time(hf, batch, newb)
             table(f"aggregate output, {b} concurrent", b * newb / t_ours, b * newb / t_hf)
+            sweep.append({"concurrency": b, "tokens_per_s_per_agent": newb / t_ours,
+                          "output_tokens_per_s_per_gpu": b * newb / t_ours})
+        if args.sweep_json:
+            import json
+            import shutil
+
+            out = Path(args.sweep_json)
+            out.write_text(json.dumps({"hardware": "cpu-local", "context": plen + newb, "points": sweep}, indent=1))
+            shutil.copy(Path(tmp) / "config.json", f"{out}.config.json")
+            print(f"wrote {out} and {out}.config.json")
         L = args.prefill_len
         eng = engine_for(ours, tmp, max_num_seqs=4, max_model_len=8192)
         table(f"prefill {L} tokens (V4, exact)", fs_prefill_rate(eng, L), hf_prefill_rate(hf, L))
