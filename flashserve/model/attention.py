@@ -7,7 +7,6 @@ from the :class:`~flashserve.model.state.SequenceState` in the forward context.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F

@@ -482,7 +482,7 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
         strip = user_skip is not False
         choices = [_Choice(i, parser=ChatOutputParser(thinking, parse_tools)) for i in range(req.sampling.n)]
         created = int(time.time())
-        ctx = {"ttft": None, "t0": t0}
+        ctx = {"ttft": None}
 
         def finish_metrics() -> None:
             gen = sum(len(c.token_ids) for c in choices)

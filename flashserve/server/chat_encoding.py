@@ -35,7 +35,6 @@ CALLS_TAG = DSML + " calls"
 INVOKE_TAG = DSML + " invoke"
 PARAM_TAG = DSML + " parameter"
 
-EFFORT_LEVELS: dict[str, int] = {"low": 25, "high": 50, "xhigh": 75, "max": 100}
 DEFAULT_EFFORT = 50
 # OpenAI's effort names mapped onto the V4.1 scale ("none" switches thinking off, see resolve_mode).
 OPENAI_EFFORT_ALIASES: dict[str, int] = {"minimal": 25, "low": 25, "medium": 50, "high": 50, "xhigh": 75, "max": 100}

@@ -18,7 +18,6 @@ import contextlib
 import concurrent.futures
 import logging
 import threading
-import time
 from typing import Any, Callable
 
 log = logging.getLogger("flashserve.server")
@@ -73,7 +72,6 @@ class EngineLoop:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stats: dict[str, Any] = {}
         self.steps = 0
-        self.last_step_s = 0.0
         self.fatal: BaseException | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -92,10 +90,6 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
 
     # -- handler side (event loop thread) ---------------------------------------------------------------------
     async def add(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
@@ -187,14 +181,12 @@ class EngineLoop:
             while not self._stop.is_set():
                 changed = self._drain_commands()
                 if engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
                     try:
                         outputs = engine.step()
                     except Exception as e:  # an engine bug: fail the requests in flight, keep serving
                         log.exception("engine.step() failed")
                         self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
                         outputs = []
-                    self.last_step_s = time.perf_counter() - t0
                     self.steps += 1
                     for out in outputs:
                         stream = self._streams.get(out.request_id)

@@ -42,8 +42,6 @@ class ServerMetrics:
                                           "Prompt tokens the engine has processed", labels, registry=r)
         self.engine_generation_tokens = Gauge("flashserve_engine_generation_tokens_total",
                                               "Tokens the engine has generated", labels, registry=r)
-        self.in_flight = Gauge("flashserve_http_requests_in_flight", "Generation requests being served",
-                               registry=r)
 
     def update_engine(self, stats: dict) -> None:
         m = self.model_name

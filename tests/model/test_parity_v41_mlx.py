@@ -6,7 +6,6 @@ mlx-lm implements the V4.1 text model without engram, DSpark or vision, so the c
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
