@@ -68,7 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    from .config import ConfigError
+    from .engine import RequestError
+    from .model.checkpoint import CheckpointError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, CheckpointError, RequestError, OSError) as exc:  # the user's input, not a bug
+        print(f"flashserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

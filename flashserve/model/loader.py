@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig, load_config
+from ..config import ConfigError, ModelConfig, load_config
 from ..config.presets import PRESET_JSON, RUNNABLE_PRESETS
 from .init import random_init
 from .transformer import Transformer
@@ -20,7 +20,7 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[dtype]
 
 
@@ -48,7 +48,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     name = str(path_or_preset)
     cfg: ModelConfig = load_config(path_or_preset)
     if name in PRESET_JSON and name not in RUNNABLE_PRESETS:
-        raise ValueError(f"preset {name!r} has the real model's dimensions and is for arithmetic and planning "
+        raise ConfigError(f"preset {name!r} has the real model's dimensions and is for arithmetic and planning "
                          f"only; runnable presets: {', '.join(RUNNABLE_PRESETS)}")
     torch_dtype = resolve_dtype(dtype)
     with torch.device("meta"):

@@ -126,3 +126,15 @@ def test_image_token_outside_vocab_is_named():
     data["image_token_id"] = 10_000
     with pytest.raises(ConfigError, match="image_token_id"):
         config_from_dict(data)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["generate", "tiny-v41", ""], "empty prompt"),
+    (["generate", "deepseek-v41-flash", "hi"], "arithmetic and planning only"),
+    (["generate", "tiny-v41", "hi", "--dtype", "float7"], "float7"),
+    (["serve", "/no/such/checkpoint"], "/no/such/checkpoint"),
+])
+def test_cli_reports_user_errors_without_traceback(args, needle):
+    out = subprocess.run([sys.executable, "-m", "flashserve", *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert needle in out.stderr and "Traceback" not in out.stderr
