@@ -10,7 +10,7 @@ import time
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    g.add_argument("--device", default="cpu", help="cpu | cuda")
+    g.add_argument("--device", default="auto", help="auto (CUDA when present) | cpu | cuda")
     g.add_argument("--kv-memory", default="1GiB", help="memory for the global KV pages, e.g. 1GiB")
     g.add_argument("--cache-dtype", choices=["packed", "float"], default=None,
                    help="packed (V4.1 default) or float (V4 default)")

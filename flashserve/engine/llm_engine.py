@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ConfigError
+
 from .cache import KVCache, parse_bytes
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
@@ -25,7 +27,7 @@ log = logging.getLogger("flashserve.engine")
 class EngineConfig:
     model: str
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # "auto": CUDA when present, else CPU
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_memory: str | int = "1GiB"
@@ -48,8 +50,12 @@ class LLMEngine:
 
         self.config = c = config
         device = c.device
-        if device == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("device='cuda' asked but CUDA is not available")
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} asked but CUDA is not available")
         self.dtype = torch.float64 if c.dtype in ("float64", "fp64", torch.float64) else resolve_dtype(c.dtype)
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
                                                                 fake_quant=c.fake_quant, with_mtp=False)
