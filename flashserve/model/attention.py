@@ -186,7 +186,8 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch
 class Attention(nn.Module):
     """One layer's attention (spec §2.4-2.9): MQA with K = V = a 512-wide latent, sink, inverse RoPE."""
 
-    def __init__(self, cfg: ModelConfig, layer: int | None, *, ratio: int = 0, role: str = "swa"):
+    def __init__(self, cfg: ModelConfig, layer: int, *, ratio: int = 0, role: str = "swa"):
+        """``layer``: backbone index, or ``num_hidden_layers + s`` for MTP / DSpark stage ``s`` (its state key)."""
         super().__init__()
         D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.cfg, self.layer, self.ratio, self.role = cfg, layer, ratio, role
@@ -250,7 +251,7 @@ class Attention(nn.Module):
         ctx.state.compressed(f"{key}.main", main.to(x.dtype), n_new)
         ctx.produced.add(self.layer)
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, src: int, n_entries: torch.Tensor,
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, src: int,
                 visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it."""
         keys, _ = ctx.state.compressed(f"{src}.index")
@@ -281,15 +282,15 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         if ctx.fake_quant:
             kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
-        keys, kpos = ctx.state.window(self.layer if self.layer is not None else -1, kv)
+        keys, kpos = ctx.state.window(self.layer, kv)
         t = ctx.positions
         kp = kpos[:, None, :]
         win_ok = (kp >= 0) if ctx.noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
         win_ok = win_ok.expand(B, S, kp.shape[-1])
         scale = hd ** -0.5
         qf = fp32(q)
-        logits = [torch.einsum("bshd,btd->bhst", qf, fp32(keys)) * scale]
-        logits[0] = logits[0].masked_fill(~win_ok[:, None], NEG_INF)
+        window_scores = torch.einsum("bshd,btd->bhst", qf, fp32(keys)) * scale
+        logits = [window_scores.masked_fill(~win_ok[:, None], NEG_INF)]
         values = None
         if self.ratio > 0:
             src = self.cfg.kv_source(self.layer)
@@ -305,7 +306,7 @@ class Attention(nn.Module):
                 values = ("dense", entries)
             else:
                 if idx_src == self.layer:
-                    idx, valid = self._select(x, qr, ctx, src, n_entries, visible)
+                    idx, valid = self._select(x, qr, ctx, src, visible)
                 else:
                     idx, valid = ctx.topk[idx_src]
                 picked = torch.gather(entries[:, None].expand(-1, S, -1, -1), 2,
