@@ -67,3 +67,12 @@ def test_rejected_batch_leaves_nothing_queued():
         llm.generate([[5, 6, 7], [], [8, 9]], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.stats()["kv_pages_used"] == 0
+
+
+def test_bf16_engine_keeps_encoder_only_prefill():
+    llm = LLM(V41, dtype="bfloat16")
+    assert llm.engine.encoder_only
+    outs = llm.generate(["The quick brown fox", "jumps"], SamplingParams(max_tokens=6, temperature=0.0,
+                                                                         ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    assert llm.engine.stats()["kv_pages_used"] == 0
