@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Sequence
 
+from .errors import UserError
+
 
 def _info(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_config, model_arithmetic
@@ -68,13 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from .config import ConfigError
-    from .engine import RequestError
-    from .model.checkpoint import CheckpointError
-
     try:
         return int(args.func(args) or 0)
-    except (ConfigError, CheckpointError, RequestError, OSError) as exc:  # the user's input, not a bug
+    except (UserError, OSError) as exc:  # the user's input, not a bug
         print(f"flashserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

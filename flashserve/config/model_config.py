@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..errors import UserError
 from .engram_primes import engram_table_rows
 
 V4 = "deepseek_v4"
@@ -47,7 +48,7 @@ _IGNORED_KEYS = frozenset(
 )
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config.json or preset that cannot describe a model we can build; the message names the field."""
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UserError
 
-class RequestError(ValueError):
+
+class RequestError(UserError):
     """A request the engine cannot accept (bad parameters, empty or too-long prompt); the message names the field."""
 
 

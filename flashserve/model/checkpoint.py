@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from flashserve.errors import UserError
 from flashserve.config.layout import BF16, FP4, FP8, FP8_TABLE, FP32, INT, TensorSpec, checkpoint_layout
 from flashserve.config.model_config import ModelConfig
 from flashserve.config.serialize import config_to_json
@@ -51,7 +52,7 @@ _OPTIONAL_PARTS = ({"mtp", "dspark"}, {"vision"})  # groups a checkpoint may omi
 _FLOAT_STORAGE = {BF16: torch.bfloat16, FP32: torch.float32}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot fill the model: the message names the offending tensors and files."""
 
 

@@ -138,3 +138,13 @@ def test_cli_reports_user_errors_without_traceback(args, needle):
     out = subprocess.run([sys.executable, "-m", "flashserve", *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_info_and_plan_commands_do_not_import_torch():
+    code = ("import sys, contextlib, io\nfrom flashserve.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['info', 'deepseek-v41-flash', '--json']) == 0\n"
+            "    assert main(['plan', '--model', 'deepseek-v41-flash', '--hardware', 'b200', '--gpus', '8', "
+            "'--concurrency', '1', '--context', '4096', '--json']) == 0\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
