@@ -1,15 +1,19 @@
 """Engine benchmark against transformers' ``generate`` on the same tiny V4 checkpoint.
 
-    python -m flashserve.bench.engine [--quick] [--threads N]
+    python -m flashserve.bench.engine [--quick] [--threads N] [--repeats R] [--dtype float32|bfloat16]
 
 Measures (a) decode tokens/s per agent at batch 1, (b) aggregate output tokens/s with 16 and 64 concurrent
-requests, (c) prefill tokens/s on a 4K-token prompt: V4 (exact) against transformers, and V4.1 encoder-only
-against exact prefill. Prints a table and the ratios. Not a test.
+requests, end to end (prompt included) and decode only, (c) prefill tokens/s on a 4K-token prompt: V4 (exact)
+against transformers, and V4.1 encoder-only against exact prefill; (d) the machine's bounds that decide
+whether the bars are reachable (one pass over the active weights; large-matmul GFLOP/s). Every figure is
+the median of ``--repeats`` runs, the two engines alternating; ratios are of medians. Not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -62,6 +66,7 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
 # --------------------------------------------------------------------------- transformers
 @torch.inference_mode()
 def hf_generate_time(model, batch: list[list[int]], new: int) -> float:
+    """Seconds for transformers to generate ``new`` tokens after each prompt of ``batch`` (prompt included)."""
     ids = torch.tensor(batch)
     t = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
@@ -94,7 +99,8 @@ def engine_for(model, path: str, **kw):
     from ..engine import EngineConfig, LLMEngine
 
     kw.setdefault("kv_memory", "512MiB")
-    return LLMEngine(EngineConfig(model=path, dtype="float32", **kw), model=model)
+    kw.setdefault("dtype", str(model.dtype).removeprefix("torch."))
+    return LLMEngine(EngineConfig(model=path, **kw), model=model)
 
 
 def fs_run(engine, batch: list[list[int]], new: int) -> tuple[float, float]:
@@ -154,55 +160,147 @@ def model_floor_rate(model, prompt_len: int, new: int) -> float:
     return new / (time.perf_counter() - t)
 
 
+def median_pair(ours, theirs, repeats: int) -> tuple[float, float]:
+    """Medians of ``repeats`` alternating calls of two zero-argument measurements."""
+    a, b = [], []
+    for _ in range(repeats):
+        a.append(ours())
+        b.append(theirs())
+    return statistics.median(a), statistics.median(b)
+
+
+@torch.inference_mode()
+def active_pass_rate(model, repeats: int) -> float:
+    """Tokens/s bound at batch 1 in the model's dtype: one single-row ``mm`` over every weight matrix a decode
+    token touches (attention and mHC matrices, shared expert, top-k routed experts, LM head)."""
+    mats = []
+    for name, p in model.named_parameters():
+        if p.dim() == 2 and "embed" not in name:
+            mats.append(p)
+        elif p.dim() == 3 and ".experts." in name:
+            mats.extend(p[:model.cfg.num_experts_per_tok])
+    x = {p.shape[1]: torch.ones(1, p.shape[1], dtype=p.dtype) for p in mats}
+    times = []
+    for _ in range(max(repeats, 3)):
+        t = time.perf_counter()
+        for p in mats:
+            x[p.shape[1]] @ p.t()
+        times.append(time.perf_counter() - t)
+    return 1 / statistics.median(times)
+
+
+@torch.inference_mode()
+def matmul_gflops(dtype: torch.dtype, repeats: int) -> float:
+    """GFLOP/s of a large [64, 512] x [512, 32000] product (the LM head at 64 agents): a compute ceiling."""
+    a, w = torch.randn(64, 512, dtype=dtype), torch.randn(32000, 512, dtype=dtype)
+    a @ w.t()
+    times = []
+    for _ in range(max(repeats, 3)):
+        t = time.perf_counter()
+        for _ in range(5):
+            a @ w.t()
+        times.append((time.perf_counter() - t) / 5)
+    return 2 * 64 * 512 * 32000 / statistics.median(times) / 1e9
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer tokens (smoke run)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="weights and activations of both engines")
     ap.add_argument("--prefill-len", type=int, default=4096)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="peers", help="the V4 checkpoint compared")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON")
     ap.add_argument("--sweep-json", default=None, metavar="PATH",
                     help="also write the measured points as a bench sweep (PATH) and the checkpoint's config "
                          "(PATH.config.json), the input of `flashserve plan --calibrate`")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
+    from ..config.arithmetic import model_arithmetic
     from ..model.loader import load_model
 
+    dtype = getattr(torch, args.dtype)
     new1, newb = (16, 8) if args.quick else (64, 32)
-    plen = 128
-    rows = []
+    plen, R = 128, args.repeats
+    rows: list[dict] = []
+    rel = float("nan")
+
+    def table(name, ours_v, theirs_v, unit="tok/s", bar=None, vs="transformers"):
+        ratio = ours_v / theirs_v if theirs_v else float("nan")
+        rows.append({"name": name, "flashserve": ours_v, "baseline": theirs_v, "baseline_name": vs,
+                     "unit": unit, "ratio": ratio, "bar": bar, "met": None if bar is None else ratio >= bar})
+        mark = "" if bar is None else f"   bar {bar:g}x: {'met' if ratio >= bar else 'NOT met'}"
+        print(f"{name:<40} flashserve {ours_v:9.1f} {unit}   {vs} {theirs_v:9.1f} {unit}   "
+              f"ratio {ratio:5.2f}x{mark}", flush=True)
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, median of {R} runs")
     with tempfile.TemporaryDirectory() as tmp:
-        hf = build_hf_v4(Path(tmp), args.shape)
+        from transformers import DeepseekV4ForCausalLM
+
+        build_hf_v4(Path(tmp), args.shape)
+        hf = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=dtype, attn_implementation="eager").eval()
         print(f"checkpoint shape {args.shape!r}: {sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M parameters")
-        ours = load_model(tmp, dtype=torch.float32, fake_quant=False, with_mtp=False)
+        ours = load_model(tmp, dtype=dtype, fake_quant=False, with_mtp=False)
+        active = model_arithmetic(ours.cfg).params_active_decode
         ids = torch.tensor(prompts(1, 40, 5))
         with torch.no_grad():
-            rel = float((ours(ids).logits - hf(ids).logits).abs().max() / hf(ids).logits.abs().max())
-        print(f"same checkpoint: flashserve vs transformers logits max rel diff {rel:.2e}")
+            ref = hf(ids).logits.float()
+            rel = float((ours(ids).logits.float() - ref).abs().max() / ref.abs().max())
+        print(f"same checkpoint: flashserve vs transformers logits max rel diff {rel:.2e}; "
+              f"{active / 1e6:.1f}M parameters active per decode token")
 
-        def table(name, ours_v, theirs_v, unit="tok/s"):
-            ratio = ours_v / theirs_v if theirs_v else float("nan")
-            rows.append((name, ours_v, theirs_v, ratio))
-            print(f"{name:<34} flashserve {ours_v:10.1f} {unit}   transformers {theirs_v:10.1f} {unit}   "
-                  f"ratio {ratio:6.2f}x", flush=True)
-
-        eng = engine_for(ours, tmp, max_num_seqs=64)
-        batch1 = fs_decode_rate(eng, plen, new1)
-        table("decode per agent, batch 1", batch1, hf_decode_rate(hf, plen, new1))
-        sweep = [{"concurrency": 1, "tokens_per_s_per_agent": batch1, "output_tokens_per_s_per_gpu": batch1}]
-        floor = model_floor_rate(ours, plen, new1)
-        print(f"{'  (bare model + DenseState, batch 1)':<34} {floor:10.1f} tok/s: the engine runs at "
-              f"{rows[-1][1] / floor:.0%} of the model's own eager speed", flush=True)
-        for b in (16, 64):
+        eng = engine_for(ours, tmp, max_num_seqs=max(64, *args.concurrency))
+        p1 = prompts(1, plen, 1)
+        fs_run(eng, p1, 4)
+        hf_generate_time(hf, p1, 2)
+        ours1, hf1 = median_pair(lambda: fs_decode_rate(eng, plen, new1), lambda: hf_decode_rate(hf, plen, new1), R)
+        table("decode per agent, batch 1", ours1, hf1, bar=5)
+        bound1 = active_pass_rate(ours, R)
+        floor = statistics.median(model_floor_rate(ours, plen, new1) for _ in range(R))
+        print(f"  bare model + DenseState: {floor:.1f} tok/s (the engine runs at {ours1 / floor:.0%} of it); one "
+              f"pass over the active weights bounds batch 1 at {bound1:.0f} tok/s = {bound1 / hf1:.1f}x "
+              f"transformers", flush=True)
+        sweep = [{"concurrency": 1, "tokens_per_s_per_agent": ours1, "output_tokens_per_s_per_gpu": ours1}]
+        agg64 = None
+        for b in args.concurrency:
             batch = prompts(b, plen, 10 + b)
             fs_run(eng, batch[:2], 2)
-            t_ours, _ = fs_run(eng, batch, newb)
-            t_hf = hf_generate_time(hf, batch, newb)
-            table(f"aggregate output, {b} concurrent", b * newb / t_ours, b * newb / t_hf)
-            sweep.append({"concurrency": b, "tokens_per_s_per_agent": newb / t_ours,
-                          "output_tokens_per_s_per_gpu": b * newb / t_ours})
+
+            def ours_b():
+                total, dec = fs_run(eng, batch, newb)
+                return b * newb / total, b * (newb - 1) / dec
+
+            def hf_b():
+                t_all = hf_generate_time(hf, batch, newb)
+                t_one = hf_generate_time(hf, batch, 1)
+                return b * newb / t_all, b * (newb - 1) / max(t_all - t_one, 1e-9)
+
+            o, h = [], []
+            for _ in range(R):
+                o.append(ours_b())
+                h.append(hf_b())
+            bar = 20 if b == 64 else None
+            table(f"aggregate output, {b} concurrent", statistics.median(x[0] for x in o),
+                  statistics.median(x[0] for x in h), bar=bar)
+            table(f"  decode only, {b} concurrent", statistics.median(x[1] for x in o),
+                  statistics.median(x[1] for x in h))
+            if b == 64:
+                agg64 = statistics.median(x[1] for x in h)
+            e2e = statistics.median(x[0] for x in o)
+            sweep.append({"concurrency": b, "tokens_per_s_per_agent": e2e / b, "output_tokens_per_s_per_gpu": e2e})
+        peak = {str(d).removeprefix("torch."): matmul_gflops(d, R) for d in (torch.float32, torch.bfloat16)}
+        print("  large-matmul ceiling: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items()))
+        if agg64:
+            need = 20 * agg64 * 2 * active / 1e9
+            print(f"  20x transformers' decode-only rate at 64 needs {need:.0f} GFLOP/s of matmul alone "
+                  f"({2 * active / 1e6:.0f} MFLOP per token), {need / max(peak.values()):.1f}x the best ceiling")
         if args.sweep_json:
-            import json
             import shutil
 
             out = Path(args.sweep_json)
@@ -210,16 +308,18 @@ def main(argv: list[str] | None = None) -> int:
             shutil.copy(Path(tmp) / "config.json", f"{out}.config.json")
             print(f"wrote {out} and {out}.config.json")
         L = args.prefill_len
-        eng = engine_for(ours, tmp, max_num_seqs=4, max_model_len=8192)
-        table(f"prefill {L} tokens (V4, exact)", fs_prefill_rate(eng, L), hf_prefill_rate(hf, L))
-    v41 = load_model("tiny-v41", dtype=torch.float32, with_mtp=False)
+        eng = engine_for(ours, tmp, max_num_seqs=4, max_model_len=max(8192, L + 8))
+        a, h = median_pair(lambda: fs_prefill_rate(eng, L, 1), lambda: hf_prefill_rate(hf, L, 1), R)
+        table(f"prefill {L} tokens (V4, exact)", a, h)
+    v41 = load_model("tiny-v41", dtype=dtype, with_mtp=False)
     L = min(args.prefill_len, v41.cfg.max_position_embeddings - 8)
-    enc = fs_prefill_rate(engine_for(v41, "tiny-v41", max_num_seqs=4), L)
-    exact = fs_prefill_rate(engine_for(v41, "tiny-v41", max_num_seqs=4, exact_prefill=True), L)
-    ratio = enc / exact
-    print(f"{'prefill ' + str(L) + ' tokens (V4.1)':<34} encoder-only {enc:10.1f} tok/s   exact {exact:10.1f} tok/s   "
-          f"ratio {ratio:6.2f}x", flush=True)
-    print("bars: decode batch 1 >= 5x, aggregate at 64 >= 20x, V4.1 encoder-only prefill >= 1.6x exact")
+    enc_engine = engine_for(v41, "tiny-v41", max_num_seqs=4)
+    exact_engine = engine_for(v41, "tiny-v41", max_num_seqs=4, exact_prefill=True)
+    enc, exact = median_pair(lambda: fs_prefill_rate(enc_engine, L, 1), lambda: fs_prefill_rate(exact_engine, L, 1), R)
+    table(f"prefill {L} tokens (V4.1)", enc, exact, bar=1.6, vs="exact prefill")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "repeats": R, "logits_rel_diff": rel, "threads": torch.get_num_threads(),
+                                               "rows": rows}, indent=1))
     return 0
 
 
