@@ -179,12 +179,12 @@ def active_pass_rate(model, repeats: int) -> float:
             mats.append(p)
         elif p.dim() == 3 and ".experts." in name:
             mats.extend(p[:model.cfg.num_experts_per_tok])
-    x = {p.shape[1]: torch.ones(1, p.shape[1], dtype=p.dtype) for p in mats}
+    x = {(p.shape[1], p.dtype): torch.ones(1, p.shape[1], dtype=p.dtype) for p in mats}
     times = []
     for _ in range(max(repeats, 3)):
         t = time.perf_counter()
         for p in mats:
-            x[p.shape[1]] @ p.t()
+            x[p.shape[1], p.dtype] @ p.t()
         times.append(time.perf_counter() - t)
     return 1 / statistics.median(times)
 

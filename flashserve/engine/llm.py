@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Iterator
 
@@ -34,6 +35,8 @@ class LLM:
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("params: one SamplingParams per prompt, or one for all")
+        # only the last output of each request is returned: let the engine build nothing before it
+        plist = [dataclasses.replace(sp, output_kind="final_only") for sp in plist]
         order = []
         try:
             for p, sp in zip(prompts, plist):

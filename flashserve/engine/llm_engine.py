@@ -215,10 +215,11 @@ class LLMEngine:
                 touched[seq.group.request_id] = seq.group
         outputs = []
         for rid, group in touched.items():
-            out = group.make_output()
-            outputs.append(out)
             if group.finished:
                 self.groups.pop(rid, None)
+            elif group.params.output_kind == "final_only":
+                continue
+            outputs.append(group.make_output())
         return outputs
 
     def _append(self, seq: Sequence, tid: int, lp: dict[int, float] | None) -> None:

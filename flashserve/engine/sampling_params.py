@@ -15,6 +15,9 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full; retry later."""
 
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -33,6 +36,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # what each RequestOutput carries (as vLLM's RequestOutputKind): "cumulative": text, token ids and
+    # logprobs so far; "delta": only what is new since the previous output; "final_only": one output at the end
+    output_kind: str = "cumulative"
 
     @property
     def greedy(self) -> bool:
@@ -72,6 +78,8 @@ class SamplingParams:
         if self.stop_token_ids is not None:
             if not all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids):
                 bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0 or v > min(vocab_size, 20)):

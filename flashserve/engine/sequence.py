@@ -93,21 +93,35 @@ class RequestGroup:
         self.seqs: list[Sequence] = []
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def make_output(self, *, only_new: bool = True) -> RequestOutput:
+    def make_output(self) -> RequestOutput:
+        """The request's output after a step, shaped by ``params.output_kind``. ``delta_text`` and
+        ``delta_token_ids`` always hold what is new; "delta" outputs copy nothing else, so a step's cost
+        does not grow with the length of the generation."""
+        delta_kind = self.params.output_kind == "delta"
         outs = []
         for s in self.seqs:
-            new_ids = s.output_ids[s.emitted_tokens:]
-            s.emitted_tokens = len(s.output_ids)
+            n_out = s.num_tokens - s.num_prompt
+            new_ids = s.tokens[s.num_prompt + s.emitted_tokens:]
+            new_lps = None if s.logprobs is None else s.logprobs[s.emitted_tokens:]
+            s.emitted_tokens = n_out
             delta = s.detok.take_delta(final=s.finished)
+            if delta_kind:
+                text, ids, lps = delta, new_ids, new_lps
+            else:
+                text, ids = s.detok.visible_text(final=s.finished), s.output_ids
+                lps = None if s.logprobs is None else list(s.logprobs)
             outs.append(CompletionOutput(
-                index=s.index, text=s.detok.visible_text(final=s.finished), token_ids=list(s.output_ids),
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                logprobs=None if s.logprobs is None else list(s.logprobs),
-                delta_text=delta, delta_token_ids=new_ids))
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), self.prompt_logprobs, outs,
-                             self.finished)
+                index=s.index, text=text, token_ids=ids, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=lps, delta_text=delta, delta_token_ids=new_ids))
+        prompt_lps = self.prompt_logprobs
+        if delta_kind:  # sent once, with the first output
+            prompt_lps, self.prompt_logprobs_sent = (None if self.prompt_logprobs_sent else prompt_lps), True
+        elif prompt_lps is not None:
+            prompt_lps = list(prompt_lps)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, prompt_lps, outs, self.finished)

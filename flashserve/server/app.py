@@ -73,20 +73,15 @@ class _Choice:
     parser: ChatOutputParser | None = None
     lp_entries: list[dict[str, Any]] = field(default_factory=list)
     started: bool = False
+    lp_chars: int = 0  # characters of the token strings already given logprobs (completions' text_offset)
 
 
-def _new_text(choice: _Choice, co: Any) -> str:
-    """Text the engine added for this choice since the last output. The engine's visible text only grows
-    (it holds back what may be the start of a stop string), so this is a suffix; should it ever shrink,
-    what was sent stays sent and nothing new is reported."""
-    text = co.text or ""
-    if text.startswith(choice.text):
-        delta = text[len(choice.text):]
-        choice.text = text
-        return delta
-    if len(text) > len(choice.text):
-        choice.text = text
-    return ""
+def _absorb_delta(choice: _Choice, co: Any) -> tuple[str, list[int], list | None]:
+    """Take one "delta" CompletionOutput into its choice: (new text, new token ids, new logprobs or None).
+    The engine sends only what is new, so a step's work does not grow with the completion's length."""
+    choice.text += co.text
+    choice.token_ids.extend(co.token_ids)
+    return co.text, list(co.token_ids), co.logprobs
 
 
 class Server:
@@ -197,7 +192,7 @@ class Server:
                                 frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
                                 stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                skip_special_tokens=skip_special)
+                                skip_special_tokens=skip_special, output_kind="delta")
         try:
             params.validate(self.vocab_size)
         except RequestError as e:
@@ -496,21 +491,17 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
             c = choices[co.index]
             if c.done:
                 return None, [], None
-            new = _new_text(c, co)
+            new, new_ids, new_lps = _absorb_delta(c, co)
             if strip:
                 new = srv.strip_specials(new)
             delta = c.parser.feed(new)
-            ids = list(co.token_ids)
-            if ids and ctx["ttft"] is None:
+            if c.token_ids and ctx["ttft"] is None:
                 ctx["ttft"] = time.perf_counter() - t0
             lp_entries: list[dict] = []
-            if req.logprobs and co.logprobs is not None:
-                new_lps = co.logprobs[c.n_logprobs:]
-                lp_entries = srv.chat_logprobs(ids[c.n_logprobs:c.n_logprobs + len(new_lps)], new_lps,
-                                               req.top_logprobs)
+            if req.logprobs and new_lps is not None:
+                lp_entries = srv.chat_logprobs(new_ids, new_lps, req.top_logprobs)
                 c.n_logprobs += len(new_lps)
                 c.lp_entries.extend(lp_entries)
-            c.token_ids = ids
             finish = None
             if co.finish_reason is not None:
                 tail = c.parser.finish()
@@ -685,19 +676,17 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
             c.started = True
             if out.prompt_logprobs is not None and p not in prompt_lps:
                 prompt_lps[p] = list(out.prompt_logprobs)
-            new = "" if echo_only else _new_text(c, co)
-            ids = list(co.token_ids)
-            if ids and ctx["ttft"] is None:
+            new, new_ids, new_lps = _absorb_delta(c, co)
+            if echo_only:
+                new = ""
+            if c.token_ids and ctx["ttft"] is None:
                 ctx["ttft"] = time.perf_counter() - t0
             lp_piece = None
-            if k is not None and co.logprobs is not None and not echo_only:
-                new_lps = co.logprobs[c.n_logprobs:]
-                new_ids = ids[c.n_logprobs:c.n_logprobs + len(new_lps)]
-                offset = (len(prompt_texts[p]) if req.echo else 0) + sum(
-                    len(srv.token_str(t)) for t in ids[:c.n_logprobs])
+            if k is not None and new_lps is not None and not echo_only:
+                offset = (len(prompt_texts[p]) if req.echo else 0) + c.lp_chars
                 lp_piece = srv.completion_logprobs(new_ids, new_lps, k, offset)
                 c.n_logprobs += len(new_lps)
-            c.token_ids = ids
+                c.lp_chars += sum(len(srv.token_str(t)) for t in new_ids)
             finish = None
             if co.finish_reason is not None:
                 c.done = True

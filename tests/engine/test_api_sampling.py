@@ -169,3 +169,46 @@ def test_n_streaming_and_abort_frees(llm):
                 assert [len(c.token_ids) for c in out.outputs] == [6, 6]
                 assert [seen[c.index] for c in out.outputs] == [c.token_ids for c in out.outputs]
     assert eng.stats()["kv_pages_used"] == 0
+
+
+def _drain(engine, rid_prefix: str, prompts, params) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{rid_prefix}{i}", p, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+def test_output_kinds_carry_the_same_completion(llm):
+    """"delta" outputs add up to the "cumulative" final output; "final_only" sends that output alone."""
+    engine = llm.engine
+    prompts = ["Once upon a time", "abc"]
+
+    def params(kind):
+        return SamplingParams(n=2, max_tokens=14, temperature=0.9, seed=7, ignore_eos=True, logprobs=2,
+                              prompt_logprobs=1, stop=["e t"], output_kind=kind)
+
+    cum = _drain(engine, "cum", prompts, params("cumulative"))
+    delta = _drain(engine, "dlt", prompts, params("delta"))
+    final = _drain(engine, "fin", prompts, params("final_only"))
+    for i in range(len(prompts)):
+        c, d, f = cum[f"cum{i}"], delta[f"dlt{i}"], final[f"fin{i}"]
+        assert len(f) == 1 and f[0].finished and len(d) == len(c) > 1
+        assert f[0].prompt_logprobs == c[-1].prompt_logprobs == d[0].prompt_logprobs
+        assert all(o.prompt_logprobs is None for o in d[1:])  # sent once
+        for j in range(2):
+            whole = c[-1].outputs[j]
+            pieces = [o.outputs[j] for o in d]
+            assert "".join(p.text for p in pieces) == whole.text == f[0].outputs[j].text
+            assert sum((p.token_ids for p in pieces), []) == whole.token_ids == f[0].outputs[j].token_ids
+            assert sum((p.logprobs for p in pieces), []) == whole.logprobs == f[0].outputs[j].logprobs
+            assert all(p.token_ids == p.delta_token_ids for p in pieces)  # nothing but the new part
+            assert pieces[-1].finish_reason == whole.finish_reason
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_output_kind_validated(llm):
+    with pytest.raises(RequestError, match="output_kind"):
+        llm.engine.add_request("bad-kind", "abc", SamplingParams(output_kind="deltas"))
