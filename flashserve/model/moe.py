@@ -13,6 +13,9 @@ from .norms import fp32
 
 # Gather experts' weights per (token, expert) pair while that copies at most this many bytes.
 GATHER_BYTES = 1 << 20
+# One grouped matmul while experts average at most this many rows; above it (prefill) a loop of plain
+# matmuls is faster on the CPU (measured: 1.5x at 64 rows per expert, 0.56x at 2048).
+GROUPED_MM_ROWS = 64
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -70,7 +73,7 @@ class Experts(nn.Module):
         # gathering pays when experts are rarely shared by several tokens and the copies stay small
         if pairs <= self.w1.shape[0] and pairs * 3 * self.w1[0].numel() * self.w1.element_size() <= GATHER_BYTES:
             return self._gathered(x, idx, w)
-        if self._grouped_mm_ok(x):
+        if pairs <= GROUPED_MM_ROWS * self.w1.shape[0] and self._grouped_mm_ok(x):
             return self._grouped_mm(x, idx, w)
         return self._grouped(x, idx, w)
 
