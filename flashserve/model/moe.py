@@ -78,9 +78,10 @@ class Experts(nn.Module):
         return self._grouped(x, idx, w)
 
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
-        """``torch._grouped_mm`` takes fp32/bf16/fp16 on the CPU with 16-byte-aligned rows (CUDA: untested)."""
+        """``torch._grouped_mm`` takes fp32/bf16/fp16 on the CPU with 16-byte-aligned rows (CUDA: untested);
+        its meta kernel accepts bf16 only, so a compiled forward uses the loop."""
         E, inter, dim = self.w1.shape
-        return (x.device.type == "cpu" and hasattr(torch, "_grouped_mm")
+        return (x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and not torch.compiler.is_compiling()
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and (dim * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0)
 
