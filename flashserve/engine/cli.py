@@ -64,7 +64,7 @@ def run_generate(args: argparse.Namespace) -> int:
     load = time.perf_counter() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.request_seed, stop=args.stop,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, output_kind="delta")
     t1 = time.perf_counter()
     first = None
     n = 0
@@ -73,8 +73,8 @@ def run_generate(args: argparse.Namespace) -> int:
         c = out.outputs[0]
         if first is None:
             first = time.perf_counter() - t1
-        n = len(c.token_ids)
-        sys.stdout.write(c.delta_text)
+        n += len(c.token_ids)
+        sys.stdout.write(c.text)
         sys.stdout.flush()
         reason = c.finish_reason
     el = time.perf_counter() - t1

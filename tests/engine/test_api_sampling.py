@@ -135,12 +135,14 @@ def test_detokenizer_utf8_and_stop_holdback():
     assert "".join(pieces) == "naïve 日本語 ok "
 
 
-def test_cli_generate(capsys):
+def test_cli_generate(llm, capsys):
     from flashserve.engine.cli import main
 
-    main(["generate", "tiny-v41", "Hello", "--max-tokens", "5", "--temperature", "0"])
+    main(["generate", "tiny-v41", "Hello", "--max-tokens", "5", "--temperature", "0", "--ignore-eos"])
     out = capsys.readouterr()
-    assert "tok/s" in out.err
+    want = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert out.out == want.text + "\n"
+    assert out.err.startswith("5 tokens in ") and "tok/s" in out.err
 
 
 def test_stream_stop_string_never_leaks(llm):
