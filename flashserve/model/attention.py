@@ -19,6 +19,9 @@ from .quant import fake_quant_fp4, fake_quant_fp8
 from .rope import apply_rope
 
 NEG_INF = float("-inf")
+# Forwards of more query rows than this attend to the window in blocks of this many rows, each against
+# only the keys its rows can see: prefill costs O(S·window) instead of O(S²).
+WINDOW_BLOCK = 256
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -159,9 +162,16 @@ class Indexer(nn.Module):
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k entries among visible ones: (indices [B,S,k'], valid [B,S,k']) with k' = min(k, T)."""
     k = min(k, scores.shape[-1])
-    masked = scores.masked_fill(~visible, NEG_INF)
-    top = masked.topk(k, dim=-1)
-    return top.indices, torch.isfinite(top.values)
+    values, indices = top_k(scores.masked_fill(~visible, NEG_INF), k)
+    return indices, torch.isfinite(values)
+
+
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest along the last axis, ties going to the lower index. ``torch.topk`` leaves ties in no
+    set order and its choice changes with the axis length, so a chunk boundary or a batch neighbour could
+    change which of two equal-scored entries is read; FP4 index scores tie often."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
 
 
 def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch.Tensor, block: int,
@@ -177,9 +187,9 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch
     has_any = n_visible > 0
     pin = torch.where(has_any, float("inf"), NEG_INF).to(block_scores.dtype)
     block_scores = block_scores.scatter(-1, newest[..., None], pin[..., None])
-    keep = block_scores.topk(min(n_blocks, nb), dim=-1)
+    keep_values, keep_indices = top_k(block_scores, min(n_blocks, nb))
     chosen = torch.zeros(B, S, nb, dtype=torch.bool, device=scores.device)
-    chosen.scatter_(-1, keep.indices, keep.values > NEG_INF)
+    chosen.scatter_(-1, keep_indices, keep_values > NEG_INF)
     return chosen.repeat_interleave(block, dim=-1)[..., :T]
 
 
@@ -269,6 +279,29 @@ class Attention(nn.Module):
         ctx.topk[self.layer] = sel
         return sel
 
+    def _attend(self, q: torch.Tensor, t: torch.Tensor, keys: torch.Tensor, kpos: torch.Tensor,
+                comp_logits: torch.Tensor | None, values: tuple[str, torch.Tensor] | None,
+                noncausal: bool) -> torch.Tensor:
+        """One softmax over window keys, compressed entries and the sink for query rows ``q`` [B,s,H,hd]
+        at positions ``t`` [B,s]; window ``keys`` [B,T,hd] (shared K = V) at ``kpos`` [B,T] (−1: empty)."""
+        B, s, H, hd = q.shape
+        kp = kpos[:, None, :]
+        win_ok = (kp >= 0) if noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
+        kf = fp32(keys)
+        window_scores = torch.einsum("bshd,btd->bhst", q, kf) * hd ** -0.5
+        logits = [window_scores.masked_fill(~win_ok[:, None], NEG_INF)]
+        if comp_logits is not None:
+            logits.append(comp_logits)
+        sink = fp32(self.attn_sink).view(1, H, 1, 1).expand(B, H, s, 1)
+        probs = torch.softmax(torch.cat(logits + [sink], dim=-1), dim=-1)[..., :-1]
+        tw = keys.shape[1]
+        out = torch.einsum("bhst,btd->bshd", probs[..., :tw], kf)
+        if values is not None:
+            kind, v = values
+            pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
+            out = out + torch.einsum(pattern, probs[..., tw:], fp32(v))
+        return out
+
     # -------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, S, _ = x.shape
@@ -284,14 +317,8 @@ class Attention(nn.Module):
             kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
         keys, kpos = ctx.state.window(self.layer, kv)
         t = ctx.positions
-        kp = kpos[:, None, :]
-        win_ok = (kp >= 0) if ctx.noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
-        win_ok = win_ok.expand(B, S, kp.shape[-1])
-        scale = hd ** -0.5
         qf = fp32(q)
-        window_scores = torch.einsum("bshd,btd->bhst", qf, fp32(keys)) * scale
-        logits = [window_scores.masked_fill(~win_ok[:, None], NEG_INF)]
-        values = None
+        comp_logits, values = None, None  # compressed entries: masked logits [B,H,S,X] and their values
         if self.ratio > 0:
             src = self.cfg.kv_source(self.layer)
             if src == self.layer:
@@ -301,8 +328,8 @@ class Attention(nn.Module):
             visible = (j[None, None, :] < ((t + 1) // self.ratio)[..., None]) & (j[None, None, :] < n_entries[:, None, None])
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
-                comp = torch.einsum("bshd,btd->bhst", qf, fp32(entries)) * scale
-                logits.append(comp.masked_fill(~visible[:, None], NEG_INF))
+                comp = torch.einsum("bshd,btd->bhst", qf, fp32(entries)) * hd ** -0.5
+                comp_logits = comp.masked_fill(~visible[:, None], NEG_INF)
                 values = ("dense", entries)
             else:
                 if idx_src == self.layer:
@@ -311,18 +338,21 @@ class Attention(nn.Module):
                     idx, valid = ctx.topk[idx_src]
                 picked = torch.gather(entries[:, None].expand(-1, S, -1, -1), 2,
                                       idx[..., None].expand(-1, -1, -1, hd))  # [B,S,k,hd]
-                comp = torch.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * scale
-                logits.append(comp.masked_fill(~valid[:, None], NEG_INF))
+                comp = torch.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * hd ** -0.5
+                comp_logits = comp.masked_fill(~valid[:, None], NEG_INF)
                 values = ("sparse", picked)
-        scores = torch.cat(logits, dim=-1)
-        sink = fp32(self.attn_sink).view(1, H, 1, 1).expand(B, H, S, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        tw = keys.shape[1]
-        out = torch.einsum("bhst,btd->bshd", probs[..., :tw], fp32(keys))
-        if values is not None:
-            kind, v = values
-            pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
-            out = out + torch.einsum(pattern, probs[..., tw:], fp32(v))
+        block = max(WINDOW_BLOCK, self.window)
+        if ctx.noncausal or S <= block:
+            out = self._attend(qf, t, keys, kpos, comp_logits, values, ctx.noncausal)
+        else:  # long chunks: each block of query rows reads only the window keys it can see
+            T, outs = keys.shape[1], []
+            for a in range(0, S, block):
+                b = min(a + block, S)
+                lo, hi = max(0, T - S + a - self.window + 1), T - S + b  # new row i is key T - S + i
+                vals = values if values is None or values[0] == "dense" else ("sparse", values[1][:, a:b])
+                outs.append(self._attend(qf[:, a:b], t[:, a:b], keys[:, lo:hi], kpos[:, lo:hi],
+                                         None if comp_logits is None else comp_logits[:, :, a:b], vals, False))
+            out = torch.cat(outs, dim=1)
         out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
         G = self.cfg.o_groups
         grouped = out.reshape(B, S, G, -1)

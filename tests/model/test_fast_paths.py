@@ -58,3 +58,60 @@ def test_grouped_mm_not_used_where_unsupported():
     assert not ex._grouped_mm_ok(torch.zeros(2, 64, dtype=torch.float64))
     odd = Experts(4, 6, 5, limit=7.0)  # rows of 24 and 20 bytes: not 16-byte aligned
     assert not odd._grouped_mm_ok(torch.zeros(2, 6))
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_blocked_window_attention_equals_dense(preset, monkeypatch):
+    """Long chunks attend to the window block by block; the logits equal one dense masked softmax, for a
+    whole prompt and for a chunk that continues a cached state (prior window rows in the key buffer).
+    Fake quantisation is off: its rounding would turn the last-bit differences of a different summation
+    order into different FP4 codes."""
+    from flashserve.model import attention
+    from flashserve.model.loader import load_model
+
+    model = load_model(preset, dtype=torch.float64, with_mtp=False, fake_quant=False)
+    ids = torch.randint(3, model.cfg.vocab_size, (2, 700), generator=torch.Generator().manual_seed(1))
+    block = max(attention.WINDOW_BLOCK, model.cfg.sliding_window)
+    assert ids.shape[1] - 150 > 2 * block  # several blocks, the last one partial, in both runs
+
+    def run():
+        whole = model(ids).logits
+        state = model.new_state(2)
+        first = model(ids[:, :150], state).logits
+        rest = model(ids[:, 150:], state).logits
+        return whole, torch.cat([first, rest], 1)
+
+    with torch.inference_mode():
+        blocked_whole, blocked_chunked = run()
+        monkeypatch.setattr(attention, "WINDOW_BLOCK", 10 ** 9)
+        dense_whole, dense_chunked = run()
+    # a different summation order, amplified through eight random layers, moves logits by ~1e-9 in float64;
+    # a key missing from a block would move them by ~1e-1
+    torch.testing.assert_close(blocked_whole, dense_whole, rtol=0, atol=1e-7)
+    torch.testing.assert_close(blocked_chunked, dense_chunked, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_fake_quantised_prefill_does_not_depend_on_chunking(preset, monkeypatch):
+    """FP4 index scores tie often; top-k breaks ties by entry order, so a row's selection cannot depend on
+    how many entries its forward holds (with ``torch.topk``, tiny-v41 rows 26.. changed here)."""
+    from flashserve.model import attention
+    from flashserve.model.loader import load_model
+
+    monkeypatch.setattr(attention, "WINDOW_BLOCK", 10 ** 9)  # one dense softmax: only tie-breaking differs
+    model = load_model(preset, dtype=torch.float64, with_mtp=False, fake_quant=True)
+    ids = torch.randint(3, model.cfg.vocab_size, (2, 400), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        whole = model(ids).logits
+        for cut in (100, 128):
+            state = model.new_state(2)
+            parts = [model(ids[:, :cut], state).logits, model(ids[:, cut:], state).logits]
+            torch.testing.assert_close(torch.cat(parts, 1), whole, rtol=0, atol=1e-9)
+
+
+def test_top_k_breaks_ties_by_index():
+    from flashserve.model.attention import top_k
+
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf")]])
+    values, indices = top_k(x, 4)
+    assert indices.tolist() == [[1, 2, 4, 3]] and values.tolist() == [[3.0, 3.0, 3.0, 2.0]]
