@@ -167,11 +167,24 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[to
 
 
 def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` largest along the last axis, ties going to the lower index. ``torch.topk`` leaves ties in no
-    set order and its choice changes with the axis length, so a chunk boundary or a batch neighbour could
-    change which of two equal-scored entries is read; FP4 index scores tie often."""
+    """The ``k`` largest along the last axis, ties going to the lower index, in ascending index order.
+
+    ``torch.topk`` breaks ties in no set order, and its choice changes with the axis length, so a chunk
+    boundary or a batch neighbour could change which of two equal-scored entries is read (FP4 index scores
+    tie often). ``topk(k + 1)`` shows whether a row has a tie across the cut; only then is a stable sort
+    paid for. Equal finite values at the cut are the only case where the set is not already determined.
+    """
+    if k < x.shape[-1]:
+        values, indices = x.topk(k + 1, dim=-1)
+        cut_tie = (values[..., k - 1] == values[..., k]) & torch.isfinite(values[..., k])
+        if not bool(cut_tie.any()):
+            values, indices = values[..., :k], indices[..., :k]
+            order = indices.argsort(dim=-1)
+            return values.gather(-1, order), indices.gather(-1, order)
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    values, indices = values[..., :k], indices[..., :k]
+    order = indices.argsort(dim=-1)
+    return values.gather(-1, order), indices.gather(-1, order)
 
 
 def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch.Tensor, block: int,

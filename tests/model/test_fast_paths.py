@@ -112,6 +112,11 @@ def test_fake_quantised_prefill_does_not_depend_on_chunking(preset, monkeypatch)
 def test_top_k_breaks_ties_by_index():
     from flashserve.model.attention import top_k
 
-    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf")]])
-    values, indices = top_k(x, 4)
-    assert indices.tolist() == [[1, 2, 4, 3]] and values.tolist() == [[3.0, 3.0, 3.0, 2.0]]
+    x = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, float("-inf")],   # a tie across the cut at k = 2
+                      [5.0, 1.0, 4.0, 2.0, 0.0, 3.0]])             # no ties
+    values, indices = top_k(x, 2)
+    assert indices.tolist() == [[1, 2], [0, 2]] and values.tolist() == [[3.0, 3.0], [5.0, 4.0]]
+    values, indices = top_k(x, 4)  # ascending index order
+    assert indices.tolist() == [[1, 2, 3, 4], [0, 2, 3, 5]] and values.tolist() == [[3, 3, 2, 3], [5, 4, 2, 3]]
+    assert top_k(x[1:], 4)[1].tolist() == [[0, 2, 3, 5]]  # the no-tie path alone
+    assert top_k(x, 6)[1].tolist() == [[0, 1, 2, 3, 4, 5]] * 2  # k = length
