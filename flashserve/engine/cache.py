@@ -29,6 +29,7 @@ import torch
 from ..config.arithmetic import kv_record
 from ..config.model_config import ModelConfig
 from ..model import quant
+from ..model.state import gather_entries
 
 log = logging.getLogger("flashserve.engine")
 
@@ -478,29 +479,34 @@ class BatchState:
         return full
 
     # ------------------------------------------------------------ global paged rows
-    def compressed(self, key: str, new: torch.Tensor | None = None,
-                   n_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
         cache = self.cache
         gk = cache.key_by_name[key]
         pages = cache.pages[key]
         epp = pages.shape[1]
         counts = cache.counts[key]
-        if new is not None:
-            cnt = counts[self.slots]
-            if new.shape[1]:
-                g = torch.arange(new.shape[1], device=new.device)
-                valid = g[None, :] < n_new[:, None]
-                idx = cnt[:, None] + g[None, :]
-                valid = valid & (idx >= cache.protected[key][self.slots][:, None])
-                rows, cols = valid.nonzero(as_tuple=True)
-                if rows.numel():
-                    e = idx[rows, cols]
-                    page = self.table[rows, e // epp]
-                    vals = new[rows, cols]
-                    vals = gk.codec.pack(vals) if gk.codec.pack is not None else vals.to(pages.dtype)
-                    pages[page, e % epp] = vals
-            counts[self.slots] = cnt + n_new
-            self._reads.pop(key, None)
+        cnt = counts[self.slots]
+        if new.shape[1]:
+            g = torch.arange(new.shape[1], device=new.device)
+            valid = g[None, :] < n_new[:, None]
+            idx = cnt[:, None] + g[None, :]
+            valid = valid & (idx >= cache.protected[key][self.slots][:, None])
+            rows, cols = valid.nonzero(as_tuple=True)
+            if rows.numel():
+                e = idx[rows, cols]
+                page = self.table[rows, e // epp]
+                vals = new[rows, cols]
+                vals = gk.codec.pack(vals) if gk.codec.pack is not None else vals.to(pages.dtype)
+                pages[page, e % epp] = vals
+        counts[self.slots] = cnt + n_new
+        self._reads.pop(key, None)
+
+    def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.cache
+        gk = cache.key_by_name[key]
+        pages = cache.pages[key]
+        epp = pages.shape[1]
+        counts = cache.counts[key]
         got = self._reads.get(key)
         if got is not None:
             return got
@@ -512,6 +518,20 @@ class BatchState:
             rows = gk.codec.unpack(rows, cache.dtype)
         self._reads[key] = (rows, n)
         return rows, n
+
+    def compressed_rows(self, key: str, index: torch.Tensor) -> torch.Tensor:
+        """The picked entries straight from their pages: a decode step of sparse attention reads (and
+        unpacks) k rows per query, not the sequence's whole compressed cache."""
+        got = self._reads.get(key)
+        if got is not None or index.numel() == 0:  # already read whole this forward (or nothing to read)
+            return gather_entries(self.compressed(key)[0], index)
+        cache = self.cache
+        gk = cache.key_by_name[key]
+        pages = cache.pages[key]
+        epp = pages.shape[1]
+        page = torch.gather(self.table, 1, (index // epp).flatten(1)).view_as(index)
+        rows = pages[page, index % epp]  # [B,S,k,width]
+        return gk.codec.unpack(rows, cache.dtype) if gk.codec.pack is not None else rows
 
     # ------------------------------------------------------------ engram look-back
     def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:

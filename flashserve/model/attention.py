@@ -260,7 +260,7 @@ class Attention(nn.Module):
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)
-            ctx.state.compressed(f"{key}.index", index.to(x.dtype), n_new)
+            ctx.state.append_compressed(f"{key}.index", index.to(x.dtype), n_new)
         elif self.indexer is not None:
             ilatent, n_idx = self.indexer.compressor(x, ctx, f"{key}.index")
             ipos = (first[:, None] + torch.arange(ilatent.shape[1], device=x.device)) * self.ratio
@@ -268,16 +268,17 @@ class Attention(nn.Module):
             index = apply_rope(ilatent, icos, isin)
             if ctx.fake_quant:
                 index = v4_fake_quant_index(index)
-            ctx.state.compressed(f"{key}.index", index.to(x.dtype), n_idx)
+            ctx.state.append_compressed(f"{key}.index", index.to(x.dtype), n_idx)
         if ctx.fake_quant and not self.v41:
             main = v4_fake_quant_kv(main, self.cfg.qk_rope_head_dim)
-        ctx.state.compressed(f"{key}.main", main.to(x.dtype), n_new)
+        ctx.state.append_compressed(f"{key}.main", main.to(x.dtype), n_new)
         ctx.produced.add(self.layer)
 
     def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, src: int,
-                visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it."""
-        keys, _ = ctx.state.compressed(f"{src}.index")
+        keys, n_entries = ctx.state.compressed(f"{src}.index")
+        visible = self._visible(t, keys.shape[1], n_entries)
         mode = (True if self.v41 else "v4") if ctx.fake_quant else False
         scores = self.indexer.scores(x, qr, keys, ctx, mode)
         cfg = self.cfg
@@ -291,6 +292,11 @@ class Attention(nn.Module):
         sel = select_topk(scores, visible, cfg.index_topk)
         ctx.topk[self.layer] = sel
         return sel
+
+    def _visible(self, t: torch.Tensor, T: int, n_entries: torch.Tensor) -> torch.Tensor:
+        """[B,S,T]: entry j is complete before query position t (j < (t+1)/ratio) and present (j < n)."""
+        j = torch.arange(T, device=t.device)
+        return (j[None, None, :] < ((t + 1) // self.ratio)[..., None]) & (j[None, None, :] < n_entries[:, None, None])
 
     def _attend(self, q: torch.Tensor, t: torch.Tensor, keys: torch.Tensor, kpos: torch.Tensor,
                 comp_logits: torch.Tensor | None, values: tuple[str, torch.Tensor] | None,
@@ -336,21 +342,18 @@ class Attention(nn.Module):
             src = self.cfg.kv_source(self.layer)
             if src == self.layer:
                 self.produce(x, ctx)
-            entries, n_entries = ctx.state.compressed(f"{src}.main")
-            j = torch.arange(entries.shape[1], device=x.device)
-            visible = (j[None, None, :] < ((t + 1) // self.ratio)[..., None]) & (j[None, None, :] < n_entries[:, None, None])
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
+                entries, n_entries = ctx.state.compressed(f"{src}.main")
                 comp = torch.einsum("bshd,btd->bhst", qf, fp32(entries)) * hd ** -0.5
-                comp_logits = comp.masked_fill(~visible[:, None], NEG_INF)
+                comp_logits = comp.masked_fill(~self._visible(t, entries.shape[1], n_entries)[:, None], NEG_INF)
                 values = ("dense", entries)
             else:
                 if idx_src == self.layer:
-                    idx, valid = self._select(x, qr, ctx, src, visible)
+                    idx, valid = self._select(x, qr, ctx, src, t)
                 else:
                     idx, valid = ctx.topk[idx_src]
-                picked = torch.gather(entries[:, None].expand(-1, S, -1, -1), 2,
-                                      idx[..., None].expand(-1, -1, -1, hd))  # [B,S,k,hd]
+                picked = ctx.state.compressed_rows(f"{src}.main", idx)  # [B,S,k,hd]: only the rows picked
                 comp = torch.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * hd ** -0.5
                 comp_logits = comp.masked_fill(~valid[:, None], NEG_INF)
                 values = ("sparse", picked)

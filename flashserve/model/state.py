@@ -29,13 +29,24 @@ class SequenceState(Protocol):
         """Append raw compressor rows [B,S,c]; return (retained ++ new) [B,R,c], right-aligned; retain rows
         at positions >= keep_from [B] for the next forward."""
 
-    def compressed(self, key: str, new: torch.Tensor | None = None,
-                   n_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``n_new[b]`` entries of ``new`` [B,G,c] (left-aligned) to a global cache; return all
-        entries [B,T,c] (left-aligned) and their counts [B]. With ``new=None`` only read."""
+    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+        """Append ``n_new[b]`` entries of ``new`` [B,G,c] (left-aligned) to a global cache."""
+
+    def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """All entries of a global cache [B,T,c] (left-aligned) and their counts [B]."""
+
+    def compressed_rows(self, key: str, index: torch.Tensor) -> torch.Tensor:
+        """Entries ``index`` [B,S,k] of a global cache (each below the T that :meth:`compressed` would
+        return): [B,S,k,c]. Sparse attention reads only the rows it picked, not the whole cache."""
 
     def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` token ids before this forward's rows followed by ``ids``: [B, n+S]; −1 for none."""
+
+
+def gather_entries(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``entries`` [B,T,c] at ``index`` [B,S,k] → [B,S,k,c]."""
+    B, S, k = index.shape
+    return torch.gather(entries[:, None].expand(-1, S, -1, -1), 2, index[..., None].expand(-1, -1, -1, entries.shape[-1]))
 
 
 def _right_positions(last: torch.Tensor, length: int) -> torch.Tensor:
@@ -108,13 +119,13 @@ class DenseState:
         self._raw[key] = full[:, full.shape[1] - min(keep, full.shape[1]):]
         return full
 
-    def compressed(self, key: str, new: torch.Tensor | None = None,
-                   n_new: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if key not in self._entries:
+            raise KeyError(f"no compressed cache {key!r} yet")
+        return self._entries[key]
+
+    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
         entries, count = self._entries.get(key, (None, None))
-        if new is None:
-            if entries is None:
-                raise KeyError(f"no compressed cache {key!r} yet")
-            return entries, count
         if entries is None:
             entries = new.new_zeros(new.shape[0], 0, new.shape[-1])
             count = torch.zeros(new.shape[0], dtype=torch.long, device=new.device)
@@ -128,7 +139,10 @@ class DenseState:
         entries = entries.index_put((rows, count[rows] + cols), new[rows, cols])
         count = count + n_new
         self._entries[key] = (entries, count)
-        return entries, count
+
+    def compressed_rows(self, key: str, index: torch.Tensor) -> torch.Tensor:
+        entries, _ = self.compressed(key)
+        return gather_entries(entries, index)
 
     def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         prior = self._ids

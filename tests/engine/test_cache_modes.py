@@ -144,3 +144,45 @@ def test_encoder_only_prefix_hit_agreement(models, capsys, replay):
     if replay == "exact":
         assert warm == cold
     assert engine.stats()["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
+def test_decode_reads_only_the_picked_compressed_rows(models, name, monkeypatch):
+    """A decode step reads whole compressed caches only where it must (index keys for the indexer, every
+    entry of a dense HCA layer); sparse layers fetch their k picked rows from the pages, and the tokens are
+    those of the packed cache read whole."""
+    from flashserve.engine.cache import BatchState
+    from flashserve.model.state import gather_entries
+
+    model = models(name, torch.float32)
+    cfg = model.cfg
+    sparse_src = {f"{cfg.kv_source(i)}.main" for i in range(cfg.num_hidden_layers)
+                  if cfg.compress_ratios[i] and cfg.index_source(i) is not None}
+    dense_src = {f"{cfg.kv_source(i)}.main" for i in range(cfg.num_hidden_layers)
+                 if cfg.compress_ratios[i] and cfg.index_source(i) is None}
+    assert sparse_src - dense_src
+    prompts = [prompt_of(n, seed=n) for n in (70, 133)]
+    real_read, real_rows = BatchState.compressed, BatchState.compressed_rows
+    with monkeypatch.context() as m:  # the plain way: read every entry, then pick
+        m.setattr(BatchState, "compressed_rows", lambda self, key, index: gather_entries(real_read(self, key)[0], index))
+        whole = run_greedy(make_engine(model, name, dtype="float32", cache_dtype="packed"), prompts, 6)
+
+    reads, picked = [], []
+
+    def spy_read(self, key):
+        if self.num_new == 1:
+            reads.append(key)
+        return real_read(self, key)
+
+    def spy_rows(self, key, index):
+        picked.append((key, index.shape[-1]))
+        return real_rows(self, key, index)
+
+    monkeypatch.setattr(BatchState, "compressed", spy_read)
+    monkeypatch.setattr(BatchState, "compressed_rows", spy_rows)
+    engine = make_engine(model, name, dtype="float32", cache_dtype="packed")
+    assert run_greedy(engine, prompts, 6) == whole
+    assert reads and picked
+    assert not (set(reads) & (sparse_src - dense_src))
+    assert {k for k, _ in picked} == sparse_src
+    assert all(k <= cfg.index_topk for _, k in picked)
