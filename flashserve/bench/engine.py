@@ -333,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     enc, exact = median_pair(lambda: fs_prefill_rate(enc_engine, L, 1), lambda: fs_prefill_rate(exact_engine, L, 1), R)
     table(f"prefill {L} tokens (V4.1)", enc, exact, bar=1.6, vs="exact prefill")
     if args.json:
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "repeats": R, "logits_rel_diff": rel, "threads": torch.get_num_threads(),
-                                               "rows": rows}, indent=1))
+        report = {"dtype": args.dtype, "repeats": R, "threads": torch.get_num_threads(), "logits_rel_diff": rel,
+                  "rows": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 

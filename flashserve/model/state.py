@@ -46,7 +46,8 @@ class SequenceState(Protocol):
 def gather_entries(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``entries`` [B,T,c] at ``index`` [B,S,k] → [B,S,k,c]."""
     B, S, k = index.shape
-    return torch.gather(entries[:, None].expand(-1, S, -1, -1), 2, index[..., None].expand(-1, -1, -1, entries.shape[-1]))
+    rows = entries[:, None].expand(-1, S, -1, -1)
+    return torch.gather(rows, 2, index[..., None].expand(-1, -1, -1, entries.shape[-1]))
 
 
 def _right_positions(last: torch.Tensor, length: int) -> torch.Tensor:

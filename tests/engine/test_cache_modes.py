@@ -164,7 +164,8 @@ def test_decode_reads_only_the_picked_compressed_rows(models, name, monkeypatch)
     prompts = [prompt_of(n, seed=n) for n in (70, 133)]
     real_read, real_rows = BatchState.compressed, BatchState.compressed_rows
     with monkeypatch.context() as m:  # the plain way: read every entry, then pick
-        m.setattr(BatchState, "compressed_rows", lambda self, key, index: gather_entries(real_read(self, key)[0], index))
+        m.setattr(BatchState, "compressed_rows",
+                  lambda self, key, index: gather_entries(real_read(self, key)[0], index))
         whole = run_greedy(make_engine(model, name, dtype="float32", cache_dtype="packed"), prompts, 6)
 
     reads, picked = [], []
