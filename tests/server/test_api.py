@@ -173,7 +173,23 @@ def test_completion_usage_and_logprobs(client, tokenizer):
         assert val <= 0 and 2 <= len(top) <= 3
         if tok in top and "\ufffd" not in tok:  # byte pieces of split characters share the string '\ufffd'
             assert top[tok] == pytest.approx(val)
-    assert lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(7)]
+
+
+def test_streamed_completion_logprob_offsets_continue(client):
+    """Streamed logprob pieces carry offsets into the whole completion, the same as the one-piece answer."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=9, logprobs=1, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    tokens, offsets, text = [], [], ""
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                offsets += c.logprobs.text_offset
+    assert text == whole.text and tokens == whole.logprobs.tokens and len(tokens) == 9
+    assert offsets == whole.logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(9)]
 
 
 def test_completion_token_prompt_and_batch(client):
