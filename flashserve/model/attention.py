@@ -171,20 +171,23 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     ``torch.topk`` breaks ties in no set order, and its choice changes with the axis length, so a chunk
     boundary or a batch neighbour could change which of two equal-scored entries is read (FP4 index scores
-    tie often). ``topk(k + 1)`` shows whether a row has a tie across the cut; only then is a stable sort
-    paid for. Equal finite values at the cut are the only case where the set is not already determined.
+    tie often). Here the k-th largest value ``v`` decides: every entry above ``v``, then the first entries
+    equal to ``v`` until there are k. No sort and no host sync: compares, a cumulative sum and a scatter.
     """
-    if k < x.shape[-1]:
-        values, indices = x.topk(k + 1, dim=-1)
-        cut_tie = (values[..., k - 1] == values[..., k]) & torch.isfinite(values[..., k])
-        if not bool(cut_tie.any()):
-            values, indices = values[..., :k], indices[..., :k]
-            order = indices.argsort(dim=-1)
-            return values.gather(-1, order), indices.gather(-1, order)
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    values, indices = values[..., :k], indices[..., :k]
-    order = indices.argsort(dim=-1)
-    return values.gather(-1, order), indices.gather(-1, order)
+    T = x.shape[-1]
+    k = min(k, T)
+    if k == 0:
+        return x[..., :0], torch.zeros(x.shape[:-1] + (0,), dtype=torch.long, device=x.device)
+    v = x.topk(k, dim=-1).values[..., -1:]  # the k-th largest value per row
+    above = x > v
+    at = x == v
+    need = k - above.sum(-1, keepdim=True)  # how many entries equal to v to take
+    chosen = above | (at & (at.cumsum(-1) <= need))
+    slot = torch.where(chosen, chosen.cumsum(-1) - 1, k)  # its place among the chosen, or the spill slot k
+    ar = torch.arange(T, device=x.device).expand_as(slot)
+    indices = torch.zeros(x.shape[:-1] + (k + 1,), dtype=torch.long, device=x.device).scatter_(-1, slot, ar)
+    indices = indices[..., :k]
+    return x.gather(-1, indices), indices
 
 
 def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch.Tensor, block: int,

@@ -120,3 +120,22 @@ def test_top_k_breaks_ties_by_index():
     assert indices.tolist() == [[1, 2, 3, 4], [0, 2, 3, 5]] and values.tolist() == [[3, 3, 2, 3], [5, 4, 2, 3]]
     assert top_k(x[1:], 4)[1].tolist() == [[0, 2, 3, 5]]  # the no-tie path alone
     assert top_k(x, 6)[1].tolist() == [[0, 1, 2, 3, 4, 5]] * 2  # k = length
+
+
+def test_top_k_equals_a_stable_sort_on_heavily_tied_rows():
+    """Against the plain definition: sort descending, stably (ties keep index order), keep k, then order
+    the kept entries by index. Small integer scores and -inf make ties everywhere."""
+    from flashserve.model.attention import top_k
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        T = int(torch.randint(1, 40, (1,), generator=g))
+        k = int(torch.randint(1, 45, (1,), generator=g))
+        x = torch.randint(-3, 4, (3, 5, T), generator=g).float()
+        x[torch.rand(x.shape, generator=g) < 0.3] = float("-inf")
+        values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+        keep = min(k, T)
+        order = indices[..., :keep].argsort(-1)
+        got_values, got_indices = top_k(x, k)
+        assert torch.equal(got_indices, indices[..., :keep].gather(-1, order))
+        assert torch.equal(got_values, values[..., :keep].gather(-1, order))
