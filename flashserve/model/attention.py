@@ -161,7 +161,6 @@ class Indexer(nn.Module):
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k entries among visible ones: (indices [B,S,k'], valid [B,S,k']) with k' = min(k, T)."""
-    k = min(k, scores.shape[-1])
     values, indices = top_k(scores.masked_fill(~visible, NEG_INF), k)
     return indices, torch.isfinite(values)
 

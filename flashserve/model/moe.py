@@ -85,18 +85,22 @@ class Experts(nn.Module):
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and (dim * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0)
 
-    def _grouped_mm(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Many pairs: sort pairs by expert and run each projection as one grouped matmul (no host sync)."""
+    def _by_expert(self, idx: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (token, expert) pairs sorted by expert: (token of each pair, its weight, pairs per expert)."""
         flat = idx.flatten()
         order = flat.argsort(stable=True)
-        offs = torch.bincount(flat, minlength=self.w1.shape[0]).cumsum(0).to(torch.int32)
-        tokens = order // idx.shape[1]
+        return order // idx.shape[1], w.flatten()[order], torch.bincount(flat, minlength=self.w1.shape[0])
+
+    def _grouped_mm(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Decode-sized batches: pairs sorted by expert, one grouped matmul per projection, no host sync."""
+        tokens, weights, counts = self._by_expert(idx, w)
+        offs = counts.cumsum(0).to(torch.int32)
         h = x[tokens]
         gate = torch._grouped_mm(h, self.w1.transpose(1, 2), offs=offs)
         up = torch._grouped_mm(h, self.w3.transpose(1, 2), offs=offs)
         y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.w2.transpose(1, 2), offs=offs)
         out = torch.zeros(x.shape, dtype=fp32(x[:0]).dtype, device=x.device)
-        out.index_add_(0, tokens, fp32(y) * w.flatten()[order, None])
+        out.index_add_(0, tokens, fp32(y) * weights[:, None])
         return out.to(x.dtype)
 
     def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -112,13 +116,9 @@ class Experts(nn.Module):
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Many pairs (prefill): group tokens by expert and loop over the experts that were hit."""
         out = torch.zeros(x.shape, dtype=fp32(x[:0]).dtype, device=x.device)
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w1.shape[0]).tolist()
-        tokens = order // idx.shape[1]
-        weights = w.flatten()[order]
+        tokens, weights, counts = self._by_expert(idx, w)
         pos = 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts.tolist()):
             if n == 0:
                 continue
             t = tokens[pos:pos + n]
