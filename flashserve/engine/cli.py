@@ -85,14 +85,3 @@ def run_generate(args: argparse.Namespace) -> int:
                      f"first token {first * 1000:.0f} ms, load {load:.1f}s, finish={reason}\n")
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashserve")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,14 +1,12 @@
 """``flashserve serve MODEL``: the OpenAI-compatible server.
 
-``register(subparsers)`` adds the ``serve`` command to a parent CLI; ``python -m flashserve.server.cli serve
-tiny-v41 --port 8000`` runs it standalone.
+``register(subparsers)`` adds the ``serve`` command to the ``flashserve`` CLI (``flashserve/cli.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
@@ -83,14 +81,3 @@ def run(args: argparse.Namespace) -> int:
                 timeout_graceful_shutdown=2)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flashserve")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

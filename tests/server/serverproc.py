@@ -1,4 +1,4 @@
-"""Helpers to run one real server process (``python -m flashserve.server.cli serve tiny-v41``) per test module."""
+"""Helpers to run one real server process (``python -m flashserve serve tiny-v41``) per test module."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class ServerProc:
 def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0) -> ServerProc:
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="flashserve-server-", suffix=".log")
-    cmd = [sys.executable, "-m", "flashserve.server.cli", "serve", MODEL, "--port", str(port),
+    cmd = [sys.executable, "-m", "flashserve", "serve", MODEL, "--port", str(port),
            "--log-level", "warning", *extra]
     if api_key:
         cmd += ["--api-key", api_key]
