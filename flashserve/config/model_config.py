@@ -531,8 +531,14 @@ def validate(cfg: ModelConfig) -> None:
              f"config field 'kv_source_layer_ids': layer {layer} (ratio {ratio}) reads source {srcs[-1]} of ratio {ratios[srcs[-1]]}")
         idx = [s for s in cfg.index_source_layer_ids if s <= layer]
         need(bool(idx), f"config field 'index_source_layer_ids': compressed layer {layer} has no index source before it")
+        # The spec lets a layer take the top-k of an index source that belongs to another KV source of the
+        # same ratio (entry j covers the same tokens in both); the released model never does, and supporting
+        # it would give a KV-source layer an indexer role the checkpoint layout does not have. Refuse clearly.
         need(cfg.kv_source(idx[-1]) == srcs[-1],
-             f"config field 'index_source_layer_ids': layer {layer} mixes index source {idx[-1]} with KV source {srcs[-1]}")
+             f"config field 'index_source_layer_ids': layer {layer} reads the compressed KV of layer {srcs[-1]} "
+             f"but the top-k of index source {idx[-1]}, which scores layer {cfg.kv_source(idx[-1])}'s entries; "
+             f"flashserve needs each KV source to be its own index source (make layer {srcs[-1]} an index "
+             f"source), as in every released checkpoint")
     if cfg.candidate_source_layer_id >= 0:
         need(cfg.candidate_source_layer_id in cfg.index_source_layer_ids,
              "config field 'candidate_source_layer_id' must be one of index_source_layer_ids")

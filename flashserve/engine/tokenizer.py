@@ -161,22 +161,15 @@ def load_tokenizer(model_path_or_preset: str | Path, vocab_size: int | None = No
 
 
 def set_engram_token_map(model, tokenizer: Tokenizer) -> bool:
-    """Give the model's engram hasher the tokenizer's compressed-class map when the class count matches."""
+    """Give the model's engram hasher the tokenizer's compressed-class map (spec §4.3).
+
+    Returns False where the model has no engram or its config asks for identity hashing. Raises
+    :class:`EngramMapError`, naming both counts, when the tokenizer's class count is not the config's.
+    """
     hasher = getattr(model, "engram_hasher", None)
-    if hasher is None:
+    if hasher is None or not hasher.needs_token_map:
         return False
     from ..model.engram import compressed_token_map
 
-    V = model.cfg.vocab_size
-    tok = tokenizer.backend
-
-    def decode_one(i: int) -> str:
-        return tok.decode([i], skip_special_tokens=False) if i < tokenizer.vocab_size else ""
-
-    token_map, n = compressed_token_map(decode_one, lambda i: tok.id_to_token(i), V)
-    try:
-        hasher.set_token_map(token_map, n)
-    except ValueError as e:
-        log.info("engram: keeping the identity token map (%s)", e)
-        return False
+    hasher.set_token_map(*compressed_token_map(tokenizer.backend))
     return True

@@ -48,6 +48,7 @@ DEFAULT_SHARD_BYTES = 5 * 10**9
 _CHUNK_BYTES = 256 * 2**20  # larger stored tensors are read and decoded in row chunks
 _LIST_LIMIT = 20
 _OPTIONAL_PARTS = ({"mtp", "dspark"}, {"vision"})  # groups a checkpoint may omit as a whole
+DRAFTERS, BIAS_VL = "drafters", "bias_vl"  # what load_checkpoint reports as omitted
 
 _FLOAT_STORAGE = {BF16: torch.bfloat16, FP32: torch.float32}
 
@@ -261,9 +262,21 @@ def _listing(title: str, items: list[str]) -> str:
     return f"  {len(items)} {title}:\n    {shown}{more}"
 
 
+def _omitted(dest: Mapping[str, torch.Tensor], present: Iterable[str], cfg: ModelConfig) -> dict[str, list[str]]:
+    """Optional parts that the checkpoint leaves out as a whole: the MTP/DSpark drafters (transformers'
+    ``save_pretrained`` drops them) and the routers' ``bias_vl`` (tools without a vision path drop it).
+    Returns {what: names in ``dest``}; a part present in part is not omitted (its gaps stay errors)."""
+    present = set(present)
+    parts = {t.name: t.part for t in checkpoint_layout(cfg)}
+    groups = {DRAFTERS: [n for n in dest if parts.get(n) in ("mtp", "dspark")],
+              BIAS_VL: [n for n in dest if n.endswith(".bias_vl")]}
+    return {what: names for what, names in groups.items() if names and not present & set(names)}
+
+
 def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: ModelConfig, path: Path,
-              scheme: str, strict: bool) -> dict[str, _Source]:
-    """Match checkpoint tensors to ``dest``; raise one CheckpointError listing every problem."""
+              scheme: str, strict: bool) -> tuple[dict[str, _Source], dict[str, list[str]]]:
+    """Match checkpoint tensors to ``dest``; raise one CheckpointError listing every problem. Returns the
+    matches and the optional parts the checkpoint omits as a whole (see :func:`_omitted`)."""
     layout_names = {t.name for t in checkpoint_layout(cfg)}
     foreign = sorted(n for n in dest if n not in layout_names)
     by_name: dict[str, _Source] = {}
@@ -283,7 +296,9 @@ def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: Mod
         want = tuple(dest[src.name].shape)
         if src.shape != want:
             misshaped.append(f"{src.name}: checkpoint {list(src.shape)} vs model {list(want)} ({where})")
-    missing = sorted(n for n in dest if n not in by_name and n in layout_names)
+    omitted = _omitted(dest, by_name, cfg)
+    excused = {n for names in omitted.values() for n in names}
+    missing = sorted(n for n in dest if n not in by_name and n in layout_names and n not in excused)
     problems = [_listing(title, items) for title, items in (
         ("missing (expected by the model, absent from the checkpoint)", missing),
         ("unexpected (in the checkpoint, not in the model)", sorted(unexpected)),
@@ -291,7 +306,7 @@ def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: Mod
         ("destination names that are not tensors of this config's layout", foreign)) if items]
     if problems:
         raise CheckpointError(f"checkpoint {path} (naming: {scheme}) does not match the model:\n" + "\n".join(problems))
-    return by_name
+    return by_name, omitted
 
 
 # ============================================================================ reading: decoding
@@ -398,22 +413,25 @@ def _fill(dest: Mapping[str, torch.Tensor], sources: Mapping[str, _Source],
 
 
 def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
-                    strict: bool = True) -> None:
+                    strict: bool = True) -> dict[str, list[str]]:
     """Fill ``dest`` (released name -> destination tensor, e.g. a parameter or a view into a stacked one) in place.
 
     Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
     tensor at a time, in any supported naming scheme (see module docstring), dequantising into each
     destination's dtype. All problems are checked from the headers before any data is copied and raised as
     one :class:`CheckpointError`. With ``strict=False`` checkpoint tensors that ``dest`` lacks (e.g. MTP
-    stages the caller did not build) are skipped; missing and mis-shaped tensors are always errors.
+    stages the caller did not build) are skipped; missing and mis-shaped tensors are errors, except the
+    optional parts a checkpoint may omit as a whole: those are returned ({``DRAFTERS`` | ``BIAS_VL``:
+    names}) and their destinations left untouched for the caller to drop or zero.
     """
     path = Path(path)
     files = _checkpoint_files(path)
     headers = _read_headers(files)
     scheme = detect_scheme(headers)
-    by_name = _validate(dest, _sources(headers, scheme), cfg, path, scheme, strict)
+    by_name, omitted = _validate(dest, _sources(headers, scheme), cfg, path, scheme, strict)
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
     _fill(dest, by_name, blocks)
+    return omitted
 
 
 # ============================================================================ writing
@@ -542,6 +560,6 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
 
 
 __all__ = [
-    "CheckpointError", "load_checkpoint", "save_checkpoint", "detect_scheme", "hf_to_released_name",
+    "CheckpointError", "load_checkpoint", "DRAFTERS", "BIAS_VL", "save_checkpoint", "detect_scheme", "hf_to_released_name",
     "released_to_hf_name", "split_fused_experts", "INDEX_FILE",
 ]

@@ -2,42 +2,49 @@
 
 from __future__ import annotations
 
-import re
-import unicodedata
-
 import numpy as np
 import torch
+from tokenizers import Regex, normalizers
+from tokenizers import Tokenizer as HFTokenizer
 from torch import nn
 
 from ..config.engram_primes import engram_primes
 from ..config.model_config import ModelConfig
+from ..errors import UserError
 from .norms import fp32
 
-_WS = re.compile(r"[ \t\r\n]+")
 _SPACE_SENTINEL = "\ue000"
 
 
-def normalize_token_text(text: str) -> str:
-    """NFKC → NFD → strip accents → lowercase → collapse whitespace runs → strip (a lone space survives)."""
-    t = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
-    t = "".join(c for c in t if unicodedata.category(c) != "Mn").lower()
-    t = _WS.sub(" ", t)
-    if t == " ":
-        t = _SPACE_SENTINEL
-    t = t.strip().replace(_SPACE_SENTINEL, " ")
-    return t or text
+class EngramMapError(UserError):
+    """The tokenizer's engram class count disagrees with the config's ``engram_compressed_vocab_size``."""
 
 
-def compressed_token_map(decode_one, token_string, vocab_size: int) -> tuple[list[int], int]:
-    """Class id of every token (first-seen order) and the class count (spec §4.3 step 1).
+def engram_normalizer() -> normalizers.Normalizer:
+    """The reference's normaliser, built from the ``tokenizers`` library's own steps (spec §4.3 step 1):
+    NFKC, NFD, strip accents, lowercase, whitespace runs to one space, a lone space kept, strip."""
+    return normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+        normalizers.Replace(Regex(r"^ $"), _SPACE_SENTINEL),  # so Strip keeps a token that is one space
+        normalizers.Strip(),
+        normalizers.Replace(_SPACE_SENTINEL, " "),
+    ])
 
-    ``decode_one(i)`` decodes one id without clean-up; ``token_string(i)`` is its raw vocabulary string.
+
+def compressed_token_map(tok: HFTokenizer) -> tuple[list[int], int]:
+    """Class id of every id of ``tok`` (first-seen order) and the class count, as the reference builds them.
+
+    Walks the tokenizer's own length (added tokens included). A token whose lone decode holds U+FFFD (a
+    partial UTF-8 sequence) is keyed by its raw vocabulary string, in the same dictionary as the normalised
+    texts; a text that normalises to nothing is keyed by itself.
     """
+    norm = engram_normalizer()
     classes: dict[str, int] = {}
     out = []
-    for i in range(vocab_size):
-        text = decode_one(i)
-        key = "raw:" + (token_string(i) or "") if "\ufffd" in text else normalize_token_text(text)
+    for i in range(tok.get_vocab_size(with_added_tokens=True)):
+        text = tok.decode([i], skip_special_tokens=False)
+        key = (tok.id_to_token(i) or "") if "\ufffd" in text else (norm.normalize_str(text) or text)
         out.append(classes.setdefault(key, len(classes)))
     return out, len(classes)
 
@@ -74,11 +81,28 @@ class EngramHasher(nn.Module):
         # compressed class per token; identity until a tokenizer provides the real map
         self.token_map = torch.arange(cfg.vocab_size, dtype=torch.long, device=device)
 
+    @property
+    def needs_token_map(self) -> bool:
+        """False when the config asks for identity hashing (compressed vocabulary = model vocabulary, as in
+        the random presets); a real checkpoint's classes come from its tokenizer."""
+        return self.cfg.engram_compressed_vocab_size != self.cfg.vocab_size
+
     def set_token_map(self, token_map: list[int], n_classes: int) -> None:
-        if n_classes != self.cfg.engram_compressed_vocab_size:
-            raise ValueError(f"tokenizer gives {n_classes} engram classes; config engram_compressed_vocab_size "
-                             f"is {self.cfg.engram_compressed_vocab_size}")
-        self.token_map.copy_(torch.tensor(token_map, dtype=torch.long))
+        """Install the tokenizer's class map; ids past the tokenizer's length (a head padded beyond it) take
+        the pad token's class. Refuses a class count that differs from the config's: every hash multiplier
+        derives from it, so a mismatch would silently degrade the model."""
+        cfg = self.cfg
+        if n_classes != cfg.engram_compressed_vocab_size:
+            raise EngramMapError(
+                f"the tokenizer gives {n_classes} engram token classes but the config's "
+                f"engram_compressed_vocab_size is {cfg.engram_compressed_vocab_size}: this tokenizer does not "
+                f"belong to this checkpoint")
+        if len(token_map) > cfg.vocab_size or cfg.engram_pad_token_id >= len(token_map):
+            raise EngramMapError(f"the tokenizer has {len(token_map)} ids; the model has {cfg.vocab_size} and "
+                                 f"engram_pad_token_id is {cfg.engram_pad_token_id}")
+        pad_class = token_map[cfg.engram_pad_token_id]
+        full = list(token_map) + [pad_class] * (cfg.vocab_size - len(token_map))
+        self.token_map.copy_(torch.tensor(full, dtype=torch.long))
 
     def forward(self, ids: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
         """Row ids for the last ``S`` of ``ids`` [B, n-1+S] (history first; −1 = before the sequence);
@@ -131,7 +155,8 @@ class Engram(nn.Module):
         r = torch.rsqrt(xf.square().mean(-1) + self.eps) * torch.rsqrt(keys.square().mean(-1) + self.eps)
         wprod = (fp32(self.q_weight) * fp32(self.k_weight))
         dot = (xf * wprod * keys).sum(-1) * r / self.dim ** 0.5
-        g = torch.sigmoid(dot.sign() * dot.abs().clamp(min=1e-6).sqrt())
+        # the reference's signed square root: copysign keeps +0's sign, so a zero dot gives sigmoid(+1e-3)
+        g = torch.sigmoid(torch.copysign(dot.abs().clamp(min=1e-6).sqrt(), dot))
         if dead is not None:
             g = g.masked_fill(dead[..., None], 0.0)
         return (xf + g[..., None] * value[..., None, :]).to(x.dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,6 +11,8 @@ from ..config import ConfigError, ModelConfig, load_config
 from ..config.presets import PRESET_JSON, RUNNABLE_PRESETS
 from .init import random_init
 from .transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -36,6 +39,39 @@ def keep_fp32(model: torch.nn.Module) -> None:
             p.data = p.data.float()
 
 
+def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool) -> None:
+    """Load a checkpoint folder into ``model``; drop the drafters and zero ``bias_vl`` where the folder
+    leaves them out (each said once in the log)."""
+    from .checkpoint import BIAS_VL, DRAFTERS, load_checkpoint
+
+    dest = model.checkpoint_tensors()
+    omitted = load_checkpoint(dest, path, cfg, strict=strict)
+    if DRAFTERS in omitted:
+        model.mtp = None
+        log.info("%s has no MTP/DSpark weights: the drafters are disabled", path)
+    if BIAS_VL in omitted:
+        with torch.no_grad():
+            for name in omitted[BIAS_VL]:
+                dest[name].zero_()
+        log.info("%s has no router bias_vl: set to zero (only image positions use it)", path)
+
+
+def _engram_map_from_folder(model: Transformer, path: Path) -> None:
+    """Set the engram class map from the folder's tokenizer, so the reference forward hashes as the engine."""
+    hasher = model.engram_hasher
+    if hasher is not None and hasher.needs_token_map:
+        tokenizer_file = path / "tokenizer.json"
+        if tokenizer_file.exists():
+            from tokenizers import Tokenizer as HFTokenizer
+
+            from .engram import compressed_token_map
+
+            hasher.set_token_map(*compressed_token_map(HFTokenizer.from_file(str(tokenizer_file))))
+        else:
+            log.warning("%s has no tokenizer.json: engram hashes raw token ids until a tokenizer's class map "
+                        "is set (the engine sets it from the tokenizer it loads)", path)
+
+
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
@@ -60,9 +96,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     if name in PRESET_JSON:
         random_init(model, seed)
     else:
-        from .checkpoint import load_checkpoint
-
-        load_checkpoint(model.checkpoint_tensors(), Path(path_or_preset), cfg, strict=with_mtp)
+        _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp)
+        _engram_map_from_folder(model, Path(path_or_preset))
     model = model.to(torch_dtype)
     model.rope.float()
     keep_fp32(model)
