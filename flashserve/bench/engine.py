@@ -116,6 +116,7 @@ def engine_for(model, path: str, **kw):
 
     kw.setdefault("kv_memory", "512MiB")
     kw.setdefault("dtype", str(model.dtype).removeprefix("torch."))
+    kw.setdefault("threads", torch.get_num_threads())  # keep the benchmark's --threads
     return LLMEngine(EngineConfig(model=path, **kw), model=model)
 
 

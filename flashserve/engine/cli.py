@@ -7,6 +7,15 @@ import sys
 import time
 
 
+def add_threads_arg(g) -> None:
+    """``--threads N``: torch's intra-op threads (``generate`` and ``serve``); the engine validates N."""
+    from .threads import DEFAULT_THREADS
+
+    g.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                   help=f"torch intra-op threads (default {DEFAULT_THREADS}: suits a shared machine, see "
+                        "docs/engine-speed.md)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -23,6 +32,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-replay", choices=["exact", "window"], default="exact",
                    help="after a prefix-cache hit, rebuild window state exactly (default) or by one window")
     g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
+    add_threads_arg(g)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -30,7 +40,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 exact_prefill=args.exact_prefill, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, block_size=args.block_size, seed=args.seed,
-                prefix_replay=args.prefix_replay)
+                prefix_replay=args.prefix_replay, threads=args.threads)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

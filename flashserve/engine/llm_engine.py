@@ -14,10 +14,11 @@ from ..config import ConfigError
 from .cache import KVCache, parse_bytes
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
-from .sampler import SampleRow, prompt_logprobs, sample
+from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sampling_params import QueueFullError, RequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestGroup, RequestOutput, Sequence
+from .threads import DEFAULT_THREADS, set_threads
 from .tokenizer import load_tokenizer, set_engram_token_map
 
 log = logging.getLogger("flashserve.engine")
@@ -42,6 +43,7 @@ class EngineConfig:
     num_pages: int | None = None  # override the page count derived from kv_memory (tests)
     fake_quant: bool | None = None
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": spec's C−W rule
+    threads: int = DEFAULT_THREADS  # torch intra-op threads, set at start-up (process-wide)
 
 
 class LLMEngine:
@@ -49,6 +51,7 @@ class LLMEngine:
         from ..model.loader import load_model, resolve_dtype
 
         self.config = c = config
+        set_threads(c.threads)  # before loading: a bad value fails fast, and loading uses the threads
         device = c.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,7 +211,7 @@ class LLMEngine:
             touched[seq.group.request_id] = seq.group
         if to_sample:
             logits = torch.cat(logits_rows, dim=0)
-            rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.generator) for s in to_sample]
+            rows = [self._sample_row(s, logits) for s in to_sample]
             result = sample(logits, rows, self.generator)
             for seq, tid, lp in zip(to_sample, result.token_ids, result.logprobs):
                 self._append(seq, tid, lp)
@@ -222,9 +225,18 @@ class LLMEngine:
             outputs.append(group.make_output())
         return outputs
 
+    @staticmethod
+    def _sample_row(seq: Sequence, logits: torch.Tensor) -> SampleRow:
+        """The sampler's view of ``seq``, O(1): no copy of its ids; penalty counts made once, then kept."""
+        if seq.counts is None and seq.params.has_penalties:
+            seq.counts = TokenCounts(seq.prompt_ids, seq.output_view, logits.shape[-1], logits.device)
+        return SampleRow(seq.params, seq.prompt_ids, seq.output_view, seq.generator, seq.counts)
+
     def _append(self, seq: Sequence, tid: int, lp: dict[int, float] | None) -> None:
         p = seq.params
         seq.tokens.append(tid)
+        if seq.counts is not None:
+            seq.counts.add(tid)
         self.generation_tokens_total += 1
         if seq.logprobs is not None:
             seq.logprobs.append(lp or {})
@@ -236,7 +248,7 @@ class LLMEngine:
         matched = seq.detok.add(tid)
         if matched is not None:
             reason, stop_reason = "stop", matched
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (seq.num_output >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
             flushed = seq.detok.finish()

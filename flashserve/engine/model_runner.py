@@ -17,7 +17,7 @@ class ModelRunner:
         self.device = model.embed.weight.device
 
     def _state(self, seqs: list[Sequence]) -> BatchState:
-        return BatchState(self.cache, [s.slot for s in seqs], [s.pages for s in seqs])
+        return BatchState(self.cache, [s.slot for s in seqs], max(len(s.pages) for s in seqs))
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -6,18 +6,39 @@ Everything runs on the logits tensor of the step's sampled rows; the only host t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .sampling_params import SamplingParams
 
 
+class TokenCounts:
+    """A sequence's penalty state, kept across steps: how often each token id was generated, and which ids its
+    prompt holds. Built once from the history, then updated by one token per step, so penalties cost O(V) per
+    row at any length (rebuilding them from the history cost about 4 ms per row per step at 50k tokens)."""
+
+    def __init__(self, prompt_ids: Sequence[int], output_ids: Sequence[int], vocab_size: int,
+                 device: torch.device | str = "cpu"):
+        self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+        if len(output_ids):
+            ids = torch.tensor(list(output_ids), dtype=torch.long, device=device)
+            self.counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        if len(prompt_ids):
+            self.in_prompt[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+
+    def add(self, token_id: int) -> None:
+        self.counts[token_id] += 1
+
+
 @dataclass
 class SampleRow:
     params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
     generator: torch.Generator | None
+    counts: TokenCounts | None = None  # kept by the engine; None: built from the id lists (O(length))
 
 
 @dataclass
@@ -29,29 +50,18 @@ class SampleResult:
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     N, V = logits.shape
     dev = logits.device
-    idx = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
-           or r.params.repetition_penalty != 1.0]
+    idx = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not idx:
         return logits
+    states = [rows[i].counts or TokenCounts(rows[i].prompt_ids, rows[i].output_ids, V, dev) for i in idx]
+    counts = torch.stack([s.counts for s in states]).to(logits.dtype)
     sub = torch.tensor(idx, device=dev)
-    out_len = max(len(rows[i].output_ids) for i in idx)
-    counts = torch.zeros(len(idx), V, device=dev, dtype=logits.dtype)
-    if out_len:
-        ids = torch.tensor([rows[i].output_ids + [0] * (out_len - len(rows[i].output_ids)) for i in idx], device=dev)
-        valid = torch.tensor([[1.0] * len(rows[i].output_ids) + [0.0] * (out_len - len(rows[i].output_ids))
-                              for i in idx], device=dev, dtype=logits.dtype)
-        counts.scatter_add_(1, ids, valid)
     pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=dev, dtype=logits.dtype)
     freq = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=dev, dtype=logits.dtype)
     rep = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=dev, dtype=logits.dtype)
     lg = logits[sub]
-    if (rep != 1.0).any():
-        seen = counts > 0
-        p_len = max(len(rows[i].prompt_ids) for i in idx)
-        if p_len:
-            pids = torch.tensor([rows[i].prompt_ids + [rows[i].prompt_ids[0]] * (p_len - len(rows[i].prompt_ids))
-                                 for i in idx], device=dev)
-            seen = seen.scatter(1, pids, True)
+    if any(rows[i].params.repetition_penalty != 1.0 for i in idx):
+        seen = (counts > 0) | torch.stack([s.in_prompt for s in states])
         r = rep[:, None]
         lg = torch.where(seen, torch.where(lg > 0, lg / r, lg * r), lg)
     lg = lg - freq[:, None] * counts - pres[:, None] * (counts > 0).to(lg.dtype)

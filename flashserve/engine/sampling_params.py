@@ -44,6 +44,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def validate(self, vocab_size: int) -> None:
         def bad(name: str, why: str) -> None:
             raise RequestError(f"{name}: {why}")

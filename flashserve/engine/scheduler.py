@@ -176,8 +176,11 @@ class Scheduler:
                     break
             if victim is seq:
                 break
-            for _ in range(self._pages_for(seq.num_computed + n) - len(seq.pages)):
+            have = len(seq.pages)
+            for _ in range(self._pages_for(seq.num_computed + n) - have):
                 seq.pages.append(self.pool.allocate())
+            if len(seq.pages) > have:
+                self.cache.set_pages(seq.slot, have, seq.pages[have:])
             out.chunks.append((seq, n))
             budget -= n
             i += 1
@@ -206,6 +209,7 @@ class Scheduler:
                 seq.pages.append(self.pool.allocate())
             n_hist = self.cache.history.shape[1]
             seq.slot = self.cache.acquire_slot(seq.tokens[max(0, start - n_hist):start] if start else None)
+            self.cache.set_pages(seq.slot, 0, seq.pages)
             self.cache.set_resume(seq.slot, start, cached)
             seq.num_computed = start
             seq.num_cached = cached

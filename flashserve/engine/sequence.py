@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .sampler import TokenCounts
 from .sampling_params import SamplingParams
 
 
@@ -35,6 +37,24 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput]
     finished: bool
+
+
+class OutputIds(SequenceABC):
+    """A live, read-only view of a sequence's output ids: O(1) to make and to ``len``, where slicing the
+    token list copies it (75-100 us per row at 50k tokens, per copy)."""
+
+    def __init__(self, tokens: list[int], start: int):
+        self._tokens, self._start = tokens, start
+
+    def __len__(self) -> int:
+        return len(self._tokens) - self._start
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._tokens[self._start + j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError("output index out of range")
+        return self._tokens[self._start + i % len(self)]
 
 
 class Status(enum.Enum):
@@ -69,10 +89,17 @@ class Sequence:
         self.emitted_tokens = 0
         self.exact = False  # run every layer on every row for this sequence's prefill
         self.num_preemptions = 0
+        self.output_view = OutputIds(self.tokens, self.num_prompt)  # ``tokens`` is only ever appended to
+        self.counts: TokenCounts | None = None  # penalty state, made by the engine at the first sampling
 
     @property
     def output_ids(self) -> list[int]:
+        """A copy of the output ids (O(length): for cumulative and final outputs, not per step)."""
         return self.tokens[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
 
     @property
     def num_tokens(self) -> int:
@@ -106,7 +133,7 @@ class RequestGroup:
         delta_kind = self.params.output_kind == "delta"
         outs = []
         for s in self.seqs:
-            n_out = s.num_tokens - s.num_prompt
+            n_out = s.num_output
             new_ids = s.tokens[s.num_prompt + s.emitted_tokens:]
             new_lps = None if s.logprobs is None else s.logprobs[s.emitted_tokens:]
             s.emitted_tokens = n_out

@@ -64,7 +64,7 @@ def _engine_import():
 @dataclass
 class _Choice:
     index: int
-    text: str = ""  # raw engine text seen so far
+    pieces: list[str] = field(default_factory=list)  # raw engine text seen so far (joined once, at the end)
     token_ids: list[int] = field(default_factory=list)
     n_logprobs: int = 0
     finish_reason: str | None = None
@@ -75,11 +75,15 @@ class _Choice:
     started: bool = False
     lp_chars: int = 0  # characters of the token strings already given logprobs (completions' text_offset)
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
 
 def _absorb_delta(choice: _Choice, co: Any) -> tuple[str, list[int], list | None]:
     """Take one "delta" CompletionOutput into its choice: (new text, new token ids, new logprobs or None).
     The engine sends only what is new, so a step's work does not grow with the completion's length."""
-    choice.text += co.text
+    choice.pieces.append(co.text)  # not ``text +=``: that copies the whole text on every delta
     choice.token_ids.extend(co.token_ids)
     return co.text, list(co.token_ids), co.logprobs
 

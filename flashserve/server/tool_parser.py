@@ -98,22 +98,30 @@ class ChatOutputParser:
         self.parse_tools = parse_tools
         self.state = self.REASONING if thinking else self.CONTENT
         self.buf = ""
-        self.reasoning = ""
-        self.content = ""
+        self._reasoning: list[str] = []  # pieces, joined once by ``result`` (``+=`` copies per feed)
+        self._content: list[str] = []
         self.tool_calls: list[ToolCall] = []
         self._n_params = 0
         self._saw_think_end = False
         self._after_text = False
 
     # -- output accumulation -------------------------------------------------------------------------------
+    @property
+    def reasoning(self) -> str:
+        return "".join(self._reasoning)
+
+    @property
+    def content(self) -> str:
+        return "".join(self._content)
+
     def _emit_reasoning(self, d: Delta, text: str) -> None:
         if text:
-            self.reasoning += text
+            self._reasoning.append(text)
             d.reasoning += text
 
     def _emit_content(self, d: Delta, text: str) -> None:
         if text:
-            self.content += text
+            self._content.append(text)
             d.content += text
 
     def _emit_args(self, d: Delta, text: str) -> None:
@@ -235,8 +243,9 @@ class ChatOutputParser:
     # -- results -------------------------------------------------------------------------------------------
     def result(self) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """(reasoning_content, content, tool_calls) after ``finish``."""
-        reasoning = self.reasoning if (self.reasoning or self._saw_think_end) else None
-        content = self.content if self.content else (None if (self.tool_calls or self.reasoning) else "")
+        reasoning, content = self.reasoning, self.content
+        reasoning = reasoning if (reasoning or self._saw_think_end) else None
+        content = content if content else (None if (self.tool_calls or reasoning) else "")
         return reasoning, content, [c.to_openai() for c in self.tool_calls]
 
 
