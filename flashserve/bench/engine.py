@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="peers", help="the V4 checkpoint compared")
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON")
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="flashserve's decode step eager, or compiled with --no-enforce-eager (default: the "
+                         "engine's, eager on the CPU)")
     ap.add_argument("--sweep-json", default=None, metavar="PATH",
                     help="also write the measured points as a bench sweep (PATH) and the checkpoint's config "
                          "(PATH.config.json), the input of `flashserve plan --calibrate`")
@@ -272,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"same checkpoint: flashserve vs transformers logits max rel diff {rel:.2e}; "
               f"{active / 1e6:.1f}M parameters active per decode token")
 
-        eng = engine_for(ours, tmp, max_num_seqs=max(64, *args.concurrency))
+        t0 = time.perf_counter()
+        eng = engine_for(ours, tmp, max_num_seqs=max(64, *args.concurrency), enforce_eager=args.enforce_eager)
+        print(f"engine start-up {time.perf_counter() - t0:.1f} s (decode step compile/warm-up "
+              f"{eng.runner.decode_step.warmup_s:.1f} s)", flush=True)
         p1 = prompts(1, plen, 1)
         fs_run(eng, p1, 4)
         hf_generate(hf, p1, 2)

@@ -64,39 +64,28 @@ def _unpack_v4_fp8(p: torch.Tensor, dim: int, rope: int, dtype: torch.dtype) -> 
     return torch.cat([q * scale, r], dim=-1).to(dtype)
 
 
-_LUT: dict[torch.device, torch.Tensor] = {}
-
-
-def _fp4_pairs(device: torch.device) -> torch.Tensor:
+def _fp4_pairs() -> torch.Tensor:
     """[256, 2] float32: the two E2M1 values (low nibble first) of every byte."""
-    lut = _LUT.get(device)
-    if lut is None:
-        b = torch.arange(256, dtype=torch.uint8)
-        lut = torch.stack([quant.e2m1_decode(b & 15), quant.e2m1_decode(b >> 4)], dim=-1).to(device)
-        _LUT[device] = lut
-    return lut
+    b = torch.arange(256, dtype=torch.uint8)
+    return torch.stack([quant.e2m1_decode(b & 15), quant.e2m1_decode(b >> 4)], dim=-1)
 
 
-def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Table-driven inverse of ``pack_fp4_e4m3`` (``e4m3``) / ``pack_fp4_ue8m0``: same values, fewer ops."""
+def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype, pairs: torch.Tensor) -> torch.Tensor:
+    """Table-driven inverse of ``pack_fp4_e4m3`` (``e4m3``) / ``pack_fp4_ue8m0``: same values, fewer ops.
+    ``pairs``: :func:`_fp4_pairs` on ``p``'s device."""
     d = p.shape[-1] * 2 * block // (block + 2)  # record = d/2 code bytes + d/block scale bytes
-    vals = _fp4_pairs(p.device)[p[..., : d // 2].long()].flatten(-2)  # [..., d]
+    vals = pairs[p[..., : d // 2].long()].flatten(-2)  # [..., d]
     sc = p[..., d // 2:]
     scale = sc.contiguous().view(torch.float8_e4m3fn).float() if e4m3 else quant.e8m0_to_float(sc)
     return (vals.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2).to(dtype)
 
 
-_E8M0: dict[torch.device, torch.Tensor] = {}
-
-
-def _unpack_fp8(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``pack_fp8_ue8m0`` (E4M3 bytes + one UE8M0 scale per 32) with a scale table."""
-    lut = _E8M0.get(p.device)
-    if lut is None:
-        lut = _E8M0[p.device] = quant.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(p.device)
+def _unpack_fp8(p: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_fp8_ue8m0`` (E4M3 bytes + one UE8M0 scale per 32); ``scales``: the 256 UE8M0 values
+    on ``p``'s device."""
     d = p.shape[-1] * 32 // 33
     q = p[..., :d].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-    return (q.unflatten(-1, (-1, 32)) * lut[p[..., d:].long()][..., None]).flatten(-2).to(dtype)
+    return (q.unflatten(-1, (-1, 32)) * scales[p[..., d:].long()][..., None]).flatten(-2).to(dtype)
 
 
 @dataclass
@@ -108,17 +97,20 @@ class Codec:
     unpack: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None
 
 
-def codecs(cfg: ModelConfig, packed: bool) -> dict[str, Codec]:
-    """Codecs of the ``main``, ``index`` and ``window`` rows."""
+def codecs(cfg: ModelConfig, packed: bool, device: torch.device | str = "cpu") -> dict[str, Codec]:
+    """Codecs of the ``main``, ``index`` and ``window`` rows; their decode tables live on ``device``, made
+    once here (no table is created or looked up while a step runs)."""
     hd, ihd = cfg.head_dim, cfg.index_head_dim
     if not packed:
         return {"main": Codec(hd, None, None), "index": Codec(ihd, None, None), "window": Codec(hd, None, None)}
     rec = kv_record(cfg)
-    index = Codec(rec.index, quant.pack_fp4_ue8m0, lambda p, dt: _unpack_fp4(p, 32, False, dt))
+    pairs = _fp4_pairs().to(device)
+    scales = quant.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(device)
+    index = Codec(rec.index, quant.pack_fp4_ue8m0, lambda p, dt: _unpack_fp4(p, 32, False, dt, pairs))
     if cfg.is_v41:
-        return {"main": Codec(rec.main, quant.pack_fp4_e4m3, lambda p, dt: _unpack_fp4(p, 16, True, dt)),
+        return {"main": Codec(rec.main, quant.pack_fp4_e4m3, lambda p, dt: _unpack_fp4(p, 16, True, dt, pairs)),
                 "index": index,
-                "window": Codec(rec.window, quant.pack_fp8_ue8m0, _unpack_fp8)}
+                "window": Codec(rec.window, quant.pack_fp8_ue8m0, lambda p, dt: _unpack_fp8(p, dt, scales))}
     rope = cfg.qk_rope_head_dim
     v4 = Codec(rec.main, lambda x: _pack_v4_fp8(x, rope, rec.main),
                lambda p, dt: _unpack_v4_fp8(p, hd, rope, dt))
@@ -134,9 +126,9 @@ class GlobalKey:
     codec: Codec
 
 
-def global_keys(cfg: ModelConfig, packed: bool) -> list[GlobalKey]:
+def global_keys(cfg: ModelConfig, packed: bool, device: torch.device | str = "cpu") -> list[GlobalKey]:
     """Every global (compressed) cache the model writes, in layer order."""
-    cod = codecs(cfg, packed)
+    cod = codecs(cfg, packed, device)
     keys = []
     for layer, ratio in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
         if ratio == 0 or cfg.kv_source(layer) != layer:
@@ -145,6 +137,20 @@ def global_keys(cfg: ModelConfig, packed: bool) -> list[GlobalKey]:
         if cfg.is_v41 or ratio == cfg.compress_rate_csa:
             keys.append(GlobalKey(f"{layer}.index", layer, ratio, cfg.index_head_dim, cod["index"]))
     return keys
+
+
+def ring_widths(cfg: ModelConfig) -> dict[str, int]:
+    """Row width (fp32 values) of every compressor's partial-group ring: values and gates, twice as wide
+    for V4's overlapping CSA compressors; ratio 1 keeps no ring."""
+    widths = {}
+    for layer, ratio in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
+        if ratio <= 1 or cfg.kv_source(layer) != layer:
+            continue
+        overlap = (not cfg.is_v41) and ratio == cfg.compress_rate_csa
+        widths[f"{layer}.main"] = (4 if overlap else 2) * cfg.head_dim
+        if overlap:
+            widths[f"{layer}.index"] = 4 * cfg.index_head_dim
+    return widths
 
 
 def page_tokens_for(cfg: ModelConfig, block_size: int) -> int:
@@ -237,8 +243,8 @@ class KVCache:
         self.cfg, self.dtype, self.device, self.packed = cfg, dtype, torch.device(device), packed
         self.window_size = cfg.sliding_window
         self.page_tokens = page_tokens_for(cfg, block_size)
-        self.keys = global_keys(cfg, packed)
-        self.window_codec = codecs(cfg, packed)["window"]
+        self.keys = global_keys(cfg, packed, self.device)
+        self.window_codec = codecs(cfg, packed, self.device)["window"]
         elt = torch.empty((), dtype=dtype).element_size()
         self.page_bytes = sum((self.page_tokens // k.ratio) * k.codec.width * (1 if packed else elt)
                               for k in self.keys)
@@ -246,16 +252,21 @@ class KVCache:
             num_pages = max(1, kv_memory // max(self.page_bytes, 1))
         self.num_pages = num_pages
         self.pool = PagePool(num_pages)
+        # one page and one slot past the pool's: where the rows a fixed-shape step masks out are written
+        # (padding rows of a bucket, groups not completed this step) instead of branching on the host
+        self.scratch_page, self.scratch_slot = num_pages, max_num_seqs
         self.pages: dict[str, torch.Tensor] = {}
         for k in self.keys:
-            shape = (num_pages, self.page_tokens // k.ratio, k.codec.width)
+            shape = (num_pages + 1, self.page_tokens // k.ratio, k.codec.width)
             self.pages[k.name] = torch.zeros(shape, dtype=torch.uint8 if packed else dtype, device=self.device)
         self.key_by_name = {k.name: k for k in self.keys}
         # bounded per-sequence state
         self.num_slots = max_num_seqs
+        self.rows = max_num_seqs + 1  # storage rows per slab: the sequences' slots and the scratch slot
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.counts = {k.name: torch.zeros(max_num_seqs, dtype=torch.long, device=self.device) for k in self.keys}
-        self.protected = {k.name: torch.zeros(max_num_seqs, dtype=torch.long, device=self.device)
+        self.counts = {k.name: torch.zeros(self.rows, dtype=torch.long, device=self.device)
+                       for k in self.keys}
+        self.protected = {k.name: torch.zeros(self.rows, dtype=torch.long, device=self.device)
                           for k in self.keys}
         self.windows: dict[int, torch.Tensor] = {}
         self.window_from: dict[int, torch.Tensor] = {}
@@ -264,11 +275,22 @@ class KVCache:
         # (replay buffer key, slot) -> decoder-replay rows (only while the sequence prefills)
         self.stash: dict[tuple[str, int], torch.Tensor] = {}
         n_hist = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
-        self.history = torch.full((max_num_seqs, n_hist), -1, dtype=torch.long, device=self.device)
+        self.history = torch.full((self.rows, n_hist), -1, dtype=torch.long, device=self.device)
         self.kv_memory = kv_memory
         # each slot's page ids, written once per new page, so a step's page table is one gather instead of
         # a list of every page of every row (55 us per row at 50k tokens); width doubles on demand
-        self.page_table = torch.zeros(max_num_seqs, 16, dtype=torch.long, device=self.device)
+        self.page_table = torch.zeros(self.rows, 16, dtype=torch.long, device=self.device)
+        self._allocate_state()
+
+    def _allocate_state(self) -> None:
+        """Window rings of every layer and compressor partial-group rings of every KV source, allocated once
+        at start-up so that a step never creates storage (what lets a compiled step hold on to them)."""
+        cfg = self.cfg
+        for layer in range(cfg.num_hidden_layers):
+            self.window_slab(layer, torch.empty(0, cfg.head_dim, dtype=self.dtype))
+        raw_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32  # compressors run in fp32
+        for key, width in ring_widths(cfg).items():
+            self.raw_ring(key, self.raw_capacity(key), torch.empty(0, width, dtype=raw_dtype))
 
     # ------------------------------------------------------------ sizes
     @property
@@ -325,7 +347,7 @@ class KVCache:
         end = start + len(pages)
         if end > self.page_table.shape[1]:
             width = max(end, 2 * self.page_table.shape[1])
-            grown = torch.zeros(self.num_slots, width, dtype=torch.long, device=self.device)
+            grown = torch.zeros(self.rows, width, dtype=torch.long, device=self.device)
             grown[:, :self.page_table.shape[1]] = self.page_table
             self.page_table = grown
         row = self.page_table[slot]
@@ -356,9 +378,9 @@ class KVCache:
             c = self.window_codec
             dt = torch.uint8 if c.pack is not None else like.dtype
             width = c.width if c.pack is not None else like.shape[-1]
-            slab = torch.zeros(self.num_slots, max(self.window_size - 1, 0), width, dtype=dt, device=self.device)
+            slab = torch.zeros(self.rows, max(self.window_size - 1, 0), width, dtype=dt, device=self.device)
             self.windows[layer] = slab
-            self.window_from[layer] = torch.full((self.num_slots,), -1, dtype=torch.long, device=self.device)
+            self.window_from[layer] = torch.full((self.rows,), -1, dtype=torch.long, device=self.device)
         return slab
 
     def raw_capacity(self, key: str) -> int | None:
@@ -377,15 +399,15 @@ class KVCache:
         """Ring of ``cap`` rows per slot (the row of position p at p % cap) and the first position it holds."""
         ring = self.raw.get(key)
         if ring is None:
-            ring = torch.zeros(self.num_slots, cap, like.shape[-1], dtype=like.dtype, device=self.device)
+            ring = torch.zeros(self.rows, cap, like.shape[-1], dtype=like.dtype, device=self.device)
             self.raw[key] = ring
-            self.raw_keep[key] = torch.full((self.num_slots,), NO_ROWS, dtype=torch.long, device=self.device)
+            self.raw_keep[key] = torch.full((self.rows,), NO_ROWS, dtype=torch.long, device=self.device)
         return ring, self.raw_keep[key]
 
     def raw_slab(self, key: str, rows: int, like: torch.Tensor) -> torch.Tensor:
         slab = self.raw.get(key)
         if slab is None or slab.shape[1] < rows or slab.dtype != like.dtype:
-            new = torch.zeros(self.num_slots, rows, like.shape[-1], dtype=like.dtype, device=self.device)
+            new = torch.zeros(self.rows, rows, like.shape[-1], dtype=like.dtype, device=self.device)
             if slab is not None and slab.dtype == like.dtype and slab.shape[1]:
                 new[:, rows - slab.shape[1]:] = slab
             self.raw[key] = slab = new
@@ -394,6 +416,8 @@ class KVCache:
 
 class BatchState:
     """:class:`~flashserve.model.state.SequenceState` over a batch of engine sequences (one forward)."""
+
+    fixed_shape = False
 
     def __init__(self, cache: KVCache, slots: list[int], page_tables: list[list[int]] | int):
         """``page_tables``: each row's page ids, or the width to take from ``cache.page_table`` (what
@@ -499,6 +523,9 @@ class BatchState:
         ring[self.slots[:, None], pos % cap] = raw[:, S - n:]
         keep[self.slots] = keep_from
         return full
+
+    def raw_held_from(self, key: str) -> None:
+        return None
 
     # ------------------------------------------------------------ global paged rows
     def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:

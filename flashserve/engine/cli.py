@@ -16,6 +16,14 @@ def add_threads_arg(g) -> None:
                         "docs/engine-speed.md)")
 
 
+def add_compile_arg(g) -> None:
+    """``--enforce-eager`` / ``--no-enforce-eager``: run the decode step eagerly, or compile it."""
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode eagerly (--enforce-eager) or through a torch.compile'd fixed-shape step "
+                        "(--no-enforce-eager); default: compiled on CUDA, eager on the CPU, where the first "
+                        "compile takes minutes (see docs/engine-speed.md)")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -33,6 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="after a prefix-cache hit, rebuild window state exactly (default) or by one window")
     g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
     add_threads_arg(g)
+    add_compile_arg(g)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -40,7 +49,7 @@ def engine_options(args: argparse.Namespace) -> dict:
                 exact_prefill=args.exact_prefill, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, block_size=args.block_size, seed=args.seed,
-                prefix_replay=args.prefix_replay, threads=args.threads)
+                prefix_replay=args.prefix_replay, threads=args.threads, enforce_eager=args.enforce_eager)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

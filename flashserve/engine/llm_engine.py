@@ -13,6 +13,7 @@ from ..config import ConfigError
 
 from .cache import KVCache, parse_bytes
 from .detokenizer import IncrementalDetokenizer
+from .decode_step import DecodeStep
 from .model_runner import ModelRunner
 from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sampling_params import QueueFullError, RequestError, SamplingParams
@@ -44,6 +45,11 @@ class EngineConfig:
     fake_quant: bool | None = None
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": spec's C−W rule
     threads: int = DEFAULT_THREADS  # torch intra-op threads, set at start-up (process-wide)
+    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
+    # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
+    # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
+    enforce_eager: bool | None = None
+    compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests use "aot_eager")
 
 
 class LLMEngine:
@@ -80,7 +86,11 @@ class LLMEngine:
                                    enable_prefix_caching=c.enable_prefix_caching,
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
-        self.runner = ModelRunner(self.model, self.cache)
+        eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
+        step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
+                          backend=c.compile_backend)
+        step.warm_up()
+        self.runner = ModelRunner(self.model, self.cache, step)
         self.encoder_only = cfg.is_v41 and not c.exact_prefill
         self.generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(c.seed)
         self.groups: dict[str, RequestGroup] = {}

@@ -6,22 +6,33 @@ from __future__ import annotations
 import torch
 
 from .cache import BatchState, KVCache
+from .decode_step import DecodeStep
 from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache):
+    def __init__(self, model, cache: KVCache, decode_step: DecodeStep):
         self.model = model
         self.cache = cache
         self.cfg = model.cfg
         self.device = model.embed.weight.device
+        self.decode_step = decode_step
 
     def _state(self, seqs: list[Sequence]) -> BatchState:
         return BatchState(self.cache, [s.slot for s in seqs], max(len(s.pages) for s in seqs))
 
-    @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of the next token of each sequence (each has exactly one token to compute)."""
+        """Logits [B, V] of the next token of each sequence (each has exactly one token to compute), through
+        the fixed-shape step."""
+        step = self.decode_step
+        inp = step.inputs([[s.tokens[s.num_computed]] for s in seqs], [s.num_computed for s in seqs],
+                          [s.slot for s in seqs], max(len(s.pages) for s in seqs))
+        return step(inp)[:len(seqs), -1]
+
+    @torch.inference_mode()
+    def decode_dynamic(self, seqs: list[Sequence]) -> torch.Tensor:
+        """The same logits through the dynamic :class:`BatchState` (the reference the fixed step is tested
+        against)."""
         ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], dtype=torch.long, device=self.device)
         start = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=self.device)
         out = self.model(ids, self._state(seqs), start=start, logits_rows=1)

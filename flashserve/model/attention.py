@@ -53,14 +53,17 @@ def v4_fake_quant_index(x: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_groups(raw: torch.Tensor, last: torch.Tensor, first_pos: torch.Tensor, n_groups: int,
-                   ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   ratio: int, held_from: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``n_groups`` position-aligned groups starting at ``first_pos`` [B] (a multiple of ratio)
-    from a right-aligned raw buffer whose last row is position ``last`` [B]: ([B,G,ratio,c], present)."""
+    from a right-aligned raw buffer whose last row is position ``last`` [B]: ([B,G,ratio,c], present).
+    ``held_from`` [B]: rows before this position are in the buffer but hold nothing (fixed-shape reads)."""
     g = torch.arange(n_groups, device=raw.device)
     r = torch.arange(ratio, device=raw.device)
     pos = first_pos[:, None, None] + g[None, :, None] * ratio + r[None, None, :]  # [B,G,ratio]
     idx = raw.shape[1] - 1 - (last[:, None, None] - pos)
     present = (idx >= 0) & (pos >= 0) & (pos <= last[:, None, None])
+    if held_from is not None:
+        present = present & (pos >= held_from[:, None, None])
     idx = idx.clamp(0, max(raw.shape[1] - 1, 0))
     rows = torch.gather(raw, 1, idx.flatten(1)[..., None].expand(-1, -1, raw.shape[-1]))
     return rows.view(*pos.shape, raw.shape[-1]), present
@@ -95,11 +98,15 @@ class Compressor(nn.Module):
         n_new = end // ratio - first_group
         keep_from = (end // ratio - (1 if self.overlap else 0)).clamp(min=0) * ratio
         full = state.compressor_raw(key, raw, keep_from)
-        G = int(n_new.max()) if n_new.numel() else 0
+        if state.fixed_shape:  # the most groups S rows can complete; no host sync
+            G = -(-x.shape[1] // ratio)
+        else:
+            G = int(n_new.max()) if n_new.numel() else 0
         if G == 0:
             return c.new_zeros(c.shape[0], 0, self.dim), n_new
         last = end - 1
-        rows, present = _gather_groups(full, last, first_group * ratio, G, ratio)
+        held = state.raw_held_from(key)
+        rows, present = _gather_groups(full, last, first_group * ratio, G, ratio, held)
         width = c.shape[-1]
         kv, gate = rows[..., :width], (rows[..., width:] if self.wgate is not None else None)
         if gate is None:  # ratio 1: the latent is the row itself
@@ -109,7 +116,7 @@ class Compressor(nn.Module):
                 gate = gate + fp32(self.ape)
             gate = gate.masked_fill(~present[..., None], NEG_INF)
             if self.overlap:
-                prev, prev_present = _gather_groups(full, last, (first_group - 1) * ratio, G, ratio)
+                prev, prev_present = _gather_groups(full, last, (first_group - 1) * ratio, G, ratio, held)
                 d = self.dim
                 prev_gate = prev[..., width:][..., :d]
                 if self.ape is not None:

@@ -75,7 +75,20 @@ class Experts(nn.Module):
             return self._gathered(x, idx, w)
         if pairs <= GROUPED_MM_ROWS * self.w1.shape[0] and self._grouped_mm_ok(x):
             return self._grouped_mm(x, idx, w)
+        if torch.compiler.is_compiling():  # a compiled step: fixed shapes, no host sync
+            return self._dense(x, idx, w)
         return self._grouped(x, idx, w)
+
+    def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the routing (zero where not picked): the compiled decode
+        step's path for batches past :meth:`_gathered`, as ``torch._grouped_mm`` does not compile on the CPU."""
+        E = self.w1.shape[0]
+        route = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)  # [T,E]
+        h = x.unsqueeze(0).expand(E, -1, -1)  # [E,T,D]
+        gate = torch.bmm(h, self.w1.transpose(1, 2))
+        up = torch.bmm(h, self.w3.transpose(1, 2))
+        y = torch.bmm(clamped_swiglu(gate, up, self.limit), self.w2.transpose(1, 2))  # [E,T,D]
+        return torch.einsum("etd,te->td", fp32(y), route).to(x.dtype)
 
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
         """``torch._grouped_mm`` takes fp32/bf16/fp16 on the CPU with 16-byte-aligned rows (CUDA: untested);

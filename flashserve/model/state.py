@@ -20,6 +20,7 @@ class SequenceState(Protocol):
 
     start: torch.Tensor  # [B] absolute position of each row's first new token
     num_new: int  # S
+    fixed_shape: bool  # shapes follow from S and host-known sizes only; nothing may read a value back
 
     def window(self, layer: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this forward's window rows ``kv`` [B,S,d]; return (prior ++ new) [B,T,d] and their
@@ -28,6 +29,10 @@ class SequenceState(Protocol):
     def compressor_raw(self, key: str, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
         """Append raw compressor rows [B,S,c]; return (retained ++ new) [B,R,c], right-aligned; retain rows
         at positions >= keep_from [B] for the next forward."""
+
+    def raw_held_from(self, key: str) -> torch.Tensor | None:
+        """[B] first position of the rows the last :meth:`compressor_raw` of ``key`` returned that hold
+        anything (None: all of them do)."""
 
     def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
         """Append ``n_new[b]`` entries of ``new`` [B,G,c] (left-aligned) to a global cache."""
@@ -67,6 +72,7 @@ class DenseState:
     device: torch.device | str = "cpu"
     start: torch.Tensor = field(init=False)
     num_new: int = 0
+    fixed_shape = False
     _windows: dict[int, torch.Tensor] = field(default_factory=dict)
     _window_from: dict[int, torch.Tensor] = field(default_factory=dict)
     _raw: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -119,6 +125,9 @@ class DenseState:
         keep = int((last + 1 - keep_from).clamp(min=0).max()) if full.shape[0] else 0
         self._raw[key] = full[:, full.shape[1] - min(keep, full.shape[1]):]
         return full
+
+    def raw_held_from(self, key: str) -> None:
+        return None
 
     def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self._entries:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..engine.cli import add_threads_arg
+from ..engine.cli import add_compile_arg, add_threads_arg
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -43,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
     e.add_argument("--seed", type=int, default=0)
     add_threads_arg(e)
+    add_compile_arg(e)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -60,7 +61,8 @@ def build_engine(args: argparse.Namespace):
                        max_num_batched_tokens=args.max_num_batched_tokens, kv_memory=args.kv_memory,
                        cache_dtype=args.cache_dtype, exact_prefill=args.exact_prefill,
                        enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len,
-                       max_waiting=args.max_waiting, seed=args.seed, threads=args.threads)
+                       max_waiting=args.max_waiting, seed=args.seed, threads=args.threads,
+                       enforce_eager=args.enforce_eager)
     return LLMEngine(cfg)
 
 

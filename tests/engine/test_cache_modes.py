@@ -14,7 +14,7 @@ def test_packed_bytes_per_token_match_arithmetic(models, name):
     engine = make_engine(model, name, dtype="float32", cache_dtype="packed", kv_memory="1MiB")
     cache = engine.cache
     allocated = sum(t.numel() * t.element_size() for t in cache.pages.values())
-    per_token = allocated / (cache.num_pages * cache.page_tokens)
+    per_token = allocated / ((cache.num_pages + 1) * cache.page_tokens)  # + the scratch page
     assert per_token == model_arithmetic(model.cfg).kv_bytes_per_token
     assert cache.num_pages == (1 << 20) // cache.page_bytes
 
@@ -152,6 +152,7 @@ def test_decode_reads_only_the_picked_compressed_rows(models, name, monkeypatch)
     entry of a dense HCA layer); sparse layers fetch their k picked rows from the pages, and the tokens are
     those of the packed cache read whole."""
     from flashserve.engine.cache import BatchState
+    from flashserve.engine.fixed_state import FixedBatchState
     from flashserve.model.state import gather_entries
 
     model = models(name, torch.float32)
@@ -170,16 +171,23 @@ def test_decode_reads_only_the_picked_compressed_rows(models, name, monkeypatch)
 
     reads, picked = [], []
 
+    real_fixed_read = FixedBatchState.compressed  # decode steps run on the fixed-shape state
+
     def spy_read(self, key):
         if self.num_new == 1:
             reads.append(key)
         return real_read(self, key)
+
+    def spy_fixed_read(self, key):
+        reads.append(key)
+        return real_fixed_read(self, key)
 
     def spy_rows(self, key, index):
         picked.append((key, index.shape[-1]))
         return real_rows(self, key, index)
 
     monkeypatch.setattr(BatchState, "compressed", spy_read)
+    monkeypatch.setattr(FixedBatchState, "compressed", spy_fixed_read)
     monkeypatch.setattr(BatchState, "compressed_rows", spy_rows)
     engine = make_engine(model, name, dtype="float32", cache_dtype="packed")
     assert run_greedy(engine, prompts, 6) == whole

@@ -47,7 +47,7 @@ def engine_at(model, position: int) -> LLMEngine:
     """Two running sequences ("delta" and "final_only" outputs, penalties, logprobs, a stop string) whose
     outputs reach ``position`` tokens."""
     engine = LLMEngine(EngineConfig(model="tiny-v41", num_pages=2048, max_num_seqs=4), model=model)
-    engine.runner.model = FixedForward(model.cfg.vocab_size)
+    engine.runner.model = engine.runner.decode_step.model = FixedForward(model.cfg.vocab_size)
     engine.max_model_len = 10 ** 9  # the fixed forward has no position limit
     for kind in ("delta", "final_only"):
         params = SamplingParams(max_tokens=10 ** 9, temperature=0.0, ignore_eos=True, stop=STOP, logprobs=1,

@@ -1,0 +1,123 @@
+"""The fixed-shape decode step: batches padded to buckets, each bucket's forward compiled once.
+
+A decode batch of ``B`` requests with ``R`` rows each (1 for plain decode, k+1 to verify k drafted tokens) is
+padded to the next bucket (1, 2, 4, 8, ... up to ``max_num_seqs``). Padding rows name the cache's scratch slot
+and scratch page. The step's inputs are four tensors built on the host from what the scheduler knows (ids,
+start positions, slots, page table), so nothing inside the forward reads a value back, and every shape but
+the page table's width is fixed per bucket; that width is marked dynamic (one graph for every context
+length). ``enforce_eager`` runs the same padded step without compiling, as vLLM's switch does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .cache import KVCache
+from .fixed_state import FixedBatchState
+
+log = logging.getLogger("flashserve.engine")
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Powers of two from 2 below ``max_num_seqs``, then ``max_num_seqs`` itself (at least 2: a dynamic
+    batch dimension of size 1 would be specialised)."""
+    max_num_seqs = max(max_num_seqs, 2)
+    out, b = [], 2
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    return out + [max_num_seqs]
+
+
+@dataclass
+class StepInputs:
+    """One step's host-built metadata as tensors, padded to a bucket."""
+
+    ids: torch.Tensor  # [Bp, R] token ids of the rows to compute
+    start: torch.Tensor  # [Bp] position of each request's first row
+    slots: torch.Tensor  # [Bp] cache slot (padding: the scratch slot)
+    table: torch.Tensor  # [Bp, P] page ids (padding: the scratch page)
+
+
+class DecodeStep:
+    """Runs padded decode forwards: ``torch.compile`` per bucket, or eager with ``enforce_eager``."""
+
+    def __init__(self, model, cache: KVCache, *, max_num_seqs: int, enforce_eager: bool,
+                 backend: str = "inductor"):
+        self.model, self.cache = model, cache
+        self.buckets = decode_buckets(max_num_seqs)
+        self.enforce_eager = enforce_eager
+        cfg = model.cfg
+        ratios = [r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r > 0]
+        # the fewest pages a step reads: enough entries that every top-k and candidate-pool size is below the
+        # read width, so those size checks never flip (and recompile) as a context grows
+        pool = cfg.candidate_topk_blocks * cfg.candidate_block_size if cfg.candidate_source_layer_id >= 0 else 0
+        need = max(cfg.index_topk, pool, 1)
+        entries_per_page = cache.page_tokens // max(ratios) if ratios else cache.page_tokens
+        self.min_pages = max(2, -(-need // max(entries_per_page, 1)))
+        self.max_pages = max(cache.num_pages, self.min_pages) + 1
+        self._forward = self._eager if enforce_eager else torch.compile(self._eager, backend=backend, dynamic=False)
+        self.warmup_s = 0.0
+
+    def bucket(self, n: int) -> int:
+        """Rows a batch of ``n`` requests is padded to (eager steps are not padded)."""
+        if self.enforce_eager:
+            return n
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} requests exceed the largest decode bucket ({self.buckets[-1]})")
+
+    @torch.inference_mode()  # inputs made as inference tensors always, so the compiled guards always match
+    def inputs(self, ids: list[list[int]], start: list[int], slots: list[int], pages: int) -> StepInputs:
+        """Pad one step's rows to their bucket; ``pages``: the widest page table among the requests."""
+        cache, dev = self.cache, self.cache.device
+        B, Bp = len(ids), self.bucket(len(ids))
+        R = len(ids[0])
+        P = pages if self.enforce_eager else max(pages, self.min_pages)
+        pad = Bp - B
+        slot_t = torch.tensor(slots + [cache.scratch_slot] * pad, dtype=torch.long, device=dev)
+        table = torch.full((Bp, P), cache.scratch_page, dtype=torch.long, device=dev)
+        width = min(P, cache.page_table.shape[1])
+        table[:B, :width] = cache.page_table[slot_t[:B], :width]
+        return StepInputs(
+            ids=torch.tensor(ids + [[0] * R] * pad, dtype=torch.long, device=dev),
+            start=torch.tensor(start + [0] * pad, dtype=torch.long, device=dev),
+            slots=slot_t, table=table)
+
+    @torch.inference_mode()
+    def __call__(self, inp: StepInputs) -> torch.Tensor:
+        """Logits [Bp, R, V] of every row (padding rows included: the caller keeps its own)."""
+        if not self.enforce_eager:  # one graph for every batch size and context length
+            for t in (inp.ids, inp.start, inp.slots, inp.table):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(inp.table, 1)
+        return self._forward(inp.ids, inp.start, inp.slots, inp.table)
+
+    def _eager(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+               table: torch.Tensor) -> torch.Tensor:
+        state = FixedBatchState(self.cache, slots, table)
+        return self.model(ids, state, start=start, logits_rows=ids.shape[1]).logits
+
+    @torch.inference_mode()
+    def warm_up(self, rows: int = 1) -> float:
+        """Compile every bucket now (on the scratch slot and page) rather than at the first request of each
+        size; returns and logs the seconds it took."""
+        if self.enforce_eager:
+            return 0.0
+        t0 = time.perf_counter()
+        cache = self.cache
+        for b in self.buckets:
+            inp = StepInputs(ids=torch.zeros(b, rows, dtype=torch.long, device=cache.device),
+                             start=torch.zeros(b, dtype=torch.long, device=cache.device),
+                             slots=torch.full((b,), cache.scratch_slot, dtype=torch.long, device=cache.device),
+                             table=torch.full((b, self.min_pages), cache.scratch_page, dtype=torch.long,
+                                              device=cache.device))
+            self(inp)
+        self.warmup_s = time.perf_counter() - t0
+        log.info("decode step compiled for buckets %s in %.1f s", self.buckets, self.warmup_s)
+        return self.warmup_s
