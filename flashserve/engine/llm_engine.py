@@ -49,7 +49,7 @@ class EngineConfig:
     # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
     # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
     enforce_eager: bool | None = None
-    compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests use "aot_eager")
+    compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
 
 
 class LLMEngine:
