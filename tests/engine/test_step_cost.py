@@ -129,7 +129,7 @@ def test_kept_penalty_counts_follow_the_definition(models):
     presence * [count > 0]."""
     model = models("tiny-v41", torch.float32)
     engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=2, num_pages=16), model=model)
-    fixed = engine.runner.model = FixedForward(model.cfg.vocab_size)
+    fixed = engine.runner.model = engine.runner.decode_step.model = FixedForward(model.cfg.vocab_size)
     prompt = [int(i) for i in fixed.logits[0, 0].topk(3).indices]  # the prompt holds the 3 likeliest ids
     freq, pres, rep, n = 0.4, 0.3, 1.5, 40
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, frequency_penalty=freq,
