@@ -58,8 +58,7 @@ def _staggered(engine, n: int = 3, tokens: int = 10) -> list[list[int]]:
     return [done[f"r{i}"] for i in range(n)]
 
 
-@pytest.mark.parametrize("name", ["tiny-v4", "tiny-v41"])
-@pytest.mark.parametrize("cache_dtype", ["packed", "float"])
+@pytest.mark.parametrize("name,cache_dtype", [("tiny-v4", "float"), ("tiny-v41", "packed")])
 def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
     model = models(name)  # float64
     prompts = [prompt_of(n, seed=n) for n in (5, 40, 77)]
