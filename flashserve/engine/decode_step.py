@@ -1,11 +1,12 @@
-"""The fixed-shape decode step: batches padded to buckets, each bucket's forward compiled once.
+"""The fixed-shape decode step: batches padded to buckets, compiled once.
 
 A decode batch of ``B`` requests with ``R`` rows each (1 for plain decode, k+1 to verify k drafted tokens) is
-padded to the next bucket (1, 2, 4, 8, ... up to ``max_num_seqs``). Padding rows name the cache's scratch slot
+padded to the next bucket (2, 4, 8, ... up to ``max_num_seqs``). Padding rows name the cache's scratch slot
 and scratch page. The step's inputs are four tensors built on the host from what the scheduler knows (ids,
-start positions, slots, page table), so nothing inside the forward reads a value back, and every shape but
-the page table's width is fixed per bucket; that width is marked dynamic (one graph for every context
-length). ``enforce_eager`` runs the same padded step without compiling, as vLLM's switch does.
+start positions, slots, page table), so nothing inside the forward reads a value back. The batch and
+page-table widths are marked dynamic, so one graph serves every bucket and context length (a second one
+where the MoE switches from gathered experts to all experts). ``enforce_eager`` runs the same step without
+compiling or padding, as vLLM's switch does.
 """
 
 from __future__ import annotations
