@@ -24,6 +24,13 @@ def add_compile_arg(g) -> None:
                         "compile takes minutes (see docs/engine-speed.md)")
 
 
+def add_quantization_arg(g) -> None:
+    """``--quantization int8|fp8|mxfp4|float``: weights packed in memory (default: as the checkpoint stores them)."""
+    g.add_argument("--quantization", choices=("int8", "fp8", "mxfp4", "float"), default=None,
+                   help="pack float weights at load (int8 per row, fp8 blocks, mxfp4 experts) or unpack a "
+                        "packed checkpoint (float); default: weights as the checkpoint stores them")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -42,6 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (unseeded requests)")
     add_threads_arg(g)
     add_compile_arg(g)
+    add_quantization_arg(g)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -49,7 +57,8 @@ def engine_options(args: argparse.Namespace) -> dict:
                 exact_prefill=args.exact_prefill, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                 enable_prefix_caching=not args.no_prefix_caching, block_size=args.block_size, seed=args.seed,
-                prefix_replay=args.prefix_replay, threads=args.threads, enforce_eager=args.enforce_eager)
+                prefix_replay=args.prefix_replay, threads=args.threads, enforce_eager=args.enforce_eager,
+                quantization=args.quantization)
 
 
 def register(subparsers) -> argparse.ArgumentParser:

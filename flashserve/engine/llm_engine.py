@@ -50,6 +50,9 @@ class EngineConfig:
     # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
     enforce_eager: bool | None = None
     compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
+    # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "fp8" | "mxfp4"
+    # pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
+    quantization: str | None = None
 
 
 class LLMEngine:
@@ -67,7 +70,8 @@ class LLMEngine:
             raise ConfigError(f"device={device!r} asked but CUDA is not available")
         self.dtype = torch.float64 if c.dtype in ("float64", "fp64", torch.float64) else resolve_dtype(c.dtype)
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
-                                                                fake_quant=c.fake_quant, with_mtp=False)
+                                                                fake_quant=c.fake_quant, with_mtp=False,
+                                                                quantization=c.quantization)
         self.dtype = self.model.dtype
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.model, cfg.vocab_size)

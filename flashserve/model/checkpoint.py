@@ -39,6 +39,7 @@ from flashserve.config.model_config import ModelConfig
 from flashserve.config.serialize import config_to_json
 
 from . import quant
+from .packed import PackedSlot
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -407,9 +408,21 @@ def _fill(dest: Mapping[str, torch.Tensor], sources: Mapping[str, _Source],
         for name, src in sorted(sources.items(), key=lambda kv: (str(kv[1].weight.file), kv[1].weight.key)):
             target = dest[name]
             rb, cb = blocks[name]
+            if isinstance(target, PackedSlot):
+                _fill_packed(target, src, handles, rb, cb)
+                continue
             for rows in _row_chunks(src, rb):
                 value = _decode(src, handles, rows, rb, cb, target.dtype)
                 (target if rows is None else target[rows]).copy_(value)
+
+
+def _fill_packed(target: PackedSlot, src: _Source, handles: _Handles, rb: int, cb: int) -> None:
+    """A packed destination: stored bytes in its own format are copied as they are (no float copy of the
+    weight exists at any point); another format is decoded to float32 and quantized."""
+    if src.scale is not None and src.pick is None and target.accepts(src.weight.dtype, rb, cb):
+        if target.set_stored(handles.get(src.weight), handles.get(src.scale)):
+            return
+    target.set_float(_decode(src, handles, None, rb, cb, torch.float32))
 
 
 def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
@@ -418,7 +431,8 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
 
     Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
     tensor at a time, in any supported naming scheme (see module docstring), dequantising into each
-    destination's dtype. All problems are checked from the headers before any data is copied and raised as
+    destination's dtype (a :class:`~flashserve.model.packed.PackedSlot` destination keeps stored bytes that
+    are already in its format, and quantizes anything else). All problems are checked from the headers before any data is copied and raised as
     one :class:`CheckpointError`. With ``strict=False`` checkpoint tensors that ``dest`` lacks (e.g. MTP
     stages the caller did not build) are skipped; missing and mis-shaped tensors are errors, except the
     optional parts a checkpoint may omit as a whole: those are returned ({``DRAFTERS`` | ``BIAS_VL``:
@@ -432,6 +446,12 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
     _fill(dest, by_name, blocks)
     return omitted
+
+
+def stores_packed(path: str | Path) -> bool:
+    """Whether a checkpoint stores FP8 or MXFP4 weights (from the headers alone)."""
+    headers = _read_headers(_checkpoint_files(Path(path)))
+    return any(h.dtype == "F8_E4M3" for h in headers.values())
 
 
 # ============================================================================ writing
@@ -560,6 +580,6 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
 
 
 __all__ = [
-    "CheckpointError", "load_checkpoint", "DRAFTERS", "BIAS_VL", "save_checkpoint", "detect_scheme", "hf_to_released_name",
+    "CheckpointError", "load_checkpoint", "stores_packed", "DRAFTERS", "BIAS_VL", "save_checkpoint", "detect_scheme", "hf_to_released_name",
     "released_to_hf_name", "split_fused_experts", "INDEX_FILE",
 ]

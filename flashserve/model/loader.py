@@ -72,34 +72,61 @@ def _engram_map_from_folder(model: Transformer, path: Path) -> None:
                         "is set (the engine sets it from the tokenizer it loads)", path)
 
 
+def _quantization(path_or_preset: str | Path, is_preset: bool, quantization: str | None, cfg: ModelConfig) -> str:
+    """The packing method: as asked, else the checkpoint's own (packed when it stores FP8/MXFP4), else float."""
+    from .packed import FLOAT, QUANTIZATIONS, stored_method
+
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} "
+                              "(or leave it unset to keep a checkpoint's weights as stored)")
+        return quantization
+    if is_preset:
+        return FLOAT
+    from .checkpoint import stores_packed
+
+    return stored_method(cfg) if stores_packed(path_or_preset) else FLOAT
+
+
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
-               fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True) -> Transformer:
+               fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
+               quantization: str | None = None) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
     ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
     window rows and FP4 main/index rows (spec §2.1); V4's FP8 KV on non-RoPE dims and Hadamard+FP4
     indexer (spec Appendix A).
-    Shards are streamed into the model's parameters one tensor at a time.
+    ``quantization``: unset keeps a checkpoint's weights as stored (FP8 blocks and MXFP4 experts stay packed;
+    float checkpoints and presets stay float); ``"int8"``, ``"fp8"`` or ``"mxfp4"`` packs float weights at
+    load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference path).
+    Shards are streamed into the model's parameters one tensor at a time; packed weights never exist as floats.
     """
+    from .packed import pack_model, plan
+
     name = str(path_or_preset)
     cfg: ModelConfig = load_config(path_or_preset)
-    if name in PRESET_JSON and name not in RUNNABLE_PRESETS:
+    is_preset = name in PRESET_JSON
+    if is_preset and name not in RUNNABLE_PRESETS:
         raise ConfigError(f"preset {name!r} has the real model's dimensions and is for arithmetic and planning "
                          f"only; runnable presets: {', '.join(RUNNABLE_PRESETS)}")
     torch_dtype = resolve_dtype(dtype)
+    formats = plan(cfg, _quantization(path_or_preset, is_preset, quantization, cfg))
     with torch.device("meta"):
         model = Transformer(cfg, with_mtp=with_mtp)
+    model.to(torch_dtype)
+    keep_fp32(model)  # before any weight is written, so the fp32 leaves are never rounded to ``dtype``
+    if not is_preset:
+        pack_model(model, formats, quantize=False, compute_dtype=torch_dtype)  # still on meta: no float copy
     model = model.to_empty(device=device)
     for module in (model.rope, model.engram_hasher):  # computed, never loaded
         if module is not None:
             module.reset_buffers()
-    if name in PRESET_JSON:
+    model.rope.float()
+    if is_preset:
         random_init(model, seed)
+        pack_model(model, formats, quantize=True, compute_dtype=torch_dtype)
     else:
         _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp)
         _engram_map_from_folder(model, Path(path_or_preset))
-    model = model.to(torch_dtype)
-    model.rope.float()
-    keep_fp32(model)
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
     return model.eval()

@@ -62,18 +62,23 @@ class Experts(nn.Module):
 
     def __init__(self, n: int, dim: int, inter: int, limit: float):
         super().__init__()
+        self.n_experts, self.dim, self.inter, self.limit = n, dim, inter, limit
         self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
         self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
         self.w3 = nn.Parameter(torch.zeros(n, inter, dim))
-        self.limit = limit
+
+    def expert_weights(self, name: str, dtype: torch.dtype, index: torch.Tensor | int | None = None) -> torch.Tensor:
+        """``w1``/``w2``/``w3`` of every expert, or of the experts ``index`` (packed experts dequantize here)."""
+        weights = getattr(self, name)
+        return weights if index is None else weights[index]
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_k w[t,k] · expert_{idx[t,k]}(x_t)."""
         pairs = idx.numel()
         # gathering pays when experts are rarely shared by several tokens and the copies stay small
-        if pairs <= self.w1.shape[0] and pairs * 3 * self.w1[0].numel() * self.w1.element_size() <= GATHER_BYTES:
+        if pairs <= self.n_experts and pairs * 3 * self.inter * self.dim * x.element_size() <= GATHER_BYTES:
             return self._gathered(x, idx, w)
-        if pairs <= GROUPED_MM_ROWS * self.w1.shape[0] and self._grouped_mm_ok(x):
+        if pairs <= GROUPED_MM_ROWS * self.n_experts and self._grouped_mm_ok(x):
             return self._grouped_mm(x, idx, w)
         if torch.compiler.is_compiling():  # a compiled step: fixed shapes, no host sync
             return self._dense(x, idx, w)
@@ -82,18 +87,18 @@ class Experts(nn.Module):
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by the routing (zero where not picked): the compiled decode
         step's path for batches past :meth:`_gathered`, as ``torch._grouped_mm`` does not compile on the CPU."""
-        E = self.w1.shape[0]
+        E, dt = self.n_experts, x.dtype
         route = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)  # [T,E]
         h = x.unsqueeze(0).expand(E, -1, -1)  # [E,T,D]
-        gate = torch.bmm(h, self.w1.transpose(1, 2))
-        up = torch.bmm(h, self.w3.transpose(1, 2))
-        y = torch.bmm(clamped_swiglu(gate, up, self.limit), self.w2.transpose(1, 2))  # [E,T,D]
+        gate = torch.bmm(h, self.expert_weights("w1", dt).transpose(1, 2))
+        up = torch.bmm(h, self.expert_weights("w3", dt).transpose(1, 2))
+        y = torch.bmm(clamped_swiglu(gate, up, self.limit), self.expert_weights("w2", dt).transpose(1, 2))  # [E,T,D]
         return torch.einsum("etd,te->td", fp32(y), route).to(x.dtype)
 
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
         """``torch._grouped_mm`` takes fp32/bf16/fp16 on the CPU with 16-byte-aligned rows (CUDA: untested);
         its meta kernel accepts bf16 only, so a compiled forward uses the loop."""
-        E, inter, dim = self.w1.shape
+        inter, dim = self.inter, self.dim
         return (x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and not torch.compiler.is_compiling()
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and (dim * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0)
@@ -102,16 +107,17 @@ class Experts(nn.Module):
         """The (token, expert) pairs sorted by expert: (token of each pair, its weight, pairs per expert)."""
         flat = idx.flatten()
         order = flat.argsort(stable=True)
-        return order // idx.shape[1], w.flatten()[order], torch.bincount(flat, minlength=self.w1.shape[0])
+        return order // idx.shape[1], w.flatten()[order], torch.bincount(flat, minlength=self.n_experts)
 
     def _grouped_mm(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Decode-sized batches: pairs sorted by expert, one grouped matmul per projection, no host sync."""
         tokens, weights, counts = self._by_expert(idx, w)
         offs = counts.cumsum(0).to(torch.int32)
-        h = x[tokens]
-        gate = torch._grouped_mm(h, self.w1.transpose(1, 2), offs=offs)
-        up = torch._grouped_mm(h, self.w3.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.w2.transpose(1, 2), offs=offs)
+        h, dt = x[tokens], x.dtype
+        gate = torch._grouped_mm(h, self.expert_weights("w1", dt).transpose(1, 2), offs=offs)
+        up = torch._grouped_mm(h, self.expert_weights("w3", dt).transpose(1, 2), offs=offs)
+        y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.expert_weights("w2", dt).transpose(1, 2),
+                              offs=offs)
         out = torch.zeros(x.shape, dtype=fp32(x[:0]).dtype, device=x.device)
         out.index_add_(0, tokens, fp32(y) * weights[:, None])
         return out.to(x.dtype)
@@ -119,11 +125,11 @@ class Experts(nn.Module):
     def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs (decode): gather each pair's weights and batch-multiply, no host sync."""
         T, k = idx.shape
-        flat = idx.flatten()
+        flat, dt = idx.flatten(), x.dtype
         h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1], 1)
-        gate = torch.bmm(self.w1[flat], h).squeeze(-1)
-        up = torch.bmm(self.w3[flat], h).squeeze(-1)
-        y = torch.bmm(self.w2[flat], clamped_swiglu(gate, up, self.limit).unsqueeze(-1)).squeeze(-1)
+        gate = torch.bmm(self.expert_weights("w1", dt, flat), h).squeeze(-1)
+        up = torch.bmm(self.expert_weights("w3", dt, flat), h).squeeze(-1)
+        y = torch.bmm(self.expert_weights("w2", dt, flat), clamped_swiglu(gate, up, self.limit).unsqueeze(-1)).squeeze(-1)
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -136,7 +142,8 @@ class Experts(nn.Module):
                 continue
             t = tokens[pos:pos + n]
             h = x[t]
-            y = clamped_swiglu(h @ self.w1[e].t(), h @ self.w3[e].t(), self.limit) @ self.w2[e].t()
+            w1, w2, w3 = (self.expert_weights(name, x.dtype, e) for name in ("w1", "w2", "w3"))
+            y = clamped_swiglu(h @ w1.t(), h @ w3.t(), self.limit) @ w2.t()
             out.index_add_(0, t, fp32(y) * weights[pos:pos + n, None])
             pos += n
         return out.to(x.dtype)

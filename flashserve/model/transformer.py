@@ -172,10 +172,13 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------------ checkpoint names
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """Released checkpoint name → tensor (views into stacked experts for per-expert names)."""
-        out: dict[str, torch.Tensor] = {}
+        """Released checkpoint name → tensor (views into stacked experts for per-expert names), or a
+        :class:`~flashserve.model.packed.PackedSlot` for packed modules."""
+        from .packed import packed_destinations
+
+        out: dict[str, torch.Tensor] = dict(packed_destinations(self))  # packed modules take stored bytes
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.startswith(("rope.", "engram_hasher.")):
+            if name.startswith(("rope.", "engram_hasher.")) or name.endswith(("packed.qweight", "packed.scale")):
                 continue
             if ".experts.w" in name:
                 prefix, w = name.rsplit(".experts.", 1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ..engine.cli import add_compile_arg, add_threads_arg
+from ..engine.cli import add_compile_arg, add_quantization_arg, add_threads_arg
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--seed", type=int, default=0)
     add_threads_arg(e)
     add_compile_arg(e)
+    add_quantization_arg(e)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def build_engine(args: argparse.Namespace):
                        cache_dtype=args.cache_dtype, exact_prefill=args.exact_prefill,
                        enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len,
                        max_waiting=args.max_waiting, seed=args.seed, threads=args.threads,
-                       enforce_eager=args.enforce_eager)
+                       enforce_eager=args.enforce_eager, quantization=args.quantization)
     return LLMEngine(cfg)
 
 

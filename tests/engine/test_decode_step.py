@@ -22,17 +22,21 @@ from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
 from flashserve.engine import SamplingParams
 from flashserve.model.init import random_init
+from flashserve.model.packed import pack_model, plan
 from flashserve.model.transformer import Transformer
 
 
-def compact_v41(dtype: torch.dtype) -> Transformer:
+def compact_v41(dtype: torch.dtype, quantization: str | None = None) -> Transformer:
     raw = preset_json("tiny-v41")
     raw["text_config"].update(
         num_hidden_layers=5, compress_ratios=[0, 2, 2, 1, 1], kv_source_layer_ids=[1, 3],
         index_source_layer_ids=[1, 3, 4], candidate_source_layer_id=3, engram_layer_ids=[1],
         engram_num_embeddings=engram_table_rows(1, max_ngram=4, n_heads=2, vocab_size=1000),
         hc_sinkhorn_iters=3, num_nextn_predict_layers=0, dspark_target_layer_ids=[])
-    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=1).to(dtype).eval()
+    cfg = config_from_dict(raw)
+    model = random_init(Transformer(cfg, with_mtp=False), seed=1).to(dtype).eval()
+    if quantization:
+        pack_model(model, plan(cfg, quantization), quantize=True, compute_dtype=dtype)
     model.fake_quant = False
     return model
 
@@ -71,9 +75,10 @@ def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float64, "float"), (torch.float32, "packed")])
-def test_compiled_graph_equals_eager(dtype, cache_dtype):
-    model = compact_v41(dtype)
+@pytest.mark.parametrize("dtype,cache_dtype,weights", [(torch.float64, "float", None), (torch.float32, "packed", None),
+                                                      (torch.float32, "packed", "int8")])
+def test_compiled_graph_equals_eager(dtype, cache_dtype, weights):
+    model = compact_v41(dtype, weights)
     name = "tiny-v41"
     kw = dict(dtype=str(dtype).removeprefix("torch."), cache_dtype=cache_dtype, max_num_seqs=4)
     eager = make_engine(model, name, enforce_eager=True, **kw)

@@ -1,0 +1,328 @@
+"""Weights kept packed in memory and dequantized where they are used (issue 9, item 3).
+
+Three formats, each a pair of integer buffers so that ``model.to(dtype)`` never converts them:
+
+* ``fp8``: E4M3 bytes ``uint8 [..., out, in]`` + one UE8M0 scale byte per ``block x block`` tile (the released
+  checkpoints' dense format; V4's FP8 experts).
+* ``mxfp4``: E2M1 pairs ``uint8 [..., out, in/2]`` + one UE8M0 byte per row per 32 columns (released experts).
+* ``int8``: symmetric per-row ``int8 [..., out, in]`` + float32 scales kept as their bit pattern (``int32``);
+  dense layers run ``torch.ops.aten._weight_int8pack_mm`` on the CPU (0.62 ms against 1.36 ms for fp32 on
+  the benchmark's LM head).
+
+Dense FP8/MXFP4 dequantize the whole matrix per call (a temporary in the compute dtype); experts dequantize
+only the experts a step gathers. The float model stays the reference: :func:`dequantized_state` gives the
+float weights a packed model computes with, and the tests compare the two forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import layout
+from ..config.model_config import ModelConfig
+from . import quant
+from .moe import Experts
+
+FP8, MXFP4, INT8 = "fp8", "mxfp4", "int8"
+FLOAT = "float"  # unpack a packed checkpoint into the compute dtype (the reference path)
+QUANTIZATIONS = (INT8, FP8, MXFP4, FLOAT)
+_STORED_FP8 = ("F8_E4M3",)
+_STORED_FP4 = ("I8", "U8")
+
+
+@dataclass(frozen=True)
+class Format:
+    """A packed format: its name and the rows x columns one scale covers (int8: one row)."""
+
+    name: str
+    row_block: int = 1
+    col_block: int = 0
+
+
+# ---------------------------------------------------------------------------- encode / decode
+
+
+def encode(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed bytes and scales of float weights ``w [..., out, in]`` (leading dims are experts)."""
+    if w.dim() > 2:
+        pairs = [encode(m, fmt) for m in w.unbind(0)]
+        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+    w = w.detach().to(torch.float32)
+    if fmt.name == FP8:
+        rows_only = fmt.row_block == 1
+        q, s = quant.quantize_fp8_rows(w) if rows_only else quant.quantize_fp8_blocks(w, fmt.row_block)
+        return q.view(torch.uint8), s.view(torch.uint8)
+    if fmt.name == MXFP4:
+        q, s = quant.quantize_mxfp4(w)
+        return q.view(torch.uint8), s.view(torch.uint8)
+    amax = w.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.view(torch.int32)
+
+
+def decode(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """Float weights ``[..., out, cols]`` in ``dtype`` from packed bytes and scales (any leading dims)."""
+    if fmt.name == INT8:
+        return (q.to(torch.float32) * s.view(torch.float32)[..., None]).to(dtype)
+    scale = quant.e8m0_to_float(s)
+    if fmt.name == MXFP4:
+        values = quant.e2m1_decode(quant.unpack_nibbles(q))  # [..., out, 2 * packed]
+        block = values.shape[-1] // scale.shape[-1]
+        return (values.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2)[..., :cols].to(dtype)
+    rows = q.shape[-2]
+    grid = scale.repeat_interleave(fmt.row_block, -2)[..., :rows, :].repeat_interleave(fmt.col_block, -1)[..., :cols]
+    return (q.view(torch.float8_e4m3fn).to(torch.float32) * grid).to(dtype)
+
+
+def packed_shapes(shape: tuple[int, ...], fmt: Format) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the byte and scale buffers for logical weights ``shape [..., out, in]``."""
+    *lead, rows, cols = shape
+    lead = tuple(lead)
+    if fmt.name == FP8:
+        return shape, lead + (-(-rows // fmt.row_block), -(-cols // fmt.col_block))
+    if fmt.name == MXFP4:
+        return lead + (rows, cols // 2), lead + (rows, -(-cols // quant.MX_BLOCK))
+    return shape, lead + (rows,)
+
+
+_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8}
+_SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32}
+
+
+class PackedWeights(nn.Module):
+    """Packed weights ``[..., out, in]``: ``qweight`` and ``scale`` buffers, decoded on demand."""
+
+    def __init__(self, shape: tuple[int, ...], fmt: Format):
+        super().__init__()
+        self.fmt, self.shape = fmt, tuple(shape)
+        q_shape, s_shape = packed_shapes(self.shape, fmt)
+        self.register_buffer("qweight", torch.zeros(q_shape, dtype=_DTYPES[fmt.name]))
+        self.register_buffer("scale", torch.zeros(s_shape, dtype=_SCALE_DTYPES[fmt.name]))
+
+    def dequantize(self, dtype: torch.dtype, index: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Float weights (of the experts ``index`` along the first dim when given)."""
+        q, s = (self.qweight, self.scale) if index is None else (self.qweight[index], self.scale[index])
+        return decode(q, s, self.fmt, self.shape[-1], dtype)
+
+    @torch.no_grad()
+    def set_float(self, w: torch.Tensor, index: int | None = None) -> None:
+        """Quantize float weights into the buffers (all of them, or expert ``index``)."""
+        q, s = encode(w, self.fmt)
+        (self.qweight if index is None else self.qweight[index]).copy_(q)
+        (self.scale if index is None else self.scale[index]).copy_(s)
+
+    @torch.no_grad()
+    def set_stored(self, q: torch.Tensor, s: torch.Tensor, index: int | None = None) -> bool:
+        """Copy a checkpoint's stored bytes as they are when they are in this format; False when not."""
+        q_dst = self.qweight if index is None else self.qweight[index]
+        s_dst = self.scale if index is None else self.scale[index]
+        if tuple(q.shape) != tuple(q_dst.shape) or tuple(s.shape) != tuple(s_dst.shape):
+            return False
+        q_dst.copy_(q.view(torch.uint8) if q.dtype != torch.uint8 else q)
+        s_dst.copy_(s.view(torch.uint8) if s.dtype != torch.uint8 else s)
+        return True
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, shape={list(self.shape)}"
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` without bias over packed weights; ``weight`` is the dequantized matrix (for the
+    grouped output projection, which reads the matrix itself)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: Format):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.packed = PackedWeights((out_features, in_features), fmt)
+        self.compute_dtype = torch.float32
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.dequantize(self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.packed
+        if p.fmt.name == INT8 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            flat = x.reshape(-1, self.in_features)
+            y = torch.ops.aten._weight_int8pack_mm(flat, p.qweight, p.scale.view(torch.float32).to(x.dtype))
+            return y.view(*x.shape[:-1], self.out_features)
+        return F.linear(x, p.dequantize(x.dtype))
+
+
+class PackedEmbedding(nn.Module):
+    """``nn.Embedding`` over packed rows (engram tables): gathers the rows a step reads, then dequantizes."""
+
+    def __init__(self, rows: int, dim: int, fmt: Format):
+        super().__init__()
+        self.packed = PackedWeights((rows, dim), fmt)
+        self.compute_dtype = torch.float32
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.dequantize(self.compute_dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.packed  # row-wise formats only: each gathered row decodes as a one-row matrix
+        rows = decode(p.qweight[ids][..., None, :], p.scale[ids][..., None, :], p.fmt, p.shape[-1], self.compute_dtype)
+        return rows[..., 0, :]
+
+
+class PackedExperts(Experts):
+    """Routed experts over packed ``w1``/``w2``/``w3``: each step dequantizes only the experts it gathers."""
+
+    def __init__(self, n: int, dim: int, inter: int, limit: float, fmt: Format):
+        nn.Module.__init__(self)
+        self.n_experts, self.dim, self.inter, self.limit = n, dim, inter, limit
+        self.w1_packed = PackedWeights((n, inter, dim), fmt)
+        self.w2_packed = PackedWeights((n, dim, inter), fmt)
+        self.w3_packed = PackedWeights((n, inter, dim), fmt)
+
+    def expert_weights(self, name: str, dtype: torch.dtype, index: torch.Tensor | int | None = None) -> torch.Tensor:
+        return getattr(self, f"{name}_packed").dequantize(dtype, index)
+
+
+# ---------------------------------------------------------------------------- which tensors, which format
+
+
+TABLE_FP8 = Format(FP8, 1, quant.MX_BLOCK)  # engram tables: FP8 rows, a scale per row per 32 columns
+EXPERT_FP4 = Format(MXFP4, 1, quant.MX_BLOCK)
+ROW_INT8 = Format(INT8)
+
+
+def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
+    """Module path -> format for quantization ``method`` (see :data:`QUANTIZATIONS`).
+
+    ``mxfp4`` is the released layout (dense FP8 blocks, MXFP4 experts, FP8 engram tables); ``fp8`` puts the
+    experts in FP8 blocks too (V4's base layout); ``int8`` covers the same dense layers and experts and the
+    LM head, per row, leaving the engram tables float.
+    """
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if method == FLOAT:
+        return {}
+    block = cfg.quantization.weight_block_size
+    dense = ROW_INT8 if method == INT8 else Format(FP8, block, block)
+    experts = {INT8: ROW_INT8, FP8: dense, MXFP4: EXPERT_FP4}[method]
+    out: dict[str, Format] = {}
+    for spec in layout.checkpoint_layout(cfg):
+        if spec.kind not in (layout.FP8, layout.FP4, layout.FP8_TABLE) or not spec.name.endswith(".weight"):
+            continue
+        path = spec.name[: -len(".weight")]
+        if ".experts." in path:
+            out[path.split(".experts.")[0] + ".experts"] = experts
+        elif spec.kind == layout.FP8_TABLE:
+            if method != INT8:
+                out[path] = TABLE_FP8
+        else:
+            out[path] = dense
+    if method == INT8:
+        out["head"] = ROW_INT8
+    return out
+
+
+def stored_method(cfg: ModelConfig) -> str:
+    """The packed method matching a released checkpoint's own layout."""
+    return MXFP4 if cfg.quantization.expert_dtype == "fp4" else FP8
+
+
+def _packed_module(module: nn.Module, fmt: Format) -> nn.Module:
+    if isinstance(module, Experts):
+        n, inter, dim = module.w1.shape
+        return PackedExperts(n, dim, inter, module.limit, fmt)
+    if isinstance(module, nn.Embedding):
+        return PackedEmbedding(module.num_embeddings, module.embedding_dim, fmt)
+    if isinstance(module, nn.Linear) and module.bias is None:
+        return PackedLinear(module.in_features, module.out_features, fmt)
+    raise TypeError(f"cannot pack a {type(module).__name__}")
+
+
+@torch.no_grad()
+def pack_model(model: nn.Module, formats: Mapping[str, Format], *, quantize: bool,
+               compute_dtype: torch.dtype) -> nn.Module:
+    """Replace the modules named in ``formats`` by packed ones, in place.
+
+    ``quantize=True`` encodes each module's current float weights; ``quantize=False`` builds empty packed
+    buffers on the module's device (on ``meta`` before a checkpoint is loaded into them). Paths absent from
+    ``model`` (drafters that were not built) are skipped.
+    """
+    for path, fmt in formats.items():
+        try:
+            old = model.get_submodule(path)
+        except AttributeError:
+            continue
+        device = next(old.parameters()).device
+        with torch.device(device):
+            new = _packed_module(old, fmt)
+        if hasattr(new, "compute_dtype"):
+            new.compute_dtype = compute_dtype
+        if quantize:
+            if isinstance(new, PackedExperts):
+                for name in ("w1", "w2", "w3"):
+                    getattr(new, f"{name}_packed").set_float(getattr(old, name))
+            else:
+                new.packed.set_float(old.weight)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+    return model
+
+
+def packed_destinations(model: nn.Module) -> dict[str, "PackedSlot"]:
+    """Released checkpoint name -> packed destination, for every packed module of ``model``."""
+    out: dict[str, PackedSlot] = {}
+    for path, module in model.named_modules():
+        if isinstance(module, PackedExperts):
+            for name in ("w1", "w2", "w3"):
+                weights = getattr(module, f"{name}_packed")
+                for e in range(module.n_experts):
+                    out[f"{path}.{e}.{name}.weight"] = PackedSlot(weights, e)
+        elif isinstance(module, (PackedLinear, PackedEmbedding)):
+            out[f"{path}.weight"] = PackedSlot(module.packed, None)
+    return out
+
+
+class PackedSlot:
+    """A checkpoint destination in packed form: stored bytes in the same format are copied as they are,
+    anything else is decoded to float by the loader and quantized here."""
+
+    def __init__(self, weights: PackedWeights, index: int | None):
+        self.weights, self.index = weights, index
+        self.shape = weights.shape[1:] if index is not None else weights.shape
+        self.dtype = torch.float32  # what the loader decodes into when the formats differ
+
+    def accepts(self, stored_dtype: str, row_block: int, col_block: int) -> bool:
+        """Whether a stored tensor of this dtype and scale grid is this slot's format, byte for byte."""
+        fmt = self.weights.fmt
+        stored = {FP8: _STORED_FP8, MXFP4: _STORED_FP4}.get(fmt.name, ())
+        return stored_dtype in stored and (row_block, col_block) == (fmt.row_block, fmt.col_block)
+
+    def set_stored(self, q: torch.Tensor, s: torch.Tensor) -> bool:
+        return self.weights.set_stored(q, s, self.index)
+
+    def set_float(self, w: torch.Tensor) -> None:
+        self.weights.set_float(w, self.index)
+
+
+def dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Released name -> the float weights a packed model computes with (float32), for the reference forward."""
+    return {name: slot.weights.dequantize(torch.float32, slot.index) for name, slot in
+            packed_destinations(model).items()}
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, computed tables (RoPE, engram hashing) excluded."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if not name.startswith(("rope.", "engram_hasher.")):
+            total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["QUANTIZATIONS", "INT8", "FP8", "MXFP4", "FLOAT", "Format", "PackedLinear", "PackedEmbedding",
+           "PackedExperts", "PackedSlot", "plan", "stored_method", "pack_model", "packed_destinations",
+           "dequantized_state", "resident_bytes", "encode", "decode"]
