@@ -177,6 +177,38 @@ def model_floor_rate(model, prompt_len: int, new: int) -> float:
     return new / (time.perf_counter() - t)
 
 
+def long_context_v41(dtype: torch.dtype, positions: int):
+    """``tiny-v41`` with its position limit raised to ``positions`` (same seeded weights)."""
+    import dataclasses
+
+    from ..config import load_config
+    from ..model.init import random_init
+    from ..model.transformer import Transformer
+
+    cfg = dataclasses.replace(load_config("tiny-v41"), max_position_embeddings=positions)
+    model = random_init(Transformer(cfg, with_mtp=False)).to(dtype).eval()
+    model.rope.float()
+    model.fake_quant = True
+    return model
+
+
+def context_step_ms(model, context: int, steps: int, **engine_kw) -> float:
+    """Median decode step (ms, batch 1) after a prompt of ``context`` tokens."""
+    from ..engine import SamplingParams
+
+    engine = engine_for(model, "tiny-v41", max_num_seqs=2, max_model_len=context + steps + 8, **engine_kw)
+    engine.add_request("ctx", prompts(1, context, 7)[0], SamplingParams(max_tokens=steps + 1, ignore_eos=True,
+                                                                        temperature=0.0))
+    while not any(s.prefill_done for s in engine.scheduler.running):
+        engine.step()
+    times = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
 def median_pair(ours, theirs, repeats: int) -> tuple[float, float]:
     """Medians of ``repeats`` alternating calls of two zero-argument measurements."""
     a, b = [], []
@@ -333,6 +365,14 @@ def main(argv: list[str] | None = None) -> int:
         eng = engine_for(ours, tmp, max_num_seqs=4, max_model_len=max(8192, L + 8))
         a, h = median_pair(lambda: fs_prefill_rate(eng, L, 1), lambda: hf_prefill_rate(hf, L, 1), R)
         table(f"prefill {L} tokens (V4, exact)", a, h)
+    long = long_context_v41(dtype, 33 * 1024)
+    short_ms, long_ms = median_pair(lambda: context_step_ms(long, 1024, 16 if args.quick else 32),
+                                    lambda: context_step_ms(long, 32 * 1024, 16 if args.quick else 32), R)
+    print(f"decode step at 32K context {long_ms:.1f} ms vs 1K {short_ms:.1f} ms (tiny-v41, batch 1): "
+          f"{long_ms / short_ms:.2f}x   bar 1.25x: {'met' if long_ms <= 1.25 * short_ms else 'NOT met'}", flush=True)
+    rows.append({"name": "decode step 32K vs 1K context", "flashserve": long_ms, "baseline": short_ms,
+                 "baseline_name": "1K context", "unit": "ms", "ratio": long_ms / short_ms, "bar": 1.25,
+                 "met": long_ms <= 1.25 * short_ms})
     v41 = load_model("tiny-v41", dtype=dtype, with_mtp=False)
     L = min(args.prefill_len, v41.cfg.max_position_embeddings - 8)
     enc_engine = engine_for(v41, "tiny-v41", max_num_seqs=4)

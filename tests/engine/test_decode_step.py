@@ -164,3 +164,36 @@ def test_decode_step_does_not_sync_with_the_host(models, name, monkeypatch):
     dynamic.runner.decode = _no_host_sync(dynamic.runner.decode_dynamic, monkeypatch)
     with pytest.raises(HostSync):
         run_greedy(dynamic, prompts, 2)
+
+
+def _decoding(engine, prompts: list[list[int]]) -> list:
+    """The engine's sequences after their prefill and three decode steps."""
+    sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, sp)
+    while not (len(engine.scheduler.running) == len(prompts) and all(s.prefill_done for s in engine.scheduler.running)):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    return sorted(engine.scheduler.running, key=lambda s: s.seq_id)
+
+
+@pytest.mark.parametrize("name,cache_dtype", [("tiny-v4", "float"), ("tiny-v41", "packed")])
+def test_fixed_step_takes_several_rows_per_request(models, name, cache_dtype):
+    """Speculative verification's shape: R rows per request (the next token and R-1 drafted ones) give the
+    logits of the dynamic path over the same rows, for R = 3 and then R = 5 on top of what R = 3 wrote."""
+    model = models(name)
+    prompts = [prompt_of(n, seed=n) for n in (20, 45, 33)]
+    fixed, dynamic = make_engine(model, name, cache_dtype=cache_dtype), make_engine(model, name, cache_dtype=cache_dtype)
+    a, b = _decoding(fixed, prompts), _decoding(dynamic, prompts)
+    assert [s.tokens for s in a] == [s.tokens for s in b]
+    step = fixed.runner.decode_step
+    for R in (3, 5):
+        rows = [[s.tokens[s.num_computed]] + prompt_of(R - 1, seed=7 + i) for i, s in enumerate(a)]
+        start = [s.num_computed + (3 if R == 5 else 0) for s in a]
+        got = step(step.inputs(rows, start, [s.slot for s in a], max(len(s.pages) for s in a)))[:len(a)]
+        assert got.shape[:2] == (len(a), R)
+        with torch.inference_mode():
+            want = dynamic.runner.model(torch.tensor(rows), dynamic.runner._state(b), start=torch.tensor(start),
+                                        logits_rows=R).logits
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
