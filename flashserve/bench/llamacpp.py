@@ -116,13 +116,14 @@ def _convert_in_process(folder: Path, out: Path, experts: str) -> None:
     cfg = json.loads((folder / "config.json").read_text())
 
     def set_vocab(self) -> None:  # token ids go in directly: a byte-level vocabulary of the right size
-        byte_tokens = [_byte_char(b) for b in range(256)]
-        tokens = byte_tokens + [f"<t{i}>" for i in range(256, cfg["vocab_size"])]
+        space, t = _byte_char(ord(" ")), _byte_char(ord("t"))
+        tokens = [_byte_char(b) for b in range(256)] + [space + t]  # one merge: llama.cpp wants a merge list
+        tokens += [f"<t{i}>" for i in range(len(tokens), cfg["vocab_size"])]
         self.gguf_writer.add_tokenizer_model("gpt2")
         self.gguf_writer.add_tokenizer_pre("gpt-2")
         self.gguf_writer.add_token_list(tokens)
         self.gguf_writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
-        self.gguf_writer.add_token_merges([])
+        self.gguf_writer.add_token_merges([f"{space} {t}"])
         self.gguf_writer.add_bos_token_id(cfg["bos_token_id"])
         self.gguf_writer.add_eos_token_id(cfg["eos_token_id"])
         self.gguf_writer.add_pad_token_id(cfg["pad_token_id"])

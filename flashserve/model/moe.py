@@ -72,6 +72,10 @@ class Experts(nn.Module):
         weights = getattr(self, name)
         return weights if index is None else weights[index]
 
+    def expert_mm(self, name: str, h: torch.Tensor, e: int) -> torch.Tensor:
+        """``h @ w[e].T`` for one expert's projection ``name`` (packed experts multiply in their own format)."""
+        return h @ self.expert_weights(name, h.dtype, e).t()
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_k w[t,k] · expert_{idx[t,k]}(x_t)."""
         pairs = idx.numel()
@@ -142,8 +146,7 @@ class Experts(nn.Module):
                 continue
             t = tokens[pos:pos + n]
             h = x[t]
-            w1, w2, w3 = (self.expert_weights(name, x.dtype, e) for name in ("w1", "w2", "w3"))
-            y = clamped_swiglu(h @ w1.t(), h @ w3.t(), self.limit) @ w2.t()
+            y = self.expert_mm("w2", clamped_swiglu(self.expert_mm("w1", h, e), self.expert_mm("w3", h, e), self.limit), e)
             out.index_add_(0, t, fp32(y) * weights[pos:pos + n, None])
             pos += n
         return out.to(x.dtype)

@@ -96,6 +96,11 @@ _DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8}
 _SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32}
 
 
+def _int8_kernel_ok(x: torch.Tensor) -> bool:
+    """Whether ``torch.ops.aten._weight_int8pack_mm`` takes ``x`` (CPU, 16- or 32-bit floats)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 class PackedWeights(nn.Module):
     """Packed weights ``[..., out, in]``: ``qweight`` and ``scale`` buffers, decoded on demand."""
 
@@ -149,7 +154,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        if p.fmt.name == INT8 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if p.fmt.name == INT8 and _int8_kernel_ok(x):
             flat = x.reshape(-1, self.in_features)
             y = torch.ops.aten._weight_int8pack_mm(flat, p.qweight, p.scale.view(torch.float32).to(x.dtype))
             return y.view(*x.shape[:-1], self.out_features)
@@ -186,6 +191,15 @@ class PackedExperts(Experts):
 
     def expert_weights(self, name: str, dtype: torch.dtype, index: torch.Tensor | int | None = None) -> torch.Tensor:
         return getattr(self, f"{name}_packed").dequantize(dtype, index)
+
+    def expert_mm(self, name: str, h: torch.Tensor, e: int) -> torch.Tensor:
+        p = getattr(self, f"{name}_packed")
+        if p.fmt.name == INT8 and _int8_kernel_ok(h):
+            return torch.ops.aten._weight_int8pack_mm(h, p.qweight[e], p.scale[e].view(torch.float32).to(h.dtype))
+        return super().expert_mm(name, h, e)
+
+    def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
+        return False  # it would decode every expert each step; the loop decodes only the experts hit
 
     def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
