@@ -432,8 +432,8 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
     tensor at a time, in any supported naming scheme (see module docstring), dequantising into each
     destination's dtype (a :class:`~flashserve.model.packed.PackedSlot` destination keeps stored bytes that
-    are already in its format, and quantizes anything else). All problems are checked from the headers before any data is copied and raised as
-    one :class:`CheckpointError`. With ``strict=False`` checkpoint tensors that ``dest`` lacks (e.g. MTP
+    are already in its format, and quantizes anything else). All problems are checked from the headers
+    before any data is copied and raised as one :class:`CheckpointError`. With ``strict=False`` checkpoint tensors that ``dest`` lacks (e.g. MTP
     stages the caller did not build) are skipped; missing and mis-shaped tensors are errors, except the
     optional parts a checkpoint may omit as a whole: those are returned ({``DRAFTERS`` | ``BIAS_VL``:
     names}) and their destinations left untouched for the caller to drop or zero.
@@ -448,10 +448,12 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     return omitted
 
 
-def stores_packed(path: str | Path) -> bool:
-    """Whether a checkpoint stores FP8 or MXFP4 weights (from the headers alone)."""
+def packed_dtypes(path: str | Path) -> dict[str, str]:
+    """Released name -> stored dtype of every tensor a checkpoint stores with a scale (FP8 ``F8_E4M3``, MXFP4
+    ``I8``/``U8``), from the headers alone."""
     headers = _read_headers(_checkpoint_files(Path(path)))
-    return any(h.dtype == "F8_E4M3" for h in headers.values())
+    return {src.name: src.weight.dtype for src in _sources(headers, detect_scheme(headers))
+            if src.scale is not None}
 
 
 # ============================================================================ writing
@@ -580,6 +582,6 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
 
 
 __all__ = [
-    "CheckpointError", "load_checkpoint", "stores_packed", "DRAFTERS", "BIAS_VL", "save_checkpoint", "detect_scheme", "hf_to_released_name",
+    "CheckpointError", "load_checkpoint", "packed_dtypes", "DRAFTERS", "BIAS_VL", "save_checkpoint", "detect_scheme", "hf_to_released_name",
     "released_to_hf_name", "split_fused_experts", "INDEX_FILE",
 ]

@@ -72,20 +72,21 @@ def _engram_map_from_folder(model: Transformer, path: Path) -> None:
                         "is set (the engine sets it from the tokenizer it loads)", path)
 
 
-def _quantization(path_or_preset: str | Path, is_preset: bool, quantization: str | None, cfg: ModelConfig) -> str:
-    """The packing method: as asked, else the checkpoint's own (packed when it stores FP8/MXFP4), else float."""
-    from .packed import FLOAT, QUANTIZATIONS, stored_method
+def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | None, cfg: ModelConfig) -> dict:
+    """Module path -> packed format: the asked method's plan, else the checkpoint's tensors as they are stored
+    (presets are float)."""
+    from .packed import QUANTIZATIONS, plan, plan_as_stored
 
     if quantization is not None:
         if quantization not in QUANTIZATIONS:
             raise ConfigError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} "
                               "(or leave it unset to keep a checkpoint's weights as stored)")
-        return quantization
+        return plan(cfg, quantization)
     if is_preset:
-        return FLOAT
-    from .checkpoint import stores_packed
+        return {}
+    from .checkpoint import packed_dtypes
 
-    return stored_method(cfg) if stores_packed(path_or_preset) else FLOAT
+    return plan_as_stored(cfg, packed_dtypes(path_or_preset))
 
 
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
@@ -101,7 +102,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference path).
     Shards are streamed into the model's parameters one tensor at a time; packed weights never exist as floats.
     """
-    from .packed import pack_model, plan
+    from .packed import pack_model
 
     name = str(path_or_preset)
     cfg: ModelConfig = load_config(path_or_preset)
@@ -110,7 +111,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         raise ConfigError(f"preset {name!r} has the real model's dimensions and is for arithmetic and planning "
                          f"only; runnable presets: {', '.join(RUNNABLE_PRESETS)}")
     torch_dtype = resolve_dtype(dtype)
-    formats = plan(cfg, _quantization(path_or_preset, is_preset, quantization, cfg))
+    formats = _formats(path_or_preset, is_preset, quantization, cfg)
     with torch.device("meta"):
         model = Transformer(cfg, with_mtp=with_mtp)
     model.to(torch_dtype)
@@ -121,7 +122,6 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     for module in (model.rope, model.engram_hasher):  # computed, never loaded
         if module is not None:
             module.reset_buffers()
-    model.rope.float()
     if is_preset:
         random_init(model, seed)
         pack_model(model, formats, quantize=True, compute_dtype=torch_dtype)

@@ -257,9 +257,26 @@ def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
     return out
 
 
-def stored_method(cfg: ModelConfig) -> str:
-    """The packed method matching a released checkpoint's own layout."""
-    return MXFP4 if cfg.quantization.expert_dtype == "fp4" else FP8
+def plan_as_stored(cfg: ModelConfig, stored: Mapping[str, str]) -> dict[str, Format]:
+    """Module path -> format keeping a checkpoint as it is stored: ``stored`` maps the released names of the
+    tensors stored with a scale to their stored dtype (``F8_E4M3``: FP8 blocks or table rows; ``I8``/``U8``:
+    MXFP4). Everything else stays float; experts are packed when their first expert is."""
+    block = cfg.quantization.weight_block_size
+    out: dict[str, Format] = {}
+    for spec in layout.checkpoint_layout(cfg):
+        dtype = stored.get(spec.name)
+        if dtype is None or not spec.name.endswith(".weight"):
+            continue
+        path = spec.name[: -len(".weight")]
+        if ".experts." in path:
+            if ".experts.0.w1." in spec.name:
+                fmt = EXPERT_FP4 if dtype in _STORED_FP4 else Format(FP8, block, block)
+                out[path.split(".experts.")[0] + ".experts"] = fmt
+        elif spec.kind == layout.FP8_TABLE:
+            out[path] = TABLE_FP8
+        elif dtype in _STORED_FP8:
+            out[path] = Format(FP8, block, block)
+    return out
 
 
 def _packed_module(module: nn.Module, fmt: Format) -> nn.Module:
@@ -355,5 +372,5 @@ def resident_bytes(model: nn.Module) -> int:
 
 
 __all__ = ["QUANTIZATIONS", "INT8", "FP8", "MXFP4", "FLOAT", "Format", "PackedLinear", "PackedEmbedding",
-           "PackedExperts", "PackedSlot", "plan", "stored_method", "pack_model", "packed_destinations",
+           "PackedExperts", "PackedSlot", "plan", "plan_as_stored", "pack_model", "packed_destinations",
            "dequantized_state", "resident_bytes", "encode", "decode"]

@@ -108,6 +108,18 @@ def test_released_checkpoint_stays_packed(preset, tmp_path, monkeypatch):
     assert torch.equal(packed(IDS).logits, unpacked(IDS).logits)
 
 
+def test_mixed_checkpoint_keeps_each_tensor_as_stored(tmp_path):
+    """Float dense layers with MXFP4 experts (what the llama.cpp comparison writes): experts packed, the rest
+    float, and the same logits as unpacking everything."""
+    from flashserve.bench.llamacpp import write_peer_checkpoint
+
+    write_peer_checkpoint(load_model("tiny-v4"), tmp_path)
+    model = load_model(tmp_path)
+    assert isinstance(model.layers[0].ffn.experts, PackedExperts)
+    assert isinstance(model.layers[0].attn.wq_a, torch.nn.Linear)
+    assert torch.equal(model(IDS).logits, load_model(tmp_path, quantization=FLOAT)(IDS).logits)
+
+
 @pytest.mark.parametrize("method", ["int8", "mxfp4"])
 def test_float_checkpoint_quantizes_at_load_as_in_memory(method, tmp_path):
     """Quantizing through the loader (one tensor at a time) gives the bytes that packing the float model gives."""
