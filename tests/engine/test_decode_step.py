@@ -82,10 +82,11 @@ def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("dtype,cache_dtype,weights", [(torch.float64, "float", None), (torch.float32, "packed", None),
-                                                      (torch.float32, "packed", "int8")])
-def test_compiled_graph_equals_eager(dtype, cache_dtype, weights):
-    model = compact_v41(dtype, weights)
+@pytest.mark.parametrize("dtype,cache_dtype,weights,layers", [(torch.float64, "float", None, COMPACT),
+                                                             (torch.float32, "packed", None, SMALL),
+                                                             (torch.float32, "packed", "int8", SMALL)])
+def test_compiled_graph_equals_eager(dtype, cache_dtype, weights, layers):
+    model = compact_v41(dtype, weights, layers)
     name = "tiny-v41"
     kw = dict(dtype=str(dtype).removeprefix("torch."), cache_dtype=cache_dtype, max_num_seqs=4)
     eager = make_engine(model, name, enforce_eager=True, **kw)
@@ -118,7 +119,7 @@ def test_no_recompiles_after_warm_up():
     growing across pages) compile nothing after the warm-up."""
     from torch._dynamo.utils import counters
 
-    model = compact_v41(torch.float32)
+    model = compact_v41(torch.float32, layers=SMALL)
     engine = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=8, block_size=16,
                          enforce_eager=False, compile_backend="eager")
     graphs = counters["stats"]["unique_graphs"]
