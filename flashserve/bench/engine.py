@@ -6,9 +6,9 @@ Measures (a) decode tokens/s per agent at batch 1, (b) aggregate output tokens/s
 requests, end to end (prompt included) and decode only, (c) prefill tokens/s on a 4K-token prompt: V4 (exact)
 against transformers, and V4.1 encoder-only against exact prefill; (d) the machine's bounds that decide
 whether the bars are reachable (one pass over the active weights; large-matmul GFLOP/s). Every figure is
-the median of ``--repeats`` runs, the two engines alternating; ratios are of medians. With llama-cpp-python installed it also compares with
-llama.cpp on the same weights (see :mod:`flashserve.bench.llamacpp`), and (e) times the decode step at 32K
-against 1K context. Not a test.
+the median of ``--repeats`` runs, the two engines alternating; ratios are of medians. (e) The decode step at
+32K against 1K context. With llama-cpp-python installed, (f) llama.cpp on the same weights (see
+:mod:`flashserve.bench.llamacpp`). Not a test.
 """
 
 from __future__ import annotations
