@@ -528,26 +528,32 @@ class BatchState:
         return None
 
     # ------------------------------------------------------------ global paged rows
-    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+    def _new_groups(self, key: str, new: torch.Tensor, n_new: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Entry counts [B], entry index [B, G] and validity [B, G] of the groups ``new`` [B, G, .] may append
+        (the first ``n_new`` of each row, past any protected prefix entries)."""
         cache = self.cache
-        gk = cache.key_by_name[key]
-        pages = cache.pages[key]
+        cnt = cache.counts[key][self.slots]
+        g = torch.arange(new.shape[1], device=new.device)
+        idx = cnt[:, None] + g[None, :]
+        valid = (g[None, :] < n_new[:, None]) & (idx >= cache.protected[key][self.slots][:, None])
+        return cnt, idx, valid
+
+    def _stored(self, key: str, vals: torch.Tensor) -> torch.Tensor:
+        """``vals`` as the pages of ``key`` hold them: packed records, or the cache's dtype."""
+        codec = self.cache.key_by_name[key].codec
+        return codec.pack(vals) if codec.pack is not None else vals.to(self.cache.pages[key].dtype)
+
+    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+        pages = self.cache.pages[key]
         epp = pages.shape[1]
-        counts = cache.counts[key]
-        cnt = counts[self.slots]
+        cnt, idx, valid = self._new_groups(key, new, n_new)
         if new.shape[1]:
-            g = torch.arange(new.shape[1], device=new.device)
-            valid = g[None, :] < n_new[:, None]
-            idx = cnt[:, None] + g[None, :]
-            valid = valid & (idx >= cache.protected[key][self.slots][:, None])
             rows, cols = valid.nonzero(as_tuple=True)
             if rows.numel():
                 e = idx[rows, cols]
-                page = self.table[rows, e // epp]
-                vals = new[rows, cols]
-                vals = gk.codec.pack(vals) if gk.codec.pack is not None else vals.to(pages.dtype)
-                pages[page, e % epp] = vals
-        counts[self.slots] = cnt + n_new
+                pages[self.table[rows, e // epp], e % epp] = self._stored(key, new[rows, cols])
+        self.cache.counts[key][self.slots] = cnt + n_new
         self._reads.pop(key, None)
 
     def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:

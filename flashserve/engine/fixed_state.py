@@ -60,22 +60,16 @@ class FixedBatchState(BatchState):
         return self._held.get(key)
 
     def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+        """Every candidate group written (invalid ones to the scratch page): no ``nonzero``, fixed shapes."""
         cache = self.cache
-        gk = cache.key_by_name[key]
         pages = cache.pages[key]
         epp = pages.shape[1]
-        counts = cache.counts[key]
-        cnt = counts[self.slots]
-        G = new.shape[1]
-        if G:
-            g = torch.arange(G, device=new.device)
-            idx = cnt[:, None] + g[None, :]  # [B, G] entry index of each candidate group
-            valid = (g[None, :] < n_new[:, None]) & (idx >= cache.protected[key][self.slots][:, None])
+        cnt, idx, valid = self._new_groups(key, new, n_new)
+        if new.shape[1]:
             col = (idx // epp).clamp(max=max(self.table.shape[1] - 1, 0))
             page = torch.where(valid, torch.gather(self.table, 1, col), cache.scratch_page)
-            vals = gk.codec.pack(new) if gk.codec.pack is not None else new.to(pages.dtype)
-            pages[page, idx % epp] = vals
-        counts[self.slots] = cnt + n_new
+            pages[page, idx % epp] = self._stored(key, new)
+        cache.counts[key][self.slots] = cnt + n_new
         self._reads.pop(key, None)
 
     def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:

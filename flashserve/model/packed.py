@@ -138,19 +138,25 @@ class PackedWeights(nn.Module):
         return f"{self.fmt.name}, shape={list(self.shape)}"
 
 
-class PackedLinear(nn.Module):
-    """``nn.Linear`` without bias over packed weights; ``weight`` is the dequantized matrix (for the
-    grouped output projection, which reads the matrix itself)."""
+class _PackedMatrix(nn.Module):
+    """One packed matrix; ``weight`` is it decoded into the compute dtype (for code that reads the matrix)."""
 
-    def __init__(self, in_features: int, out_features: int, fmt: Format):
+    def __init__(self, shape: tuple[int, int], fmt: Format):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.packed = PackedWeights((out_features, in_features), fmt)
+        self.packed = PackedWeights(shape, fmt)
         self.compute_dtype = torch.float32
 
     @property
     def weight(self) -> torch.Tensor:
         return self.packed.dequantize(self.compute_dtype)
+
+
+class PackedLinear(_PackedMatrix):
+    """``nn.Linear`` without bias over packed weights (the grouped output projection reads ``weight``)."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: Format):
+        super().__init__((out_features, in_features), fmt)
+        self.in_features, self.out_features = in_features, out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
@@ -161,17 +167,11 @@ class PackedLinear(nn.Module):
         return F.linear(x, p.dequantize(x.dtype))
 
 
-class PackedEmbedding(nn.Module):
+class PackedEmbedding(_PackedMatrix):
     """``nn.Embedding`` over packed rows (engram tables): gathers the rows a step reads, then dequantizes."""
 
     def __init__(self, rows: int, dim: int, fmt: Format):
-        super().__init__()
-        self.packed = PackedWeights((rows, dim), fmt)
-        self.compute_dtype = torch.float32
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.packed.dequantize(self.compute_dtype)
+        super().__init__((rows, dim), fmt)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         p = self.packed  # row-wise formats only: each gathered row decodes as a one-row matrix
