@@ -58,11 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", help="preset name or checkpoint folder")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(func=_info)
+    from .bench import cli as bench_cli
     from .engine import cli as engine_cli
     from .plan import cli as plan_cli
     from .server import cli as server_cli
 
-    for mod in (engine_cli, server_cli, plan_cli):
+    for mod in (engine_cli, server_cli, plan_cli, bench_cli):
         mod.register(sub)
     return parser
 
