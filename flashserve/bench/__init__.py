@@ -1,1 +1,1 @@
-"""Benchmark scripts (not tests)."""
+"""Benchmarks: the serving benchmark (`flashserve bench serve` / `sweep`) and the engine benchmark script."""

@@ -228,30 +228,56 @@ def calibrate(points: Sequence[Measured], terms: Sequence[str] = DEFAULT_FIT) ->
     return Calibration(fitted=fitted, points=tuple(rows))
 
 
-def read_bench(path: str | Path, base: PlanInputs) -> list[Measured]:
-    """A ``bench sweep`` JSON: a list of points, or an object with ``points`` (each with ``concurrency``,
-    ``tokens_per_s_per_agent`` and optionally ``output_tokens_per_s_per_gpu``) and optional ``context``."""
+def _sweep_folder(folder: Path) -> tuple[list[object], dict[str, object]]:
+    """Points and workload of the one configuration in a ``bench sweep`` folder's ``sweep.json``."""
+    summary = folder / "sweep.json"
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise PlanError("--calibrate", f"cannot read {path}: {exc}") from None
-    meta = data if isinstance(data, dict) else {}
-    rows = data.get("points") if isinstance(data, dict) else data
+        configs = json.loads(summary.read_text()).get("configurations")
+    except (OSError, json.JSONDecodeError, AttributeError) as exc:
+        raise PlanError("--calibrate", f"{folder} is not a bench sweep folder ({summary}: {exc})") from None
+    if not isinstance(configs, dict) or len(configs) != 1:
+        names = ", ".join(sorted(configs)) if isinstance(configs, dict) else "none"
+        raise PlanError("--calibrate", f"{summary} must hold exactly one configuration (found: {names}); "
+                                       "sweep each configuration into its own --out folder to calibrate on it")
+    entry = next(iter(configs.values()))
+    return entry.get("measured") or [], entry
+
+
+def read_bench(path: str | Path, base: PlanInputs) -> list[Measured]:
+    """Measured points from a ``bench sweep`` folder (its ``sweep.json``: the workload's prompt and output
+    lengths are taken from it) or a JSON file: a list of points, or an object with ``points`` (each with
+    ``concurrency``, ``tokens_per_s_per_agent`` and optionally ``output_tokens_per_s_per_gpu``) and an
+    optional ``context``."""
+    path = Path(path)
+    if path.is_dir():
+        rows, meta = _sweep_folder(path)
+        lengths = {k: int(meta[k]) for k in ("input_len", "output_len") if isinstance(meta.get(k), (int, float))}
+        base = replace(base, prompt_len=max(lengths.get("input_len", base.prompt_len), 1),
+                       output_len=max(lengths.get("output_len", base.output_len), 1))
+    else:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError("--calibrate", f"cannot read {path}: {exc}") from None
+        meta = data if isinstance(data, dict) else {}
+        rows = data.get("points") if isinstance(data, dict) else data
     if not isinstance(rows, list) or not rows:
         raise PlanError("--calibrate", "expected a non-empty list of points (or an object with 'points')")
     if isinstance(meta.get("context"), int):
         base = replace(base, context=meta["context"])
-    out = []
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise PlanError(f"--calibrate points[{i}]", "must be an object")
-        conc, agent = row.get("concurrency"), row.get("tokens_per_s_per_agent")
-        gpu = row.get("output_tokens_per_s_per_gpu")
-        if not isinstance(conc, int) or isinstance(conc, bool) or conc < 1:
-            raise PlanError(f"--calibrate points[{i}].concurrency", f"must be an integer >= 1, got {conc!r}")
-        if not isinstance(agent, (int, float)) or agent <= 0:
-            raise PlanError(f"--calibrate points[{i}].tokens_per_s_per_agent", f"must be > 0, got {agent!r}")
-        if gpu is not None and (not isinstance(gpu, (int, float)) or gpu <= 0):
-            raise PlanError(f"--calibrate points[{i}].output_tokens_per_s_per_gpu", f"must be > 0, got {gpu!r}")
-        out.append(Measured(replace(base, concurrency=conc), float(agent), float(gpu) if gpu else None))
-    return out
+    return [_measured(row, i, base) for i, row in enumerate(rows)]
+
+
+def _measured(row: object, i: int, base: PlanInputs) -> Measured:
+    """One point, checked."""
+    if not isinstance(row, dict):
+        raise PlanError(f"--calibrate points[{i}]", "must be an object")
+    conc, agent = row.get("concurrency"), row.get("tokens_per_s_per_agent")
+    gpu = row.get("output_tokens_per_s_per_gpu")
+    if not isinstance(conc, int) or isinstance(conc, bool) or conc < 1:
+        raise PlanError(f"--calibrate points[{i}].concurrency", f"must be an integer >= 1, got {conc!r}")
+    if not isinstance(agent, (int, float)) or agent <= 0:
+        raise PlanError(f"--calibrate points[{i}].tokens_per_s_per_agent", f"must be > 0, got {agent!r}")
+    if gpu is not None and (not isinstance(gpu, (int, float)) or gpu <= 0):
+        raise PlanError(f"--calibrate points[{i}].output_tokens_per_s_per_gpu", f"must be > 0, got {gpu!r}")
+    return Measured(replace(base, concurrency=conc), float(agent), float(gpu) if gpu else None)

@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true", help="print every term and assumption")
     p.add_argument("--levels", default=None, help="sweep: comma-separated concurrencies")
     p.add_argument("--out", default="plan-sweep", help="sweep: output path prefix (writes PREFIX.json and PREFIX.png)")
-    p.add_argument("--calibrate", metavar="BENCH.json", default=None,
-                   help="fit efficiency terms to a measured bench sweep and report held-out error")
+    p.add_argument("--calibrate", metavar="BENCH.json|SWEEP_DIR", default=None,
+                   help="fit efficiency terms to a measured bench sweep (a JSON file or a bench sweep --out folder) and report held-out error")
     p.add_argument("--fit", default="eta_mem,eta_flop,layer_overhead_us", help="calibrate: comma-separated terms")
 
 

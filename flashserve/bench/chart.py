@@ -1,0 +1,47 @@
+"""The sweep chart: tokens/s per agent against output tokens/s per device, measured and predicted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _xy(points: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
+    kept = [p for p in points if p.get("tokens_per_s_per_agent")]
+    return [p["tokens_per_s_per_agent"] for p in kept], [p["output_tokens_per_s_per_gpu"] for p in kept]
+
+
+def _label_points(ax: Any, points: list[dict[str, Any]]) -> None:
+    for p in points:
+        if not p.get("tokens_per_s_per_agent"):
+            continue
+        cost = p.get("cost_per_million_output_tokens")
+        text = f"c={p['concurrency']}" + (f", ${cost:.3g}/M" if cost is not None else "")
+        ax.annotate(text, (p["tokens_per_s_per_agent"], p["output_tokens_per_s_per_gpu"]), fontsize=7,
+                    xytext=(4, 4), textcoords="offset points")
+
+
+def draw(summary: dict[str, Any], png: Path) -> Path:
+    """Draw every configuration of a ``sweep.json`` summary into ``png`` (matplotlib's Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (label, entry) in enumerate(sorted(summary["configurations"].items())):
+        colour = colours[i % len(colours)]
+        ax.plot(*_xy(entry["measured"]), "o-", color=colour, label=f"{label} (measured)")
+        _label_points(ax, entry["measured"])
+        if entry.get("predicted"):
+            ax.plot(*_xy(entry["predicted"]), "s--", color=colour, alpha=0.6, label=f"{label} (planner)")
+    ax.set_xlabel("tokens/s per agent (1000 / median TPOT)")
+    ax.set_ylabel("output tokens/s per device")
+    ax.set_title("per-agent speed against throughput per device", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png

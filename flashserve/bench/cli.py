@@ -1,0 +1,136 @@
+"""``flashserve bench serve`` and ``flashserve bench sweep``: flags and handlers.
+
+``register(subparsers)`` adds ``bench`` to the ``flashserve`` command; each handler returns an exit code and
+raises :class:`~flashserve.errors.UserError` for bad input (reported in one line by the top-level CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from ..errors import UserError
+
+
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+
+
+def _extra_body(text: str | None) -> dict[str, object]:
+    if not text:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--extra-body: not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise UserError("--extra-body must be a JSON object")
+    return body
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by ``serve`` and ``sweep`` (vLLM's names where vLLM has the flag)."""
+    t = p.add_argument_group("target (one of)")
+    t.add_argument("--model", default=None, help="run this preset / checkpoint in-process (no server)")
+    t.add_argument("--base-url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    t.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    t.add_argument("--served-model-name", default=None, help="'model' sent to the server (default: its first)")
+    t.add_argument("--api-key", default=None)
+    t.add_argument("--tokenizer", default=None,
+                   help="tokenizer.json, checkpoint folder or preset counting prompt tokens (default: --model "
+                        "or --served-model-name)")
+    t.add_argument("--threads", type=int, default=1, help="in-process engine: torch threads")
+    t.add_argument("--kv-memory", default="512MiB", help="in-process engine: KV-cache budget")
+    d = p.add_argument_group("dataset")
+    d.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
+    d.add_argument("--dataset-path", default=None, help="sharegpt: a JSON or JSONL file of conversations")
+    d.add_argument("--num-prompts", type=int, default=16)
+    d.add_argument("--input-len", type=int, default=128, help="random/prefix: prompt tokens (prefix: unique part)")
+    d.add_argument("--output-len", type=int, default=64, help="output tokens asked (sharegpt: 0 = the reply's)")
+    d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len·(1±ratio)")
+    d.add_argument("--prefix-len", type=int, default=0, help="prefix: tokens shared by every prompt")
+    ld = p.add_argument_group("load and sampling")
+    ld.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
+    ld.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
+    ld.add_argument("--seed", type=int, default=0)
+    ld.add_argument("--temperature", type=float, default=0.0)
+    ld.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked output length")
+    ld.add_argument("--extra-body", default=None, help="JSON merged into every request body")
+    r = p.add_argument_group("report")
+    r.add_argument("--metric-percentiles", default="99", help="comma-separated, e.g. 50,90,99")
+    r.add_argument("--goodput", nargs="+", default=(), metavar="NAME:MS", help="SLOs, e.g. ttft:500 tpot:50")
+    r.add_argument("--num-devices", type=int, default=1, help="devices serving (for per-device throughput, cost)")
+    r.add_argument("--device-cost-per-hour", type=float, default=None, help="US$ per device-hour")
+    r.add_argument("--save-detailed", action="store_true", help="also store per-request TTFTs, ITLs and texts")
+    r.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def serve_config(a: argparse.Namespace, max_concurrency: int | None):
+    """The :class:`ServeConfig` the flags describe."""
+    from .backends import Sampling
+    from .serve import ServeConfig
+
+    return ServeConfig(
+        model=a.model, base_url=a.base_url, served_model=a.served_model_name or a.model, endpoint=a.endpoint,
+        api_key=a.api_key, tokenizer=a.tokenizer, dataset=a.dataset_name, dataset_path=a.dataset_path,
+        num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
+        range_ratio=a.random_range_ratio, prefix_len=a.prefix_len, request_rate=a.request_rate,
+        burstiness=a.burstiness, max_concurrency=max_concurrency, num_warmups=a.num_warmups, seed=a.seed,
+        sampling=Sampling(a.temperature, a.ignore_eos, a.seed, _extra_body(a.extra_body)),
+        percentiles=_float_list(a.metric_percentiles, "--metric-percentiles"), goodput=tuple(a.goodput),
+        num_devices=a.num_devices, device_cost_per_hour=a.device_cost_per_hour,
+        engine_options={"threads": a.threads, "kv_memory": a.kv_memory}, progress=not a.no_progress,
+        save_detailed=a.save_detailed)
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from .serve import run, summary_lines
+
+    cfg = serve_config(a, a.max_concurrency)
+    result = run(cfg)
+    print("\n".join(summary_lines(result, cfg.percentiles)))
+    if a.result_file:
+        Path(a.result_file).write_text(json.dumps(result, indent=1))
+        print(f"wrote {a.result_file}")
+    return 0 if result["completed"] else 1
+
+
+def _sweep(a: argparse.Namespace) -> int:
+    from .sweep import PlanSetup, levels_from, run_sweep
+
+    levels = levels_from(a.concurrency, a.max_concurrency)
+    plan = PlanSetup(a.plan_hardware, a.plan_model, a.plan_weight_dtype, a.plan_gpus) if a.plan_hardware else None
+    paths = run_sweep(serve_config(a, None), levels, Path(a.out), a.label, plan)
+    for line in paths.lines:
+        print(line)
+    return 0
+
+
+def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
+    """Add ``bench serve`` and ``bench sweep`` to a parent parser's subcommands."""
+    bench = subparsers.add_parser("bench", help="serving benchmark (vLLM bench serve metrics) and sweeps")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    serve = sub.add_parser("serve", help="one load test: TTFT, TPOT, ITL, throughput, goodput, cost")
+    add_serve_arguments(serve)
+    serve.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    serve.add_argument("--result-file", default=None, help="write the result JSON here")
+    serve.set_defaults(func=_serve)
+    sweep = sub.add_parser("sweep", help="serve at concurrency 1, 2, 4, ...: JSON per point and a PNG chart")
+    add_serve_arguments(sweep)
+    sweep.add_argument("--concurrency", default=None, help="comma-separated levels, e.g. 1,4,16")
+    sweep.add_argument("--max-concurrency", type=int, default=None, help="levels 1, 2, 4, ... up to this")
+    sweep.add_argument("--out", required=True, help="folder for the point JSONs, sweep.json and sweep.png")
+    sweep.add_argument("--label", default=None, help="this configuration's curve name (default: model or URL)")
+    sweep.add_argument("--plan-hardware", default=None,
+                       help="draw the planner's curve for this hardware preset (default: cpu-local for --model)")
+    sweep.add_argument("--plan-model", default=None, help="planner model (default: --model / served model)")
+    sweep.add_argument("--plan-weight-dtype", default="fp32", help="planner expert dtype (fp4, fp8, bf16, fp32)")
+    sweep.add_argument("--plan-gpus", type=int, default=None, help="planner device count (default --num-devices)")
+    sweep.set_defaults(func=_sweep)
+    return bench

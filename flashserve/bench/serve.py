@@ -1,0 +1,219 @@
+"""``flashserve bench serve``: one load test against a server or an in-process engine, summarised under
+vLLM's result field names plus per-agent speed and cost."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import UserError
+from .backends import Backend, EngineBackend, OpenAIBackend, Sampling
+from .datasets import SampleRequest, random_requests, sharegpt_requests
+from .load import arrival_gaps, run_load
+from .metrics import RequestResult, agent_and_cost, compute_metrics, parse_goodput
+from .spec_metrics import acceptance, read_counters
+
+DATASETS = ("random", "prefix", "sharegpt")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything one run needs (the CLI's flags)."""
+
+    model: str | None = None  # in-process engine of this preset / checkpoint
+    base_url: str | None = None  # or an OpenAI-compatible server
+    served_model: str | None = None  # the ``model`` field sent (default: --model, else the server's first)
+    endpoint: str = "/v1/completions"
+    api_key: str | None = None
+    tokenizer: str | None = None
+    dataset: str = "random"
+    dataset_path: str | None = None
+    num_prompts: int = 16
+    input_len: int = 128
+    output_len: int = 64
+    range_ratio: float = 0.0
+    prefix_len: int = 0
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    seed: int = 0
+    sampling: Sampling = field(default_factory=Sampling)
+    percentiles: tuple[float, ...] = (99.0,)
+    goodput: tuple[str, ...] = ()
+    num_devices: int = 1
+    device_cost_per_hour: float | None = None
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    progress: bool = True
+    save_detailed: bool = False
+
+
+def check(cfg: ServeConfig) -> None:
+    """Refuse contradictory or missing flags before loading anything."""
+    if (cfg.model is None) == (cfg.base_url is None):
+        raise UserError("give exactly one of --model (in-process engine) or --base-url (a running server)")
+    if cfg.dataset not in DATASETS:
+        raise UserError(f"--dataset-name must be one of {', '.join(DATASETS)}, got {cfg.dataset!r}")
+    if cfg.dataset == "sharegpt" and not cfg.dataset_path:
+        raise UserError("--dataset-name sharegpt needs --dataset-path FILE.json|.jsonl")
+    if cfg.dataset == "prefix" and cfg.prefix_len < 1:
+        raise UserError("--dataset-name prefix needs --prefix-len >= 1")
+    if cfg.num_devices < 1:
+        raise UserError(f"--num-devices must be >= 1, got {cfg.num_devices}")
+    if cfg.num_warmups < 0:
+        raise UserError(f"--num-warmups must be >= 0, got {cfg.num_warmups}")
+    if cfg.device_cost_per_hour is not None and cfg.device_cost_per_hour < 0:
+        raise UserError(f"--device-cost-per-hour must be >= 0, got {cfg.device_cost_per_hour}")
+    for p in cfg.percentiles:
+        if not 0 < p < 100:
+            raise UserError(f"--metric-percentiles must lie in (0, 100), got {p:g}")
+    parse_goodput(cfg.goodput)
+
+
+def load_bench_tokenizer(name: str) -> Any:
+    """The tokenizer that counts prompt tokens: a ``tokenizer.json`` file, a checkpoint folder holding one,
+    or a runnable preset's built-in tokenizer; anything else is refused (a wrong tokenizer miscounts)."""
+    from pathlib import Path
+
+    from ..config import RUNNABLE_PRESETS
+    from ..engine.tokenizer import Tokenizer, load_tokenizer
+
+    path = Path(name)
+    if path.is_file() and path.name.endswith(".json"):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return Tokenizer(HFTokenizer.from_file(str(path)))
+    if (path / "tokenizer.json").is_file() or name in RUNNABLE_PRESETS:
+        return load_tokenizer(name)
+    raise UserError(f"--tokenizer: {name!r} is not a tokenizer.json, a folder holding one, or one of the presets "
+                    f"{', '.join(RUNNABLE_PRESETS)}; pass --tokenizer for the served model")
+
+
+def build_requests(cfg: ServeConfig, tok: Any, n: int, seed: int) -> list[SampleRequest]:
+    """``n`` requests of the configured dataset."""
+    if cfg.dataset == "sharegpt":
+        return sharegpt_requests(tok, cfg.dataset_path or "", n, cfg.output_len if cfg.output_len else None, seed)
+    prefix = cfg.prefix_len if cfg.dataset == "prefix" else 0
+    return random_requests(tok, n, cfg.input_len, cfg.output_len, cfg.range_ratio, prefix, seed)
+
+
+def make_backend(cfg: ServeConfig, tok: Any) -> Backend:
+    if cfg.model is not None:
+        return EngineBackend(cfg.model, **cfg.engine_options)
+    return OpenAIBackend(cfg.base_url or "", cfg.endpoint, cfg.served_model or "", tok.encode, cfg.api_key)
+
+
+def _lengths(values: Sequence[int]) -> dict[str, float]:
+    a = np.asarray(values if len(values) else [0])
+    return {"min": int(a.min()), "mean": float(a.mean()), "max": int(a.max())}
+
+
+def _record(cfg: ServeConfig, backend: Backend, requests: Sequence[SampleRequest],
+            results: Sequence[RequestResult]) -> dict[str, object]:
+    """Settings of the run (dataset, load, sampling, lengths) under vLLM's names where it has one."""
+    s = cfg.sampling
+    out: dict[str, object] = {
+        "date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"), "backend": backend.name,
+        "base_url": cfg.base_url, "endpoint": cfg.endpoint if cfg.base_url else None,
+        "model_id": cfg.model or cfg.served_model, "tokenizer_id": cfg.tokenizer or cfg.model,
+        "num_prompts": len(requests), "num_warmups": cfg.num_warmups,
+        "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
+        "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
+        "dataset_name": cfg.dataset, "dataset_path": cfg.dataset_path, "random_input_len": cfg.input_len,
+        "random_output_len": cfg.output_len, "random_range_ratio": cfg.range_ratio,
+        "random_prefix_len": cfg.prefix_len if cfg.dataset == "prefix" else 0,
+        "seed": cfg.seed, "temperature": s.temperature, "ignore_eos": s.ignore_eos, "extra_body": s.extra_body,
+        "input_len_stats": _lengths([r.prompt_len for r in requests]),
+        "output_len_stats": _lengths([r.output_tokens for r in results if r.success]),
+        "requested_output_len_stats": _lengths([r.output_len for r in requests]),
+        "input_lens": [r.prompt_len for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "errors": [r.error for r in results],
+    }
+    if cfg.save_detailed:
+        out.update(ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+                   generated_texts=[r.generated_text for r in results])
+    return out
+
+
+async def _timed_run(backend: Backend, cfg: ServeConfig, requests: list[SampleRequest]) -> tuple[list[RequestResult], float]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    gaps = arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+    with Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not cfg.progress, transient=True) as bar:
+        task = bar.add_task("bench", total=len(requests))
+        start = time.perf_counter()
+        results = await run_load(requests, lambda r: backend.send(r, cfg.sampling), gaps, cfg.max_concurrency,
+                                 on_done=lambda _: bar.advance(task))
+        return results, time.perf_counter() - start
+
+
+async def _measure(cfg: ServeConfig, backend: Backend, tok: Any) -> dict[str, object]:
+    """Warm-up requests (not measured), the timed requests, and the summary dict, on a started backend."""
+    requests = build_requests(cfg, tok, cfg.num_prompts, cfg.seed)
+    if cfg.num_warmups:
+        warm = build_requests(cfg, tok, cfg.num_warmups, cfg.seed + 1)
+        await run_load(warm, lambda r: backend.send(r, cfg.sampling), [0.0] * len(warm), cfg.max_concurrency)
+    before = read_counters(await backend.server_metrics())
+    results, duration = await _timed_run(backend, cfg, requests)
+    spec = acceptance(before, read_counters(await backend.server_metrics()))
+    metrics = compute_metrics(results, duration, cfg.percentiles, parse_goodput(cfg.goodput))
+    return {**_record(cfg, backend, requests, results), **metrics, **spec,
+            **agent_and_cost(metrics, cfg.num_devices, cfg.device_cost_per_hour)}
+
+
+async def run_async(cfg: ServeConfig, backend: Backend | None = None, tok: Any = None) -> dict[str, object]:
+    """One run. A ``backend`` passed in is the caller's (already started, left open); otherwise one is made
+    from ``cfg``, started and closed here."""
+    check(cfg)
+    tok = tok or load_bench_tokenizer(cfg.tokenizer or cfg.model or cfg.served_model or "")
+    if backend is not None:
+        return await _measure(cfg, backend, tok)
+    backend = make_backend(cfg, tok)
+    await backend.start()
+    try:
+        return await _measure(cfg, backend, tok)
+    finally:
+        await backend.close()
+
+
+def run(cfg: ServeConfig) -> dict[str, object]:
+    """:func:`run_async` from synchronous code."""
+    return asyncio.run(run_async(cfg))
+
+
+def summary_lines(r: dict[str, Any], percentiles: Sequence[float]) -> list[str]:
+    """The printed report: counts, throughputs, latency summaries, per-agent speed and cost."""
+    from .metrics import percentile_key
+
+    lines = [f"successful requests            {r['completed']} (failed {r['failed']})",
+             f"benchmark duration             {r['duration']:.2f} s",
+             f"input / output tokens          {r['total_input_tokens']} / {r['total_output_tokens']}",
+             f"request throughput             {r['request_throughput']:.2f} req/s",
+             f"output token throughput        {r['output_throughput']:.2f} tok/s",
+             f"total token throughput         {r['total_token_throughput']:.2f} tok/s"]
+    if r.get("request_goodput") is not None:
+        lines.append(f"request goodput                {r['request_goodput']:.2f} req/s")
+    for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):
+        pct = "  ".join(f"{percentile_key(p)} {r[f'{percentile_key(p)}_{name}_ms']:.2f}" for p in percentiles)
+        lines.append(f"{label:<14} ms: mean {r[f'mean_{name}_ms']:.2f}  median {r[f'median_{name}_ms']:.2f}  "
+                     f"std {r[f'std_{name}_ms']:.2f}  {pct}")
+    if "spec_decode_acceptance_length" in r:
+        lines.append(f"speculative acceptance         {r['spec_decode_acceptance_rate']:.1f}% "
+                     f"(length {r['spec_decode_acceptance_length']:.2f})")
+    agent = r.get("tokens_per_s_per_agent")
+    lines.append(f"per-agent decode speed         {agent:.2f} tok/s (1000 / median TPOT)" if agent else
+                 "per-agent decode speed         n/a (no request produced 2 tokens)")
+    lines.append(f"output tokens/s per device     {r['output_tokens_per_s_per_device']:.2f} "
+                 f"({r['num_devices']} device(s))")
+    if r.get("cost_per_million_output_tokens") is not None:
+        lines.append(f"cost per million output tokens ${r['cost_per_million_output_tokens']:.4g} "
+                     f"at ${r['device_cost_per_hour']}/device-hour")
+    return lines

@@ -1,0 +1,134 @@
+"""``flashserve bench sweep``: ``bench serve`` at rising concurrency, one JSON per point, ``sweep.json`` with
+every configuration measured into the folder, and ``sweep.png``: tokens/s per agent (x) against output
+tokens/s per device (y), a curve per configuration, cost per million output tokens on the points, and the
+planner's predicted curve for the same setup beside the measured one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..errors import UserError
+from .serve import ServeConfig, load_bench_tokenizer, make_backend, run_async
+
+SWEEP_JSON, SWEEP_PNG = "sweep.json", "sweep.png"
+
+
+@dataclass(frozen=True)
+class PlanSetup:
+    """The planner deployment drawn beside a measured curve."""
+
+    hardware: str
+    model: str | None = None
+    weight_dtype: str = "fp32"
+    gpus: int | None = None
+
+
+@dataclass
+class SweepOutput:
+    points: list[Path] = field(default_factory=list)
+    summary: Path | None = None
+    chart: Path | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def levels_from(text: str | None, maximum: int | None) -> list[int]:
+    """Concurrency levels: the comma-separated list, or 1, 2, 4, ... up to ``maximum`` (included)."""
+    if text:
+        try:
+            levels = sorted({int(x) for x in text.split(",") if x.strip()})
+        except ValueError:
+            raise UserError(f"--concurrency: expected comma-separated integers, got {text!r}") from None
+    elif maximum:
+        levels = [1 << i for i in range(maximum.bit_length()) if 1 << i < maximum] + [maximum]
+    else:
+        raise UserError("bench sweep needs --concurrency 1,2,4 or --max-concurrency N")
+    if not levels or levels[0] < 1:
+        raise UserError("bench sweep: every concurrency level must be >= 1")
+    return levels
+
+
+def _point(result: dict[str, Any], level: int) -> dict[str, Any]:
+    """One measured point in the planner's calibration format."""
+    return {"concurrency": level, "tokens_per_s_per_agent": result["tokens_per_s_per_agent"],
+            "output_tokens_per_s_per_gpu": result["output_tokens_per_s_per_device"],
+            "cost_per_million_output_tokens": result["cost_per_million_output_tokens"],
+            "median_tpot_ms": result["median_tpot_ms"], "median_ttft_ms": result["median_ttft_ms"]}
+
+
+def predicted_curve(plan: PlanSetup, cfg: ServeConfig, levels: Sequence[int], prompt_len: int,
+                    output_len: int) -> tuple[list[dict[str, Any]] | None, str]:
+    """The planner's points at ``levels`` for the measured workload, or None and the planner's reason."""
+    from ..plan.errors import PlanError
+    from ..plan.inputs import PlanInputs
+    from ..plan.sweep import sweep, sweep_points
+
+    model = plan.model or cfg.model or cfg.served_model or ""
+    base = PlanInputs(model=model, hardware=plan.hardware, gpus=plan.gpus or cfg.num_devices,
+                      weight_dtype=plan.weight_dtype, prompt_len=max(prompt_len, 1), output_len=max(output_len, 1))
+    try:
+        return sweep_points(sweep(base, levels)), f"planner: {model} on {base.gpus}× {plan.hardware}"
+    except PlanError as exc:
+        return None, f"planner curve left out: {exc}"
+
+
+async def _measure(cfg: ServeConfig, levels: Sequence[int]) -> list[dict[str, Any]]:
+    """Run every level on one backend (an in-process engine is loaded once)."""
+    tok = load_bench_tokenizer(cfg.tokenizer or cfg.model or cfg.served_model or "")
+    backend = make_backend(cfg, tok)
+    await backend.start()
+    try:
+        return [await run_async(replace(cfg, max_concurrency=c, num_prompts=max(cfg.num_prompts, c)), backend, tok)
+                for c in levels]
+    finally:
+        await backend.close()
+
+
+def _merge_summary(path: Path, label: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """``sweep.json`` with this configuration added or replaced (other labels kept)."""
+    data: dict[str, Any] = {"source": "flashserve bench sweep", "configurations": {}}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise UserError(f"--out: {path} exists but is not JSON ({exc}); remove it or choose another folder")
+    data.setdefault("configurations", {})[label] = entry
+    path.write_text(json.dumps(data, indent=1))
+    return data
+
+
+def run_sweep(cfg: ServeConfig, levels: Sequence[int], out: Path, label: str | None,
+              plan: PlanSetup | None) -> SweepOutput:
+    """Measure, write the point JSONs and the summary, and draw the chart of every configuration in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    label = label or cfg.model or cfg.served_model or cfg.base_url or "server"
+    if plan is None and cfg.model is not None:
+        plan = PlanSetup("cpu-local")
+    results = asyncio.run(_measure(cfg, levels))
+    res = SweepOutput()
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in label)
+    for level, result in zip(levels, results):
+        path = out / f"{safe}-c{level}.json"
+        path.write_text(json.dumps({"label": label, **result}, indent=1))
+        res.points.append(path)
+        res.lines.append(f"concurrency {level:>4}: {result['tokens_per_s_per_agent'] or 0:8.2f} tok/s/agent "
+                         f"{result['output_tokens_per_s_per_device']:9.2f} output tok/s/device  ({path.name})")
+    prompt_len = round(sum(r["input_len_stats"]["mean"] for r in results) / len(results))
+    output_len = round(sum(r["output_len_stats"]["mean"] for r in results) / len(results))
+    predicted, note = predicted_curve(plan, cfg, levels, prompt_len, output_len) if plan else (None, "")
+    entry = {"measured": [_point(r, c) for c, r in zip(levels, results)], "predicted": predicted,
+             "predicted_note": note, "input_len": prompt_len, "output_len": output_len,
+             "num_devices": cfg.num_devices, "device_cost_per_hour": cfg.device_cost_per_hour}
+    res.summary = out / SWEEP_JSON
+    data = _merge_summary(res.summary, label, entry)
+    from .chart import draw
+
+    res.chart = draw(data, out / SWEEP_PNG)
+    if note:
+        res.lines.append(note)
+    res.lines.append(f"wrote {len(res.points)} point JSONs, {res.summary} and {res.chart}")
+    return res
