@@ -374,6 +374,6 @@ def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tu
                 _, dec = fs_run(engine, batch, new)
                 a.append(b * (new - 1) / dec)
                 c.append(peer.decode_rate(fmt, batch, new, kv, fa))
-            # the bars: batch 1 at 1.0x in each matched format, 16 concurrent at 2x llama.cpp's defaults
+            # goals: batch 1 at 1.0x in each matched format, 16 concurrent at 2x llama.cpp's defaults
             bar = 1.0 if b == 1 and q is not None else (2.0 if b == 16 and q is None else None)
             table(f"{label}, batch {b}", statistics.median(a), statistics.median(c), bar=bar, vs="llama.cpp")

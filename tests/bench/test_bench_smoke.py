@@ -26,6 +26,7 @@ def test_bench_script_reports_medians_and_ratios(tmp_path, capsys):
         assert r["met"] is None if r["bar"] is None else r["met"] == (r["ratio"] >= r["bar"])
     printed = capsys.readouterr().out
     assert "logits max rel diff" in printed and "large-matmul ceiling" in printed
+    assert "goal 5x transformers: " in printed and "bar " not in printed  # goals in words, no internal names
     assert "decode step at 256 vs 64 context" in printed and "decode step at 256 context" in printed
     assert "llama.cpp peer skipped: " in printed or ("batch 1" in printed and "llama.cpp" in printed)
 
@@ -47,3 +48,10 @@ def test_peer_vocabulary_is_gpt2_byte_level():
     chars = [llamacpp._byte_char(b) for b in range(256)]
     assert sorted(chars) == sorted(ByteLevel.alphabet())
     assert chars[ord("A")] == "A" and chars[ord(" ")] == "\u0120" and chars[10] == "\u010a"
+
+
+def test_missing_transformers_is_said_plainly(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as when the extra is not installed
+    assert bench.main(["--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "transformers, which is not installed" in err and "pip install 'flashserve[bench]'" in err
