@@ -11,7 +11,7 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .errors import PlanError
 from .hardware import Hardware, get_hardware
@@ -24,6 +24,7 @@ from .planner import plan
 BOUNDS: dict[str, tuple[float, float, bool]] = {
     "eta_mem": (0.05, 1.0, True),
     "eta_flop": (0.02, 1.0, True),
+    "eta_flop_prefill": (0.02, 1.0, True),
     "eta_comm": (0.05, 1.0, True),
     "layer_overhead_us": (0.0, 5000.0, False),
     "pass_overhead_us": (0.0, 1e5, False),
@@ -173,13 +174,18 @@ def _nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float
     return simplex[min(range(n + 1), key=values.__getitem__)]
 
 
-def fit(points: Sequence[Measured], terms: Sequence[str], start: dict[str, float], rounds: int = 4) -> dict[str, float]:
-    """Terms minimising the log error over ``points``: coordinate-wise golden-section search from ``start``,
-    then a Nelder-Mead polish in the transformed (log) space."""
-    resolved = _resolve(points)
+def _quantile_start(terms: Sequence[str], q: float) -> dict[str, float]:
+    """Every term at fraction ``q`` of its search range (in its search space)."""
+    out = {}
     for t in terms:
-        if t not in BOUNDS:
-            raise PlanError("--fit", f"cannot fit {t!r}; choose from {', '.join(BOUNDS)}")
+        lo, hi, log = BOUNDS[t]
+        out[t] = math.exp(math.log(lo) + q * (math.log(hi) - math.log(lo))) if log else lo + q * (hi - lo)
+    return out
+
+
+def _fit_from(resolved: Sequence[_Resolved], terms: Sequence[str], start: dict[str, float],
+              rounds: int) -> dict[str, float]:
+    """Coordinate-wise golden-section search from ``start``, then a Nelder-Mead polish in search space."""
     values = dict(start)
     for _ in range(rounds):
         for t in terms:
@@ -197,6 +203,36 @@ def fit(points: Sequence[Measured], terms: Sequence[str], start: dict[str, float
         best = _nelder_mead(g, [_to_unit(t, values[t]) for t in terms])
         values.update({t: _from_unit(t, x) for t, x in zip(terms, best)})
     return values
+
+
+def fit(points: Sequence[Measured], terms: Sequence[str], start: dict[str, float], rounds: int = 4) -> dict[str, float]:
+    """Terms minimising the log error over ``points``. The search starts from ``start`` and, with several
+    terms, also from each term at a quarter, half and three quarters of its range (the terms trade off
+    against each other, so one start can stop in a local minimum); the lowest loss wins."""
+    resolved = _resolve(points)
+    for t in terms:
+        if t not in BOUNDS:
+            raise PlanError("--fit", f"cannot fit {t!r}; choose from {', '.join(BOUNDS)}")
+    starts = [dict(start)]
+    if len(terms) > 1:
+        starts += [{**start, **_quantile_start(terms, q)} for q in (0.25, 0.5, 0.75)]
+    fits = [_fit_from(resolved, terms, s, rounds) for s in starts]
+    return min(fits, key=lambda v: _loss(resolved, v))
+
+
+def fit_prefill_efficiency(points: Sequence[Any]) -> float:
+    """``eta_flop_prefill`` minimising the squared log error of prefill tokens/s per GPU over ``points``
+    (:class:`~flashserve.plan.scenarios.PublishedPrefill`), by golden-section search in log space."""
+    lo, hi, _ = BOUNDS["eta_flop_prefill"]
+
+    def loss(x: float) -> float:
+        total = 0.0
+        for p in points:
+            inp = replace(p.inputs, overrides={**p.inputs.overrides, "eta_flop_prefill": math.exp(x)})
+            total += math.log(plan(inp).prefill.tokens_per_s_per_gpu / p.uncached_tokens_per_s_per_gpu) ** 2
+        return total
+
+    return math.exp(_golden(loss, math.log(lo), math.log(hi), iters=60))
 
 
 def split_held_out(n: int) -> list[bool]:

@@ -19,7 +19,7 @@ from .errors import PlanError
 from .inputs import PlanInputs
 
 ACTIONS = ("run", "sweep", "published", "seed", "verdict")
-OVERRIDE_FLAGS = ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap")
+OVERRIDE_FLAGS = ("eta_mem", "eta_flop", "eta_flop_prefill", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap")
 DESCRIPTION = ("Predict per-agent decode speed, throughput per GPU, TTFT, sessions that fit and cost per "
                "million tokens for a DeepSeek-V3/V4/V4.1 deployment, from a roofline with every term visible.")
 
@@ -55,6 +55,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", metavar="BENCH.json|SWEEP_DIR", default=None,
                    help="fit efficiency terms to a measured bench sweep (a JSON file or a bench sweep --out folder) and report held-out error")
     p.add_argument("--fit", default="eta_mem,eta_flop,layer_overhead_us", help="calibrate: comma-separated terms")
+    p.add_argument("--allow-misfit", action="store_true",
+                   help="print speed and cost even for a deployment that does not fit (marked as such)")
+
+
+# Flags each fixed-scenario action honours; any other flag given to it is refused rather than ignored.
+ACTION_FLAGS = {"published": {"json"}, "seed": {"json"}, "verdict": {"json", "model", "hardware"}}
 
 
 def _inputs(a: argparse.Namespace) -> PlanInputs:
@@ -88,11 +94,26 @@ def _summary(d: dict[str, object]) -> str:
             f"  $ per million output tok  {d['cost_per_million_output_tokens']:.4g}")
 
 
+def _refuse_misfit(reasons: list[str], allow: bool) -> bool:
+    """Say why a deployment does not fit; True when its numbers must not be printed."""
+    if not reasons:
+        return False
+    lead = "does not fit" if allow else "error: this deployment does not fit"
+    for reason in reasons:
+        print(f"flashserve plan: {lead}: {reason}", file=sys.stderr)
+    if not allow:
+        print("flashserve plan: no speed or cost printed; change the deployment, or pass --allow-misfit to "
+              "see them anyway", file=sys.stderr)
+    return not allow
+
+
 def _run(a: argparse.Namespace) -> int:
     from .explain import explain_rows, print_explain
     from .planner import plan
 
     res = plan(_inputs(a))
+    if _refuse_misfit(res.misfit(), a.allow_misfit):
+        return 1
     if a.json:
         d = res.as_dict()
         if a.explain:
@@ -114,13 +135,22 @@ def _sweep(a: argparse.Namespace) -> int:
     if prefix.parent and not prefix.parent.exists():
         raise PlanError("--out", f"folder {prefix.parent} does not exist")
     json_path, png_path = prefix.with_name(prefix.name + ".json"), prefix.with_name(prefix.name + ".png")
-    write_sweep(results, json_path, png_path)
+    misfits = {r.inputs.concurrency: r.misfit() for r in results if r.misfit()}
+    kept = results if a.allow_misfit else [r for r in results if not r.misfit()]
+    for level, reasons in misfits.items():
+        print(f"flashserve plan: concurrency {level}: does not fit: {'; '.join(reasons)}", file=sys.stderr)
+    if not kept:
+        print("flashserve plan: no concurrency level fits; nothing written (--allow-misfit to plot them)",
+              file=sys.stderr)
+        return 1
+    write_sweep(kept, json_path, png_path)
     if a.json:
-        print(json.dumps({"json": str(json_path), "png": str(png_path), "points": sweep_points(results)}, indent=1))
+        print(json.dumps({"json": str(json_path), "png": str(png_path), "points": sweep_points(kept),
+                          "misfits": [{"concurrency": c, "reasons": r} for c, r in misfits.items()]}, indent=1))
     else:
-        for p in sweep_points(results):
+        for p in sweep_points(kept):
             print(f"concurrency {p['concurrency']:>6}: {p['tokens_per_s_per_agent']:9.1f} tok/s/agent "
-                  f"{p['output_tokens_per_s_per_gpu']:10.1f} tok/s/GPU  ({p['bound']}{'' if p['fits'] else ', exceeds HBM'})")
+                  f"{p['output_tokens_per_s_per_gpu']:10.1f} tok/s/GPU  ({p['bound']}{'' if p['fits'] else ', DOES NOT FIT'})")
         print(f"wrote {json_path} and {png_path}")
     return 0
 
@@ -142,16 +172,19 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 
 def _published(a: argparse.Namespace) -> int:
-    from .validation import compare_published
+    from .validation import compare_published, compare_published_prefill
 
-    rows = compare_published()
+    rows, prefill = compare_published(), compare_published_prefill()
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"decode": rows, "prefill": prefill}, indent=1))
         return 0
     for r in rows:
         gpu = f" | per GPU {r['predicted_gpu']:,.0f} vs {r['published_gpu']:,.0f} ({r['gpu_error']:+.0%})" if r["published_gpu"] else ""
         print(f"{r['name']:28} [{r['role']:8}] per agent {r['predicted_agent']:7.1f} vs {r['published_agent']:6.0f} "
               f"({r['agent_error']:+.0%}){gpu}")
+    for r in prefill:
+        print(f"{r['name']:32} [{r['role']:8}] prefill tokens/s per GPU {r['predicted_gpu']:6,.0f} vs "
+              f"{r['published_gpu']:6,.0f} ({r['gpu_error']:+.0%})")
     return 0
 
 
@@ -192,9 +225,25 @@ def _verdict(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_action_flags(a: argparse.Namespace) -> None:
+    """Refuse flags a fixed-scenario action would otherwise silently ignore."""
+    allowed = ACTION_FLAGS.get(a.action)
+    if allowed is None or a.calibrate:
+        return
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    given = [k for k, v in vars(defaults.parse_args([])).items()
+             if k not in allowed and k != "action" and getattr(a, k, v) != v]
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        keep = ", ".join("--" + k for k in sorted(allowed))
+        raise PlanError(flags, f"plan {a.action} plans a fixed, documented scenario and takes only {keep}")
+
+
 def run(a: argparse.Namespace) -> int:
     """Dispatch a parsed namespace; PlanError becomes one line on stderr and exit code 2."""
     try:
+        _check_action_flags(a)
         if a.calibrate:
             return _calibrate(a)
         return {"run": _run, "sweep": _sweep, "published": _published, "seed": _seed, "verdict": _verdict}[a.action](a)

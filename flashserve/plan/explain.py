@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Iterator
 
 from .planner import PlanResult
@@ -41,9 +42,14 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
     yield "hardware", "scale-out link", _g(hw.scaleout_bw, "B/s"), src.get(p + "scaleout_bw", "")
     yield "hardware", "price", f"${r.price_per_gpu_hour:.2f} / GPU-hour", src.get(p + "cost_per_gpu_hour", "") if r.inputs.cost_per_gpu_hour is None else "--cost-per-gpu-hour"
     eff = r.deployment.eff
-    for term in ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap", "workspace_fraction"):
+    for term in ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap",
+                 "workspace_fraction"):
         note = "override" if term in r.inputs.overrides else src.get(f"efficiency.{eff.name}.{term}", "")
         yield "efficiency", term, f"{getattr(eff, term):.4g}", note
+    if eff.eta_flop_prefill is not None or "eta_flop_prefill" in r.inputs.overrides:
+        note = "override" if "eta_flop_prefill" in r.inputs.overrides else src.get(
+            f"efficiency.{eff.name}.eta_flop_prefill", "")
+        yield "efficiency", "eta_flop_prefill", f"{eff.prefill_flop_efficiency:.4g}", note
 
 
 def _step_rows(r: PlanResult) -> Iterator[Row]:
@@ -79,14 +85,26 @@ def explain_rows(r: PlanResult) -> list[Row]:
     return [*_model_rows(r), *_hardware_rows(r), *_step_rows(r), *_output_rows(r)]
 
 
-def print_explain(r: PlanResult) -> None:
-    """Print the rows as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
+def explain_lines(r: PlanResult, width: int = 80) -> list[str]:
+    """The rows as text no wider than ``width``: a heading per section, ``term  value`` on one line and
+    the note or source wrapped and indented beneath it."""
+    lines = textwrap.wrap(f"flashserve plan: {r.deployment.model.name} on {r.deployment.gpus}x "
+                          f"{r.deployment.hw.name}", width)
+    section = None
+    for sec, term, value, note in explain_rows(r):
+        if sec != section:
+            lines += ["", f"[{sec}]"]
+            section = sec
+        head = f"  {term}"
+        gap = width - len(head) - len(value)
+        lines += [head + " " * max(gap, 2) + value] if gap >= 2 else textwrap.wrap(
+            f"{head}: {value}", width, subsequent_indent="      ")
+        if note:
+            lines += textwrap.wrap(note, width, initial_indent="      ", subsequent_indent="      ",
+                                   break_long_words=True, break_on_hyphens=False)
+    return lines
 
-    table = Table(title=f"flashserve plan: {r.deployment.model.name} on {r.deployment.gpus}× {r.deployment.hw.name}")
-    for col in ("section", "term", "value", "note / source"):
-        table.add_column(col, overflow="fold")
-    for row in explain_rows(r):
-        table.add_row(*row)
-    Console(width=160).print(table)
+
+def print_explain(r: PlanResult) -> None:
+    """Print every term for an 80-column terminal."""
+    print("\n".join(explain_lines(r)))

@@ -15,6 +15,7 @@ from typing import Any
 from .errors import PlanError
 
 HARDWARE_JSON = Path(__file__).with_name("hardware.json")
+OPTIONAL_TERMS = ("eta_flop_prefill",)  # profile terms that may be absent (see Efficiency)
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,13 @@ class Efficiency:
     pass_overhead_us: float  # per forward pass: sampling, scheduling, head-side sync
     comm_overlap: float  # fraction of communication hidden behind compute (two-batch overlap)
     workspace_fraction: float  # HBM kept for activations, graphs and allocator slack
+    eta_flop_prefill: float | None = None  # tensor-core peak reached by prefill (None: eta_flop)
     name: str = ""
     fitted_on: tuple[str, ...] = ()
+
+    @property
+    def prefill_flop_efficiency(self) -> float:
+        return self.eta_flop if self.eta_flop_prefill is None else self.eta_flop_prefill
 
     def with_overrides(self, **values: float | None) -> "Efficiency":
         """A copy with the given (non-None) terms replaced."""
@@ -78,14 +84,16 @@ def _number(entry: Any, where: str, sources: dict[str, str]) -> float:
 
 
 def _efficiency(name: str, raw: dict[str, Any], sources: dict[str, str]) -> Efficiency:
-    vals = {}
+    vals: dict[str, float] = {}
     for f in fields(Efficiency):
-        if f.name in ("name", "fitted_on"):
+        if f.name in ("name", "fitted_on") or (f.name in OPTIONAL_TERMS and f.name not in raw):
             continue
         if f.name not in raw:
             raise PlanError(f"efficiency.{name}.{f.name}", "missing")
         vals[f.name] = _number(raw[f.name], f"efficiency.{name}.{f.name}", sources)
-    for key in ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction"):
+    for key in ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction", *OPTIONAL_TERMS):
+        if key not in vals:
+            continue
         if not (0 < vals[key] <= 1 or (key == "comm_overlap" and vals[key] == 0)):
             raise PlanError(f"efficiency.{name}.{key}", f"must be a fraction in (0, 1], got {vals[key]}")
     return Efficiency(name=name, fitted_on=tuple(raw.get("fitted_on", ())), **vals)

@@ -115,6 +115,8 @@ class ModelTerms:
     state_bytes_per_sequence: float  # bounded per-sequence state (window rings, compressor state)
     kv_dtype: str
     draft: DraftTerms
+    route_groups: int = 1  # expert groups of group-limited routing (1: none)
+    route_topk_groups: int = 1  # groups a token may pick its experts from
     notes: tuple[str, ...] = ()
 
     @property

@@ -68,6 +68,22 @@ class PlanResult:
     def cost_per_million_total_tokens(self) -> float:
         return cost_per_million(self.price_per_gpu_hour, 1, self.total_tokens_per_s_per_gpu)
 
+    def misfit(self) -> list[str]:
+        """Why the deployment cannot run as planned; empty when it fits (weights, sessions, host tables)."""
+        cap, dep = self.capacity, self.deployment
+        reasons = []
+        if cap.kv_budget_bytes_per_gpu <= 0:
+            usable = dep.hw.hbm_usable_bytes - cap.workspace_bytes_per_gpu
+            reasons.append(f"the weights need {cap.weight_bytes_per_gpu / 1e9:,.1f} GB per GPU; "
+                           f"{usable / 1e9:,.1f} GB is usable after the workspace")
+        elif self.inputs.concurrency > cap.sessions_fit:
+            reasons.append(f"{self.inputs.concurrency:,} sessions at context {self.context:,.0f} need "
+                           f"{cap.bytes_per_sequence / 1e9:,.3g} GB each; {cap.sessions_fit:,} fit in HBM")
+        if not cap.host_fits:
+            reasons.append(f"the host-memory tables ({cap.host_table_bytes / 1e9:,.0f} GB) exceed the host "
+                           "memory of one scale-up domain")
+        return reasons
+
     def as_dict(self) -> dict[str, object]:
         """Machine-readable summary (the ``--json`` output)."""
         dep = self.deployment
@@ -90,7 +106,7 @@ class PlanResult:
             "ttft_ms": self.prefill.ttft_s * 1e3,
             "prefill_limited": self.prefill_limited,
             "sessions_fit": self.capacity.sessions_fit,
-            "fits": self.inputs.concurrency <= self.capacity.sessions_fit,
+            "fits": not self.misfit(), "misfit": self.misfit(),
             "cost_per_gpu_hour": self.price_per_gpu_hour,
             "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
             "cost_per_million_total_tokens": self.cost_per_million_total_tokens,

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .dispatch import prefill_link_bytes
 from .dtypes import PEAK_ORDER, WEIGHT_BYTES
-from .roofline import COMBINE_BYTES, DISPATCH_BYTES, Deployment
+from .roofline import Deployment
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,12 @@ class Prefill:
 
 
 def _gpu_seconds(dep: Deployment, ctx: float) -> tuple[float, float, str]:
-    """(FLOPs per prompt token, GPU-seconds per token, bound) for a prompt attending ``ctx`` keys on average."""
+    """(FLOPs per prompt token, GPU-seconds per token, bound) for a prompt attending ``ctx`` keys on average.
+
+    Compute runs at the profile's prefill efficiency; dispatch/combine crosses the scale-out network once per
+    remote node (:mod:`flashserve.plan.dispatch`) while NVLink forwards to the experts' GPUs, the two links
+    in parallel; two-micro-batch overlap hides ``comm_overlap`` of the shorter of compute and communication.
+    """
     m, hw, eff = dep.model, dep.hw, dep.eff
     dense = 2.0 * m.dense_params_prefill
     experts = 2.0 * m.prefill_moe_layers * m.top_k * m.expert_params
@@ -36,12 +42,12 @@ def _gpu_seconds(dep: Deployment, ctx: float) -> tuple[float, float, str]:
     attn_dtype = "bf16" if m.kv_dtype == "bf16" else "fp8"
 
     def peak(d: str) -> float:
-        return hw.peak(d, PEAK_ORDER[d]) * eff.eta_flop
+        return hw.peak(d, PEAK_ORDER[d]) * eff.prefill_flop_efficiency
 
     t_flop = dense / peak(dep.dense_dtype) + experts / peak(dep.expert_dtype) + attn / peak(attn_dtype)
-    _, bw = dep.ep_link
-    comm = m.prefill_moe_layers * m.top_k * (1.0 - 1.0 / dep.ep) * m.hidden_size * (DISPATCH_BYTES + COMBINE_BYTES)
-    t_comm = comm / (bw * eff.eta_comm)
+    scale_out, scale_up = prefill_link_bytes(m, dep.ep, hw.scaleup_domain)
+    nic = hw.scaleout_bw or hw.scaleup_bw
+    t_comm = max(scale_out / (nic * eff.eta_comm), scale_up / (hw.scaleup_bw * eff.eta_comm))
     t = max(t_flop, t_comm) + (1.0 - eff.comm_overlap) * min(t_flop, t_comm)
     return dense + experts + attn, t, "compute" if t_flop >= t_comm else "communication"
 

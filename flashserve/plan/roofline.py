@@ -11,12 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .dispatch import COMBINE_BYTES, DISPATCH_BYTES
 from .dtypes import PEAK_ORDER, WEIGHT_BYTES
 from .hardware import Efficiency, Hardware
 from .model_terms import ModelTerms, expected_distinct_experts
-
-DISPATCH_BYTES = 1.0 + 4 / 128  # FP8 activations with one fp32 scale per 128 (DeepEP low-latency dispatch)
-COMBINE_BYTES = 2.0  # bf16 combine
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .inputs import PlanInputs
 
-RF = "shared/data/reference-figures.md §3"
+RF = "docs/reference-figures.md §3"
 
 
 @dataclass(frozen=True)
@@ -90,4 +90,54 @@ PUBLISHED: tuple[PublishedPoint, ...] = (
         _inferencex(184.0, 959.0, 72, tp=8, ep=72),
         184.0, 959.0, "total", "fit",
         "72 GPUs, TP8 attention groups (9 DP ranks), EP72, FP8 KV, no MTP, prefill sharing the GPUs"),
+)
+
+
+# --------------------------------------------------------------------------- disaggregated prefill on Hopper
+LMSYS_EP = "https://lmsys.org/blog/2025-05-05-large-scale-ep/"
+DEEPSEEK_DAY6 = ("https://github.com/deepseek-ai/open-infra-index/blob/main/202502OpenSourceWeek/"
+                 "day_6_one_more_thing_deepseekV3R1_inference_system_overview.md")
+RTP_LLM = "https://github.com/alibaba/rtp-llm/blob/main/docs/RTP-LLM-DeepSeek-Replay-Tech-Report.md"
+
+# DeepSeek's day-6 statistics: 608B input tokens (56.3% cache hits), 168B output tokens, mean KV length per
+# output token 4,989. With P + D/2 = 4,989 and P/D = 608/168 the mean prompt is P = 4,989 / (1 + 168/1216).
+DEEPSEEK_HIT_RATE = 0.563
+DEEPSEEK_PROMPT = round(4989 / (1 + 168 / (2 * 608)))
+
+
+@dataclass(frozen=True)
+class PublishedPrefill:
+    """A published prefill throughput per GPU (prompt tokens computed, cache hits excluded) and the
+    deployment of the prefill instance assumed for it."""
+
+    name: str
+    source: str
+    inputs: PlanInputs
+    uncached_tokens_per_s_per_gpu: float
+    role: str  # fit or held_out
+    assumptions: str
+
+
+def _prefill(hardware: str, prompt_len: int, hit_rate: float = 0.0) -> PlanInputs:
+    """An EP32 prefill instance (4 nodes, attention DP32, FP8 weights, bf16 MLA cache) as all three used."""
+    return _r1(hardware=hardware, gpus=32, ep=32, weight_dtype="fp8", kv_dtype="bf16", prompt_len=prompt_len,
+               output_len=100, prefix_hit_rate=hit_rate)
+
+
+PUBLISHED_PREFILL: tuple[PublishedPrefill, ...] = (
+    PublishedPrefill(
+        "h800-rtp-llm-prefill-4k", f"{RTP_LLM} (Prefill: one GPU runs two 4K requests in 1.5 s, 5,333 tokens/s)",
+        _prefill("h800", 4096), 5333.0, "fit",
+        "RTP-LLM on H800 RoCE, prefill instance of 4 nodes with EP32, 4K-token prompts, no cache hits"),
+    PublishedPrefill(
+        "h100-lmsys-prefill-2k", f"{LMSYS_EP} (52.3k input tokens/s per node for 2,000-token inputs)",
+        _prefill("h100", 2000), 52300.0 / 8, "held_out",
+        "SGLang on 8xH100 nodes, prefill on 4 nodes with EP32 and attention DP32, DeepEP normal kernels, "
+        "two-batch overlap; random 2,000-token prompts, no cache hits"),
+    PublishedPrefill(
+        "h800-deepseek-prefill-production", f"{DEEPSEEK_DAY6} (~73.7k input tokens/s per node including cache "
+        "hits, 56.3% of input tokens hit the on-disk cache)",
+        _prefill("h800", DEEPSEEK_PROMPT, DEEPSEEK_HIT_RATE), 73700.0 * (1 - DEEPSEEK_HIT_RATE) / 8, "held_out",
+        f"prefill units of 4 nodes with EP32 / DP32; mean prompt {DEEPSEEK_PROMPT} tokens derived from the day's "
+        "token counts; a daily average of a production service, so prefill nodes are not always saturated"),
 )

@@ -34,7 +34,7 @@ def sweep_points(results: Sequence[PlanResult]) -> list[dict[str, float | int | 
         "output_tokens_per_s_per_gpu": r.output_tokens_per_s_per_gpu,
         "step_time_ms": r.step.t_step * 1e3,
         "bound": r.step.bound,
-        "fits": r.inputs.concurrency <= r.capacity.sessions_fit,
+        "fits": not r.misfit(),
     } for r in results]
 
 

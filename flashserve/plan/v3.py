@@ -17,7 +17,7 @@ V3_671B: dict[str, Any] = {
     "moe_intermediate_size": 2048, "num_hidden_layers": 61, "first_k_dense_replace": 3,
     "num_attention_heads": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
     "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
-    "v_head_dim": 128, "num_nextn_predict_layers": 1,
+    "v_head_dim": 128, "num_nextn_predict_layers": 1, "n_group": 8, "topk_group": 4,
 }
 V3_PRESETS = {"deepseek-v3": V3_671B, "deepseek-r1": V3_671B}
 
@@ -83,6 +83,7 @@ def v3_terms(cfg: Mapping[str, Any], name: str, kv_dtype: str = "bf16") -> Model
         params_total=dense_total + n_moe * e * expert, host_params=0, host_row_bytes_per_token=0.0,
         attention=(layer,) * n_layers, prefill_attention=(prefill_layer,) * n_layers,
         kv_bytes_per_token=n_layers * row, state_bytes_per_sequence=0.0, kv_dtype=kv_dtype, draft=draft,
+        route_groups=int(cfg.get("n_group") or 1), route_topk_groups=int(cfg.get("topk_group") or 1),
         notes=("MLA latent cache read in full every step (no sparse selection)",
                f"MTP drafter: {n_mtp} released module(s), one sequential pass per drafted token"),
     )

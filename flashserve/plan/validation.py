@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .planner import PlanResult, plan
-from .scenarios import PUBLISHED, PublishedPoint
+from .scenarios import PUBLISHED, PUBLISHED_PREFILL, PublishedPoint, PublishedPrefill
 
 
 def predicted_per_gpu(point: PublishedPoint, res: PlanResult) -> float | None:
@@ -29,5 +29,20 @@ def compare_published(points: tuple[PublishedPoint, ...] = PUBLISHED) -> list[di
             "predicted_gpu": gpu, "published_gpu": p.tokens_per_s_per_gpu,
             "gpu_error": (gpu / p.tokens_per_s_per_gpu - 1.0) if gpu and p.tokens_per_s_per_gpu else None,
             "profile": res.deployment.eff.name, "bound": res.step.bound,
+        })
+    return rows
+
+
+def compare_published_prefill(points: tuple[PublishedPrefill, ...] = PUBLISHED_PREFILL) -> list[dict[str, object]]:
+    """One row per prefill point: predicted and published uncached prompt tokens/s per GPU and the error."""
+    rows: list[dict[str, object]] = []
+    for p in points:
+        pre = plan(p.inputs).prefill
+        rows.append({
+            "name": p.name, "role": p.role, "source": p.source, "assumptions": p.assumptions,
+            "hardware": p.inputs.hardware, "prompt_len": p.inputs.prompt_len,
+            "prefix_hit_rate": p.inputs.prefix_hit_rate,
+            "predicted_gpu": pre.tokens_per_s_per_gpu, "published_gpu": p.uncached_tokens_per_s_per_gpu,
+            "gpu_error": pre.tokens_per_s_per_gpu / p.uncached_tokens_per_s_per_gpu - 1.0, "bound": pre.bound,
         })
     return rows

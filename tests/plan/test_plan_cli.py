@@ -63,9 +63,9 @@ def test_sweep_writes_json_and_png(tmp_path, capsys) -> None:
 def test_calibrate_recovers_terms_and_reports_held_out_error(tmp_path, capsys) -> None:
     truth = ["--model", "deepseek-r1", "--hardware", "h200", "--gpus", "8", "--context", "2048"]
     points = []
-    for c in (1, 4, 16, 64, 256, 1024, 4096, 8192):
+    for c in (1, 4, 16, 64, 256, 1024, 4096, 8192):  # the last two exceed HBM: synthetic points, allowed
         d = _json(capsys, truth + ["--concurrency", str(c), "--layer-overhead-us", "450", "--eta-mem", "0.4",
-                                   "--eta-flop", "0.3", "--json"])
+                                   "--eta-flop", "0.3", "--allow-misfit", "--json"])
         points.append({k: d[k] for k in ("concurrency", "tokens_per_s_per_agent", "output_tokens_per_s_per_gpu")})
     bench = tmp_path / "bench.json"
     bench.write_text(json.dumps(points))
