@@ -1,7 +1,7 @@
 """The cache view of a fixed-shape step: every shape follows from sizes the host knows before the step, and
 nothing reads a tensor value back to the host, so the step can be compiled (or captured) once per bucket.
 
-It differs from :class:`~flashserve.engine.cache.BatchState` (the dynamic path it is tested against) in three
+It differs from :class:`~flashserve.engine.batch_state.BatchState` (the dynamic path it is tested against) in three
 places, each trading a little wasted arithmetic for a fixed shape:
 
 * compressor rings are read whole (``ratio - 1`` rows), with the first position each slot still holds
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import BatchState, KVCache
+from ..model.state import CacheKey, Replay
+from .batch_state import BatchState
+from .cache import KVCache
 
 
 class FixedBatchState(BatchState):
@@ -27,60 +29,49 @@ class FixedBatchState(BatchState):
     fixed_shape = True
 
     def __init__(self, cache: KVCache, slots: torch.Tensor, table: torch.Tensor):
-        self.cache = cache
-        self.slots, self.table = slots, table
-        self.B = slots.shape[0]
-        self.start = torch.zeros(self.B, dtype=torch.long, device=slots.device)
-        self.num_new = 0
-        self._reads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._held: dict[str, torch.Tensor] = {}
-        self._win = None
+        self._setup(cache, slots, table)
+        self._held: dict[CacheKey, torch.Tensor] = {}
 
-    def compressor_raw(self, key: str, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
-        cache = self.cache
-        cap = cache.raw_capacity(key)
-        if cap == 0:
+    def compressor_raw(self, key: CacheKey, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+        ring = self.layers[key.layer].ring(key)
+        if ring is None:
             return raw
-        if cap is None or key.startswith("decoder_replay"):
-            raise ValueError(f"a fixed-shape step keeps no {key!r} buffer (decode steps never replay)")
-        ring, keep = cache.raw_ring(key, cap, raw)
-        S = raw.shape[1]
+        cap, S = ring.capacity, raw.shape[1]
         slots = self.slots[:, None]
         pos = self.start[:, None] - cap + torch.arange(cap, device=raw.device)  # [B, cap], oldest first
-        full = torch.cat([ring[slots, pos % cap], raw], dim=1)
-        self._held[key] = torch.minimum(keep[self.slots], self.start)
+        full = torch.cat([ring.rows[slots, pos % cap], raw], dim=1)
+        self._held[key] = torch.minimum(ring.keep[self.slots], self.start)
         n = min(S, cap)
         wpos = self.start[:, None] + torch.arange(S - n, S, device=raw.device)
-        ring[slots, wpos % cap] = raw[:, S - n:]
-        keep[self.slots] = keep_from
+        ring.rows[slots, wpos % cap] = raw[:, S - n:]
+        ring.keep[self.slots] = keep_from
         return full
 
-    def raw_held_from(self, key: str) -> torch.Tensor | None:
+    def replay(self, buffer: Replay, rows: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a fixed-shape step keeps no decoder-replay stash (decode steps never replay)")
+
+    def raw_held_from(self, key: CacheKey) -> torch.Tensor | None:
         """[B] first position whose row the last :meth:`compressor_raw` of ``key`` returned for real."""
         return self._held.get(key)
 
-    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+    def append_compressed(self, key: CacheKey, new: torch.Tensor, n_new: torch.Tensor) -> None:
         """Every candidate group written (invalid ones to the scratch page): no ``nonzero``, fixed shapes."""
-        cache = self.cache
-        pages = cache.pages[key]
-        epp = pages.shape[1]
-        cnt, idx, valid = self._new_groups(key, new, n_new)
+        rows = self._paged(key)
+        epp = rows.per_page
+        cnt, idx, valid = self._new_groups(rows, new, n_new)
         if new.shape[1]:
             col = (idx // epp).clamp(max=max(self.table.shape[1] - 1, 0))
-            page = torch.where(valid, torch.gather(self.table, 1, col), cache.scratch_page)
-            pages[page, idx % epp] = self._stored(key, new)
-        cache.counts[key][self.slots] = cnt + n_new
+            page = torch.where(valid, torch.gather(self.table, 1, col), self.cache.scratch_page)
+            rows.pages[page, idx % epp] = rows.stored(new)
+        rows.counts[self.slots] = cnt + n_new
         self._reads.pop(key, None)
 
-    def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def compressed(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor]:
         got = self._reads.get(key)
         if got is not None:
             return got
-        cache = self.cache
-        gk = cache.key_by_name[key]
-        n = torch.maximum(cache.counts[key][self.slots], cache.protected[key][self.slots])
-        rows = cache.pages[key][self.table].flatten(1, 2)  # [B, P*epp, width]
-        if gk.codec.pack is not None:
-            rows = gk.codec.unpack(rows, cache.dtype)
-        self._reads[key] = (rows, n)
-        return rows, n
+        rows = self._paged(key)
+        n = torch.maximum(rows.counts[self.slots], rows.protected[self.slots])
+        entries = rows.values(rows.pages[self.table].flatten(1, 2), self.cache.dtype)  # [B, P*epp, width]
+        self._reads[key] = (entries, n)
+        return entries, n

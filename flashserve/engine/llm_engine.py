@@ -278,7 +278,7 @@ class LLMEngine:
         return {
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
-            "kv_pages_used": self.cache.pool.num_used,
+            "kv_pages_used": self.scheduler.pool.num_used,
             "kv_pages_total": self.cache.num_pages,
             "kv_page_tokens": self.cache.page_tokens,
             "kv_bytes_per_token": self.cache.bytes_per_token,

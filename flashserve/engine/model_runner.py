@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import BatchState, KVCache
+from .batch_state import BatchState
+from .cache import KVCache
 from .decode_step import DecodeStep
 from .sequence import Sequence
 

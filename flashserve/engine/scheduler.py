@@ -1,6 +1,7 @@
 """vLLM-v1-style scheduler: every step gives each running sequence a number of tokens to compute within a
 token budget (decode = 1, prefill = a chunk), admits waiting sequences while budget, slots and pages allow,
-preempts by recompute when pages run out, and owns the pages and slots of the cache."""
+preempts by recompute when pages run out, and owns the host bookkeeping of the cache: its page pool, prefix
+hash chain and slots (the cache holds only device storage and writes what the scheduler tells it)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from .cache import KVCache, chain_hash
+from .cache import KVCache
+from .page_pool import PagePool, chain_hash
 from .sequence import Sequence, Status
 
 log = logging.getLogger("flashserve.engine")
@@ -34,7 +36,8 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}): every running sequence needs a token each step")
         self.cache = cache
-        self.pool = cache.pool
+        self.pool = PagePool(cache.num_pages)
+        self.free_slots = list(range(cache.num_slots - 1, -1, -1))
         self.P = cache.page_tokens
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -130,7 +133,8 @@ class Scheduler:
         seq.pages = []
         seq.page_hashes = []
         if seq.slot is not None:
-            self.cache.release_slot(seq.slot)
+            self.cache.drop_stash(seq.slot)
+            self.free_slots.append(seq.slot)
             seq.slot = None
 
     def _preempt(self, seq: Sequence) -> None:
@@ -186,7 +190,7 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.cache.free_slots:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.free_slots:
             seq = self.waiting[0]
             hits = self._lookup(seq)
             cached = len(hits) * self.P
@@ -207,10 +211,8 @@ class Scheduler:
             seq.page_hashes = list(getattr(seq, "_hit_hashes", []))
             for _ in range(need):
                 seq.pages.append(self.pool.allocate())
-            n_hist = self.cache.history.shape[1]
-            seq.slot = self.cache.acquire_slot(seq.tokens[max(0, start - n_hist):start] if start else None)
-            self.cache.set_pages(seq.slot, 0, seq.pages)
-            self.cache.set_resume(seq.slot, start, cached)
+            seq.slot = self.free_slots.pop()
+            self.cache.admit(seq.slot, seq.pages, seq.tokens, start, cached)
             seq.num_computed = start
             seq.num_cached = cached
             seq.status = Status.RUNNING

@@ -17,6 +17,7 @@ from .context import ForwardContext
 from .norms import fp32, RMSNorm, rms
 from .quant import fake_quant_fp4, fake_quant_fp8
 from .rope import apply_rope
+from .state import CacheKey
 
 NEG_INF = float("-inf")
 # Forwards of more query rows than this attend to the window in blocks of this many rows, each against
@@ -86,7 +87,7 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width)) if ape else None
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor]:
         """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
         state, ratio = ctx.state, self.ratio
         xf = fp32(x)  # compressor weights are applied in fp32 (spec §2.7)
@@ -236,6 +237,11 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
+        # the global caches this layer writes (a KV source) and reads (its source's)
+        self.main_key, self.index_key = CacheKey(layer), CacheKey(layer, index=True)
+        src = cfg.kv_source(layer) if ratio > 0 else None
+        self.src_main = CacheKey(src) if src is not None else None
+        self.src_index = CacheKey(src, index=True) if src is not None else None
         eps = cfg.rms_norm_eps
         if ratio == 0:
             return
@@ -255,8 +261,7 @@ class Attention(nn.Module):
         """Run this KV source's compressor(s) on rows ``x`` and append to the global caches (spec §2.7)."""
         if self.compressor is None or self.layer in ctx.produced:
             return
-        key = str(self.layer)
-        latent, n_new = self.compressor(x, ctx, f"{key}.main")
+        latent, n_new = self.compressor(x, ctx, self.main_key)
         G = latent.shape[1]
         first = ctx.positions[:, 0] // self.ratio
         pos = (first[:, None] + torch.arange(G, device=x.device)) * self.ratio  # [B,G]
@@ -269,24 +274,24 @@ class Attention(nn.Module):
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)
-            ctx.state.append_compressed(f"{key}.index", index.to(x.dtype), n_new)
+            ctx.state.append_compressed(self.index_key, index.to(x.dtype), n_new)
         elif self.indexer is not None:
-            ilatent, n_idx = self.indexer.compressor(x, ctx, f"{key}.index")
+            ilatent, n_idx = self.indexer.compressor(x, ctx, self.index_key)
             ipos = (first[:, None] + torch.arange(ilatent.shape[1], device=x.device)) * self.ratio
             icos, isin = ctx.rope.angles("compress", ipos)
             index = apply_rope(ilatent, icos, isin)
             if ctx.fake_quant:
                 index = v4_fake_quant_index(index)
-            ctx.state.append_compressed(f"{key}.index", index.to(x.dtype), n_idx)
+            ctx.state.append_compressed(self.index_key, index.to(x.dtype), n_idx)
         if ctx.fake_quant and not self.v41:
             main = v4_fake_quant_kv(main, self.cfg.qk_rope_head_dim)
-        ctx.state.append_compressed(f"{key}.main", main.to(x.dtype), n_new)
+        ctx.state.append_compressed(self.main_key, main.to(x.dtype), n_new)
         ctx.produced.add(self.layer)
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, src: int,
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext,
                 t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it."""
-        keys, n_entries = ctx.state.compressed(f"{src}.index")
+        keys, n_entries = ctx.state.compressed(self.src_index)
         visible = self._visible(t, keys.shape[1], n_entries)
         mode = (True if self.v41 else "v4") if ctx.fake_quant else False
         scores = self.indexer.scores(x, qr, keys, ctx, mode)
@@ -348,21 +353,20 @@ class Attention(nn.Module):
         qf = fp32(q)
         comp_logits, values = None, None  # compressed entries: masked logits [B,H,S,X] and their values
         if self.ratio > 0:
-            src = self.cfg.kv_source(self.layer)
-            if src == self.layer:
+            if self.src_main == self.main_key:
                 self.produce(x, ctx)
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
-                entries, n_entries = ctx.state.compressed(f"{src}.main")
+                entries, n_entries = ctx.state.compressed(self.src_main)
                 comp = torch.einsum("bshd,btd->bhst", qf, fp32(entries)) * hd ** -0.5
                 comp_logits = comp.masked_fill(~self._visible(t, entries.shape[1], n_entries)[:, None], NEG_INF)
                 values = ("dense", entries)
             else:
                 if idx_src == self.layer:
-                    idx, valid = self._select(x, qr, ctx, src, t)
+                    idx, valid = self._select(x, qr, ctx, t)
                 else:
                     idx, valid = ctx.topk[idx_src]
-                picked = ctx.state.compressed_rows(f"{src}.main", idx)  # [B,S,k,hd]: only the rows picked
+                picked = ctx.state.compressed_rows(self.src_main, idx)  # [B,S,k,hd]: only the rows picked
                 comp = torch.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * hd ** -0.5
                 comp_logits = comp.masked_fill(~valid[:, None], NEG_INF)
                 values = ("sparse", picked)

@@ -10,9 +10,32 @@ position, so positions are derived, never stored.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """One global compressed cache: layer ``layer``'s main rows, or its index rows (``index=True``). The same
+    key names the partial-group ring of the compressor that fills that cache. A value, not a string: the
+    attention layer holds its keys, and a cache maps them to typed storage without parsing names."""
+
+    layer: int
+    index: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.layer}.{'index' if self.index else 'main'}"
+
+
+class Replay(Enum):
+    """The decoder-replay stash's buffers (V4.1 encoder-only prefill, spec §4): the residual streams, the
+    FFN ``pre`` mixing weights, and (token id, position) of the last window of prompt positions."""
+
+    X = "x"
+    PRE = "pre"
+    META = "meta"
 
 
 class SequenceState(Protocol):
@@ -26,21 +49,25 @@ class SequenceState(Protocol):
         """Append this forward's window rows ``kv`` [B,S,d]; return (prior ++ new) [B,T,d] and their
         positions [B,T] (−1 where a slot holds no row)."""
 
-    def compressor_raw(self, key: str, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+    def compressor_raw(self, key: CacheKey, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
         """Append raw compressor rows [B,S,c]; return (retained ++ new) [B,R,c], right-aligned; retain rows
         at positions >= keep_from [B] for the next forward."""
 
-    def raw_held_from(self, key: str) -> torch.Tensor | None:
+    def replay(self, buffer: Replay, rows: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+        """The decoder-replay stash: as :meth:`compressor_raw`, for one of its buffers (kept only while a
+        sequence prefills encoder-only)."""
+
+    def raw_held_from(self, key: CacheKey) -> torch.Tensor | None:
         """[B] first position of the rows the last :meth:`compressor_raw` of ``key`` returned that hold
         anything (None: all of them do)."""
 
-    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+    def append_compressed(self, key: CacheKey, new: torch.Tensor, n_new: torch.Tensor) -> None:
         """Append ``n_new[b]`` entries of ``new`` [B,G,c] (left-aligned) to a global cache."""
 
-    def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def compressed(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor]:
         """All entries of a global cache [B,T,c] (left-aligned) and their counts [B]."""
 
-    def compressed_rows(self, key: str, index: torch.Tensor) -> torch.Tensor:
+    def compressed_rows(self, key: CacheKey, index: torch.Tensor) -> torch.Tensor:
         """Entries ``index`` [B,S,k] of a global cache (each below the T that :meth:`compressed` would
         return): [B,S,k,c]. Sparse attention reads only the rows it picked, not the whole cache."""
 
@@ -75,8 +102,8 @@ class DenseState:
     fixed_shape = False
     _windows: dict[int, torch.Tensor] = field(default_factory=dict)
     _window_from: dict[int, torch.Tensor] = field(default_factory=dict)
-    _raw: dict[str, torch.Tensor] = field(default_factory=dict)
-    _entries: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _raw: dict[CacheKey | Replay, torch.Tensor] = field(default_factory=dict)
+    _entries: dict[CacheKey, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     _ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
@@ -118,7 +145,7 @@ class DenseState:
         self._windows[layer] = full[:, max(full.shape[1] - keep, 0):] if keep > 0 else full[:, :0]
         return full, pos
 
-    def compressor_raw(self, key: str, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
+    def compressor_raw(self, key: CacheKey | Replay, raw: torch.Tensor, keep_from: torch.Tensor) -> torch.Tensor:
         prior = self._raw.get(key)
         full = raw if prior is None else torch.cat([prior, raw], dim=1)
         last = self.start + self.num_new - 1
@@ -126,15 +153,17 @@ class DenseState:
         self._raw[key] = full[:, full.shape[1] - min(keep, full.shape[1]):]
         return full
 
-    def raw_held_from(self, key: str) -> None:
+    replay = compressor_raw  # one growing buffer per key either way
+
+    def raw_held_from(self, key: CacheKey) -> None:
         return None
 
-    def compressed(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def compressed(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor]:
         if key not in self._entries:
-            raise KeyError(f"no compressed cache {key!r} yet")
+            raise KeyError(f"no compressed cache {key} yet")
         return self._entries[key]
 
-    def append_compressed(self, key: str, new: torch.Tensor, n_new: torch.Tensor) -> None:
+    def append_compressed(self, key: CacheKey, new: torch.Tensor, n_new: torch.Tensor) -> None:
         entries, count = self._entries.get(key, (None, None))
         if entries is None:
             entries = new.new_zeros(new.shape[0], 0, new.shape[-1])
@@ -150,7 +179,7 @@ class DenseState:
         count = count + n_new
         self._entries[key] = (entries, count)
 
-    def compressed_rows(self, key: str, index: torch.Tensor) -> torch.Tensor:
+    def compressed_rows(self, key: CacheKey, index: torch.Tensor) -> torch.Tensor:
         entries, _ = self.compressed(key)
         return gather_entries(entries, index)
 

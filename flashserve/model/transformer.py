@@ -20,7 +20,7 @@ from .engram import EngramHasher
 from .mhc import HyperHead, collapse
 from .norms import fp32, RMSNorm
 from .rope import RotaryTables
-from .state import DenseState, SequenceState
+from .state import DenseState, Replay, SequenceState
 
 
 @dataclass
@@ -145,10 +145,10 @@ class Transformer(nn.Module):
         end = ctx.positions[:, -1] + 1
         keep_from = (end - W).clamp(min=0)
         # the decoder's inputs for the last window of positions, kept across chunks (fp32 for pre, ids, pos)
-        xs = state.compressor_raw("decoder_replay.x", x.flatten(-2), keep_from)
-        ps = state.compressor_raw("decoder_replay.pre", pre.float(), keep_from)
+        xs = state.replay(Replay.X, x.flatten(-2), keep_from)
+        ps = state.replay(Replay.PRE, pre.float(), keep_from)
         meta = torch.stack([ctx.input_ids.float(), ctx.positions.float()], dim=-1)
-        ms = state.compressor_raw("decoder_replay.meta", meta, keep_from)
+        ms = state.replay(Replay.META, meta, keep_from)
         if not run_decoder:
             return None, None, ctx, features
         if bool((end != end[0]).any()):
@@ -158,7 +158,7 @@ class Transformer(nn.Module):
         if ms.shape[1] < R or not torch.equal(ms[:, -R:, 1], expected.expand(ms.shape[0], -1)):
             raise ValueError("encoder-only prefill must precede any other forward of the sequence and "
                              "replay the decoder once; use exact forwards to continue a sequence")
-        state.compressor_raw("decoder_replay.meta", ms[:, :0], end + W)  # consume: a second replay fails
+        state.replay(Replay.META, ms[:, :0], end + W)  # consume: a second replay fails
         n, D = cfg.hc_mult, cfg.hidden_size
         xr = xs[:, -R:].unflatten(-1, (n, D))
         pr = ps[:, -R:]

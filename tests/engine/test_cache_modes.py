@@ -13,7 +13,7 @@ def test_packed_bytes_per_token_match_arithmetic(models, name):
     model = models(name, torch.float32)
     engine = make_engine(model, name, dtype="float32", cache_dtype="packed", kv_memory="1MiB")
     cache = engine.cache
-    allocated = sum(t.numel() * t.element_size() for t in cache.pages.values())
+    allocated = sum(r.pages.numel() * r.pages.element_size() for r in cache.storage.paged)
     per_token = allocated / ((cache.num_pages + 1) * cache.page_tokens)  # + the scratch page
     assert per_token == model_arithmetic(model.cfg).kv_bytes_per_token
     assert cache.num_pages == (1 << 20) // cache.page_bytes
@@ -37,7 +37,7 @@ def test_pages_and_slots_free_after_finish_and_abort(models):
     engine.abort_request("late")  # abort while running: freed at once
     assert engine.stats()["kv_pages_used"] == 0
     assert not engine.has_unfinished_requests()
-    assert sorted(engine.cache.free_slots) == list(range(engine.cache.num_slots))
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.cache.num_slots))
 
 
 def _first_logits_and_tokens(engine, prompts, n):
@@ -151,15 +151,15 @@ def test_decode_reads_only_the_picked_compressed_rows(models, name, monkeypatch)
     """A decode step reads whole compressed caches only where it must (index keys for the indexer, every
     entry of a dense HCA layer); sparse layers fetch their k picked rows from the pages, and the tokens are
     those of the packed cache read whole."""
-    from flashserve.engine.cache import BatchState
+    from flashserve.engine.batch_state import BatchState
     from flashserve.engine.fixed_state import FixedBatchState
-    from flashserve.model.state import gather_entries
+    from flashserve.model.state import CacheKey, gather_entries
 
     model = models(name, torch.float32)
     cfg = model.cfg
-    sparse_src = {f"{cfg.kv_source(i)}.main" for i in range(cfg.num_hidden_layers)
+    sparse_src = {CacheKey(cfg.kv_source(i)) for i in range(cfg.num_hidden_layers)
                   if cfg.compress_ratios[i] and cfg.index_source(i) is not None}
-    dense_src = {f"{cfg.kv_source(i)}.main" for i in range(cfg.num_hidden_layers)
+    dense_src = {CacheKey(cfg.kv_source(i)) for i in range(cfg.num_hidden_layers)
                  if cfg.compress_ratios[i] and cfg.index_source(i) is None}
     assert sparse_src - dense_src
     prompts = [prompt_of(n, seed=n) for n in (70, 133)]
