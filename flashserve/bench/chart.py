@@ -36,10 +36,12 @@ def draw(summary: dict[str, Any], png: Path) -> Path:
         _label_points(ax, entry["measured"])
         if entry.get("predicted"):
             ax.plot(*_xy(entry["predicted"]), "s--", color=colour, alpha=0.6, label=f"{label} (planner)")
+    ax.set_xscale("log")  # measured and predicted curves can sit a decade apart before calibration
+    ax.set_yscale("log")
     ax.set_xlabel("tokens/s per agent (1000 / median TPOT)")
     ax.set_ylabel("output tokens/s per device")
     ax.set_title("per-agent speed against throughput per device", fontsize=10)
-    ax.grid(True, alpha=0.3)
+    ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
