@@ -51,8 +51,18 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flashserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flashserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="parameter and KV-cache arithmetic of a preset or checkpoint")
     info.add_argument("model", help="preset name or checkpoint folder")
@@ -76,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, OSError) as exc:  # the user's input, not a bug
         print(f"flashserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading: no traceback, the shell's 130
+        print(f"flashserve {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,6 +16,11 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An ``LLM`` over an already-built ``EngineConfig`` (what the CLI derives from its flags)."""
+        return cls(**dataclasses.asdict(config))
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -5,54 +5,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ..config import ConfigError
 
-from .cache import KVCache, parse_bytes
+from . import preflight
+from .cache import KVCache
 from .detokenizer import IncrementalDetokenizer
+from .engine_config import EngineConfig
 from .decode_step import DecodeStep
 from .model_runner import ModelRunner
 from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sampling_params import QueueFullError, RequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestGroup, RequestOutput, Sequence
-from .threads import DEFAULT_THREADS, set_threads
+from .threads import set_threads
 from .tokenizer import load_tokenizer, set_engram_token_map
 
 log = logging.getLogger("flashserve.engine")
-
-
-@dataclass
-class EngineConfig:
-    model: str
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": CUDA when present, else CPU
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    kv_memory: str | int = "1GiB"
-    cache_dtype: str | None = None  # "packed" | "float"; None: packed for V4.1, float for V4
-    exact_prefill: bool = False
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    max_waiting: int = 256
-    seed: int = 0
-    block_size: int = 64  # tokens per page (rounded up to a multiple of every compression ratio)
-    prefill_chunk: int | None = None  # largest prefill chunk (default: max_num_batched_tokens)
-    num_pages: int | None = None  # override the page count derived from kv_memory (tests)
-    fake_quant: bool | None = None
-    prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": spec's C−W rule
-    threads: int = DEFAULT_THREADS  # torch intra-op threads, set at start-up (process-wide)
-    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
-    # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
-    # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
-    enforce_eager: bool | None = None
-    compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
-    # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "fp8" | "mxfp4"
-    # pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
-    quantization: str | None = None
 
 
 class LLMEngine:
@@ -61,6 +32,7 @@ class LLMEngine:
 
         self.config = c = config
         set_threads(c.threads)  # before loading: a bad value fails fast, and loading uses the threads
+        pre = preflight.check(c, model.cfg if model is not None else None)  # every option, before loading
         device = c.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,15 +46,14 @@ class LLMEngine:
                                                                 quantization=c.quantization)
         self.dtype = self.model.dtype
         self.model_config = cfg = self.model.cfg
-        self.tokenizer = load_tokenizer(c.model, cfg.vocab_size)
+        self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
         set_engram_token_map(self.model, self.tokenizer)
-        limit = cfg.max_position_embeddings
-        self.max_model_len = min(c.max_model_len or limit, limit)
+        self.max_model_len = pre.max_model_len
         cache_dtype = c.cache_dtype or ("packed" if cfg.is_v41 else "float")
         if cache_dtype not in ("packed", "float"):
             raise ValueError(f"cache_dtype must be 'packed' or 'float', got {cache_dtype!r}")
         self.cache = KVCache(cfg, dtype=self.dtype, device=self.model.embed.weight.device,
-                             packed=cache_dtype == "packed", kv_memory=parse_bytes(c.kv_memory),
+                             packed=cache_dtype == "packed", kv_memory=pre.kv_bytes,
                              max_num_seqs=c.max_num_seqs, block_size=c.block_size, num_pages=c.num_pages)
         log.info(self.cache.describe(self.max_model_len))
         self.scheduler = Scheduler(self.cache, max_num_seqs=c.max_num_seqs,

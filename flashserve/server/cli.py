@@ -1,88 +1,144 @@
-"""``flashserve serve MODEL``: the OpenAI-compatible server.
+"""``flashserve serve MODEL``: the OpenAI- and Anthropic-compatible server.
 
-``register(subparsers)`` adds the ``serve`` command to the ``flashserve`` CLI (``flashserve/cli.py``).
+Start-up order is what makes a bad start cheap: every flag is checked and the port bound before the model
+loads, so a typo or a busy port fails in about a second. ``register(subparsers)`` adds the command to the
+``flashserve`` CLI (``flashserve/cli.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
+import socket
 
-from ..engine.cli import add_compile_arg, add_quantization_arg, add_threads_arg
+from ..engine.options import add_engine_args, engine_config
+from ..errors import UserError
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
+
+log = logging.getLogger("flashserve.server")
+
+API_KEY_ENV = "FLASHSERVE_API_KEY"
+DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="preset name (e.g. tiny-v41) or checkpoint folder")
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* and /tokenize")
-    g.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use in 'model' (default: MODEL); repeatable")
+    g.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port")
+    g.add_argument("--api-key", default=None,
+                   help=f"require this key ('Authorization: Bearer KEY' or 'x-api-key: KEY') on /v1/* and "
+                        f"/tokenize; default: ${API_KEY_ENV}")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) clients use in 'model', replacing MODEL; the first is reported")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                    help="larger request bodies get 413")
     g.add_argument("--default-thinking", choices=("on", "off"), default="on",
-                   help="V4.1 chat mode when a request says nothing (chat_template_kwargs.thinking / "
-                        "reasoning_effort choose per request)")
+                   help="V4.1 chat mode when a request says nothing (requests choose with thinking, "
+                        "chat_template_kwargs or reasoning_effort)")
     g.add_argument("--chat-template", choices=("auto", "v41", "plain"), default="auto",
                    help="prompt encoder: V4.1 DSML for V4.1 checkpoints, plain role text otherwise")
-    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
+                        "ended with finish_reason 'abort'")
+    g.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between throughput/queue/cache log lines while busy (0: never)")
+    g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="log verbosity")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    e = p.add_argument_group("engine")
-    e.add_argument("--max-model-len", type=int, default=None, help="context limit (prompt + output tokens)")
-    e.add_argument("--max-waiting", type=int, default=256, help="waiting-queue bound; beyond it requests get 429")
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--kv-memory", default="1GiB", help="KV-cache budget, e.g. 512MiB, 4GiB")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--cache-dtype", default=None, choices=("packed", "float"),
-                   help="KV cache layout (default: packed for V4.1, float for V4)")
-    e.add_argument("--exact-prefill", action="store_true")
-    e.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false")
-    e.add_argument("--seed", type=int, default=0)
-    add_threads_arg(e)
-    add_compile_arg(e)
-    add_quantization_arg(e)
+    add_engine_args(p)
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                              description="Serve MODEL over an OpenAI-compatible HTTP API.")
+    p = subparsers.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server",
+                              description="Serve MODEL over OpenAI- and Anthropic-compatible HTTP APIs.",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
-def build_engine(args: argparse.Namespace):
-    from flashserve.engine import EngineConfig, LLMEngine
+def check_server_args(args: argparse.Namespace) -> None:
+    """The server's own flags (the engine's are checked by ``preflight``)."""
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port: {args.port} is not a port number (0-65535)")
+    if not args.shutdown_timeout >= 0:
+        raise UserError(f"--shutdown-timeout: must be >= 0 seconds, got {args.shutdown_timeout}")
+    if not args.log_stats_interval >= 0:
+        raise UserError(f"--log-stats-interval: must be >= 0 seconds, got {args.log_stats_interval}")
+    if args.max_request_bytes < 1:
+        raise UserError(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key: the key is empty")
 
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, kv_memory=args.kv_memory,
-                       cache_dtype=args.cache_dtype, exact_prefill=args.exact_prefill,
-                       enable_prefix_caching=args.prefix_caching, max_model_len=args.max_model_len,
-                       max_waiting=args.max_waiting, seed=args.seed, threads=args.threads,
-                       enforce_eager=args.enforce_eager, quantization=args.quantization)
-    return LLMEngine(cfg)
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen on ``host:port`` now, so a busy port is reported before the model loads (binding alone
+    would not reserve it: SO_REUSEADDR lets a second process bind a port nobody listens on yet). Clients that
+    connect during loading wait in the backlog."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host: cannot resolve {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from .app import ServerConfig, create_app
+    from ..engine import preflight
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = build_engine(args)
-    names = tuple(args.served_model_name or ())
-    cfg = ServerConfig(model_name=names[0] if names else args.model, served_names=names[1:] + (args.model,),
-                       api_key=args.api_key, max_request_bytes=args.max_request_bytes,
-                       default_thinking=args.default_thinking == "on", chat_template=args.chat_template,
-                       max_model_len=engine.max_model_len)
-    app = create_app(engine, cfg)
-    logging.getLogger("flashserve.server").info(
-        "serving %s on http://%s:%d (max_model_len %d)", cfg.model_name, args.host, args.port, engine.max_model_len)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.access_log,
-                timeout_graceful_shutdown=2)
-    return 0
+    args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    check_server_args(args)
+    preflight.check(engine_config(args))  # every engine flag, before loading
+    sock = bind_socket(args.host, args.port)
+    if not args.api_key and not _is_loopback(args.host):
+        log.warning("listening on %s without an API key: anyone who can reach this address can use the "
+                    "server (set --api-key or $%s)", args.host, API_KEY_ENV)
+    try:
+        return serve(build_engine(args), args, sock)
+    finally:
+        sock.close()
 
+
+def build_engine(args: argparse.Namespace):
+    """The engine the parsed flags describe (torch is imported here, once every flag is known to be good)."""
+    from ..engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config(args))
+
+
+def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
+    from .app import ServerConfig, create_app
+    from .lifecycle import serve_app
+
+    names = tuple(args.served_model_name or (args.model,))
+    cfg = ServerConfig(model_name=names[0], served_names=names[1:], api_key=args.api_key,
+                       max_request_bytes=args.max_request_bytes, default_thinking=args.default_thinking == "on",
+                       chat_template=args.chat_template, max_model_len=engine.max_model_len,
+                       log_stats_interval=args.log_stats_interval)
+    app = create_app(engine, cfg)
+    host, port = sock.getsockname()[:2]
+    log.info("serving %s on http://%s:%d (max_model_len %d)", ", ".join(cfg.names()), host, port,
+             engine.max_model_len)
+    serve_app(app, sock, log_level=args.log_level, access_log=args.access_log,
+              shutdown_timeout=args.shutdown_timeout)
+    return 0

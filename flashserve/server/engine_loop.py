@@ -110,6 +110,11 @@ class EngineLoop:
         self._cmds.append(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self) -> None:
+        """End every request in flight (a shutdown's timeout passed); their streams end as aborted."""
+        self._cmds.append(("abort_all",))
+        self._wake.set()
+
     # -- engine thread ----------------------------------------------------------------------------------------
     def _deliver(self, stream: RequestStream, item: Any) -> None:
         try:
@@ -145,16 +150,21 @@ class EngineLoop:
                 else:
                     self._streams[rid] = stream
                     fut.set_result(None)
+            elif cmd[0] == "abort_all":
+                for rid in list(self._streams):
+                    self._abort(rid)
             else:
-                rid = cmd[1]
-                stream = self._streams.pop(rid, None)
-                if stream is not None:
-                    try:
-                        self.engine.abort_request(rid)
-                    except Exception:
-                        log.exception("abort_request(%s) failed", rid)
-                    self._deliver(stream, _FINISHED)
+                self._abort(cmd[1])
         return did
+
+    def _abort(self, rid: str) -> None:
+        stream = self._streams.pop(rid, None)
+        if stream is not None:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort_request(%s) failed", rid)
+            self._deliver(stream, _FINISHED)
 
     def _fail_all(self, exc: BaseException) -> None:
         for rid, stream in list(self._streams.items()):

@@ -47,14 +47,15 @@ class ServerProc:
         return out
 
 
-def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0) -> ServerProc:
+def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> ServerProc:
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="flashserve-server-", suffix=".log")
     cmd = [sys.executable, "-m", "flashserve", "serve", MODEL, "--port", str(port),
            "--log-level", "warning", *extra]
     if api_key:
         cmd += ["--api-key", api_key]
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, cwd=str(REPO), env=env)
@@ -73,6 +74,14 @@ def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0
         time.sleep(0.2)
     stop_server(srv)
     raise RuntimeError(f"server did not become healthy in {timeout}s:\n{srv.log()}")
+
+
+def signal_and_wait(srv: ServerProc, sig: int, timeout: float) -> tuple[int, float]:
+    """Send ``sig`` and wait for the exit: (exit status, seconds it took)."""
+    t0 = time.monotonic()
+    srv.proc.send_signal(sig)
+    rc = srv.proc.wait(timeout)
+    return rc, time.monotonic() - t0
 
 
 def stop_server(srv: ServerProc) -> None:

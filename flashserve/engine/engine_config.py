@@ -1,0 +1,41 @@
+"""``EngineConfig``: every engine option, declared once (the CLI derives its flags from these fields).
+
+Torch-free, so that ``flashserve serve --help`` and a bad flag answer in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .threads import DEFAULT_THREADS
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None  # folder holding tokenizer.json; None: the model's own
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": CUDA when present, else CPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_memory: str | int = "1GiB"
+    cache_dtype: str | None = None  # "packed" | "float"; None: packed for V4.1, float for V4
+    exact_prefill: bool = False
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    max_waiting: int = 256
+    seed: int = 0
+    block_size: int = 64  # tokens per page (rounded up to a multiple of every compression ratio)
+    prefill_chunk: int | None = None  # largest prefill chunk (default: max_num_batched_tokens)
+    num_pages: int | None = None  # override the page count derived from kv_memory (tests)
+    fake_quant: bool | None = None
+    prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": spec's C−W rule
+    threads: int = DEFAULT_THREADS  # torch intra-op threads, set at start-up (process-wide)
+    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
+    # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
+    # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
+    enforce_eager: bool | None = None
+    compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
+    # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "fp8" | "mxfp4"
+    # pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
+    quantization: str | None = None

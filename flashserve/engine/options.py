@@ -1,0 +1,95 @@
+"""Command-line engine options, derived from :class:`EngineConfig`'s fields.
+
+The fields (names, types, defaults) are declared once, in ``EngineConfig``, with vLLM's names where both have
+the option; this module only adds help text and choices, so ``serve``, ``generate`` and ``bench`` show the
+same flags with the same defaults (as nano-vllm derives its options from its config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from typing import Any
+
+from .engine_config import EngineConfig
+from .threads import DEFAULT_THREADS
+
+# Fields that are not user options: the positional model, and knobs tests set directly.
+HIDDEN = frozenset({"model", "num_pages", "fake_quant", "compile_backend"})
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "dtype": ("float32", "bfloat16", "float16"),
+    "device": ("auto", "cpu", "cuda"),
+    "cache_dtype": ("packed", "float"),
+    "prefix_replay": ("exact", "window"),
+    "quantization": ("int8", "fp8", "mxfp4", "float"),
+}
+
+HELP = {
+    "tokenizer": "folder holding the tokenizer.json to use (default: the model's own)",
+    "dtype": "compute dtype of weights and activations",
+    "device": "auto picks CUDA when present, else the CPU",
+    "max_num_seqs": "most sequences decoded together in one step",
+    "max_num_batched_tokens": "most tokens (prompt chunks + decodes) in one step",
+    "kv_memory": "memory for the global KV pages, e.g. 512MiB, 4GiB (must hold one --max-model-len sequence)",
+    "cache_dtype": "KV cache layout (default: packed for V4.1, float for V4)",
+    "exact_prefill": "run every layer on every prompt row (V4.1; default: encoder-only prefill)",
+    "enable_prefix_caching": "reuse the KV pages of a shared prompt prefix",
+    "max_model_len": "context limit, prompt + output tokens (default and maximum: the model's limit)",
+    "max_waiting": "waiting-queue bound; requests beyond it are refused (HTTP 429)",
+    "seed": "engine seed, for requests that carry none",
+    "block_size": "tokens per KV page (rounded up to a multiple of every compression ratio)",
+    "prefill_chunk": "largest prefill chunk (default: --max-num-batched-tokens)",
+    "prefix_replay": "after a prefix-cache hit, rebuild window state exactly or by one window",
+    "threads": f"torch intra-op threads (default {DEFAULT_THREADS}: suits a shared machine)",
+    "enforce_eager": "decode eagerly, or through a torch.compile'd step with --no-enforce-eager (default: "
+                     "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
+    "quantization": "pack float weights at load (int8, fp8, mxfp4) or unpack a packed checkpoint (float); "
+                    "default: as the checkpoint stores them",
+}
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"``, ``"512MB"``, ``"300k"`` or a byte count -> bytes; argparse reports a bad value by name."""
+    from .preflight import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _base_type(hint: Any) -> type:
+    """``int | None`` -> ``int``; ``str | int`` (sizes) -> ``str``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+    return str if str in args else args[0]
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
+    """One flag per user-facing ``EngineConfig`` field, default and type taken from the field (a parser with
+    ``ArgumentDefaultsHelpFormatter`` shows the defaults)."""
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in HIDDEN or f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = _base_type(hints[f.name])
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": HELP.get(f.name, f.name)}
+        if typ is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        elif f.name == "kv_memory":
+            kw["type"] = parse_size
+        else:
+            kw["type"] = typ
+            if f.name in CHOICES:
+                kw["choices"] = CHOICES[f.name]
+        group.add_argument(flag, **kw)
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The ``EngineConfig`` the parsed flags describe (fields without a flag keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - HIDDEN
+    kw = {n: getattr(args, n) for n in names if hasattr(args, n)}
+    return EngineConfig(model=args.model, **{**kw, **overrides})

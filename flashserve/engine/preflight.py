@@ -1,0 +1,126 @@
+"""Checks of an :class:`EngineConfig` that need no weights, run before loading so that a bad option fails
+in a second with its numbers, instead of after minutes of loading (or never, as a server that holds no prompt).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..config import ConfigError, ModelConfig, load_config
+from ..config.arithmetic import kv_record
+
+if TYPE_CHECKING:
+    from .engine_config import EngineConfig
+
+_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
+          "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1}
+_ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float64": 8, "fp64": 8, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "threads")
+
+
+def parse_size(value: str | int) -> int:
+    """``"1GiB"``, ``"512MB"``, ``"300k"`` or a byte count -> a positive number of bytes (ValueError otherwise)."""
+    if isinstance(value, bool):
+        raise ValueError(f"invalid size {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        s = str(value).strip().lower().replace(" ", "")
+        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if s.endswith(u)), "")
+        try:
+            x = float(s[:len(s) - len(unit)])
+        except ValueError:
+            raise ValueError(f"invalid size {value!r}; use a byte count or a number with a unit, e.g. 512MiB, "
+                             "4GiB") from None
+        if not math.isfinite(x):
+            raise ValueError(f"invalid size {value!r}")
+        n = int(x * _UNITS.get(unit, 1))
+    if n <= 0:
+        raise ValueError(f"invalid size {value!r}; it must be more than 0 bytes")
+    return n
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the checked options resolve to."""
+
+    model_config: ModelConfig
+    max_model_len: int
+    kv_bytes: int
+    page_tokens: int
+    page_bytes: int
+    num_pages: int
+
+
+def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight:
+    """Every option of ``c`` checked against the model's config (read, not loaded); ConfigError names the option."""
+    _check_scalars(c)
+    try:
+        kv_bytes = parse_size(c.kv_memory)
+    except ValueError as e:
+        raise ConfigError(f"kv_memory: {e}") from None
+    if c.tokenizer is not None and not (Path(c.tokenizer) / "tokenizer.json").is_file():
+        raise ConfigError(f"tokenizer: {c.tokenizer!r} is not a folder holding a tokenizer.json")
+    cfg = model_config or load_config(c.model)
+    limit = cfg.max_position_embeddings
+    if c.max_model_len is not None and not 2 <= c.max_model_len <= limit:
+        raise ConfigError(f"max_model_len: {c.max_model_len} is outside [2, {limit}], {limit} being the model's "
+                          "limit (max_position_embeddings)")
+    max_model_len = c.max_model_len or limit
+    page_tokens, page_bytes = _page_size(cfg, c)
+    num_pages = c.num_pages or max(1, kv_bytes // page_bytes)
+    pre = Preflight(cfg, max_model_len, kv_bytes, page_tokens, page_bytes, num_pages)
+    if c.num_pages is None:  # an explicit page count is a test's deliberately small cache
+        _check_fits(pre)
+    return pre
+
+
+def _check_scalars(c: EngineConfig) -> None:
+    for name in _POSITIVE:
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"{name}: must be an integer >= 1, got {v!r}")
+    if c.prefill_chunk is not None and (not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1):
+        raise ConfigError(f"prefill_chunk: must be an integer >= 1, got {c.prefill_chunk!r}")
+    for name, allowed in (("cache_dtype", ("packed", "float")), ("prefix_replay", ("exact", "window")),
+                          ("quantization", ("int8", "fp8", "mxfp4", "float"))):
+        v = getattr(c, name)
+        if v is not None and v not in allowed:
+            raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}")
+
+
+def _page_size(cfg: ModelConfig, c: EngineConfig) -> tuple[int, int]:
+    """(tokens, bytes) of one KV page as :class:`KVCache` lays it out (a test holds the two equal), computed
+    without torch so that this check answers before torch is even imported."""
+    packed = (c.cache_dtype or ("packed" if cfg.is_v41 else "float")) == "packed"
+    ratios = [r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r > 0] or [1]
+    lcm = math.lcm(*ratios)
+    tokens = lcm * max(1, -(-c.block_size // lcm))
+    if packed:
+        rec = kv_record(cfg)
+        main, index = rec.main, rec.index
+    else:
+        elt = _ELEMENT_BYTES.get(str(c.dtype).removeprefix("torch."), 4)
+        main, index = cfg.head_dim * elt, cfg.index_head_dim * elt
+    total = 0
+    for layer, ratio in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
+        if ratio == 0 or cfg.kv_source(layer) != layer:
+            continue
+        indexed = cfg.is_v41 or ratio == cfg.compress_rate_csa
+        total += (tokens // ratio) * (main + (index if indexed else 0))
+    return tokens, max(1, total)
+
+
+def _check_fits(p: Preflight) -> None:
+    need = -(-p.max_model_len // p.page_tokens)
+    if need <= p.num_pages:
+        return
+    fits = p.num_pages * p.page_tokens
+    raise ConfigError(
+        f"kv_memory: {p.kv_bytes} bytes hold {p.num_pages} pages of {p.page_tokens} tokens ({fits} tokens), "
+        f"less than one max_model_len sequence of {p.max_model_len} tokens needs ({need} pages of {p.page_bytes} "
+        f"bytes = {need * p.page_bytes} bytes); raise --kv-memory to at least {need * p.page_bytes} or lower "
+        f"--max-model-len to at most {fits}")

@@ -1,0 +1,209 @@
+"""``POST /v1/chat/completions``: prompt encoding, one engine request of ``n`` choices, and its answer as one
+JSON body or as a stream of chunks (reasoning, content and tool calls split by :class:`ChatOutputParser`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+
+from .engine_loop import RequestStream
+from .http import check_auth, count, read_json, server_of
+from .logprobs import chat_logprobs
+from .protocol import APIError, ChatRequest, error_body, parse_chat_request
+from .streaming import DONE, Choice, collect, event_stream, merged_outputs, sse, usage
+from .tool_parser import ChatOutputParser, Delta
+
+log = logging.getLogger("flashserve.server")
+
+
+@dataclass
+class ChatCall:
+    """One chat request in flight: its engine stream and the state of each choice."""
+
+    srv: Any
+    req: ChatRequest
+    model: str
+    rid: str
+    prompt_ids: list[int]
+    thinking: bool
+    stream: RequestStream
+    t0: float
+    choices: list[Choice] = field(default_factory=list)
+    ttft: float | None = None
+
+    def __post_init__(self) -> None:
+        parse_tools = bool(self.req.tools) and self.req.tool_choice != "none"
+        self.choices = [Choice(i, parser=ChatOutputParser(self.thinking, parse_tools))
+                        for i in range(self.req.sampling.n)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+    def absorb(self, co: Any) -> tuple[Delta | None, list[dict], str | None]:
+        """Feed one CompletionOutput into its choice: (parser delta, new logprob entries, finish reason)."""
+        if co.index >= len(self.choices) or self.choices[co.index].done:
+            return None, [], None
+        c = self.choices[co.index]
+        new, new_ids, new_lps = c.absorb(co)
+        if self.req.sampling.skip_special_tokens is not False:
+            new = self.srv.strip_specials(new)
+        delta = c.parser.feed(new)
+        if c.token_ids and self.ttft is None:
+            self.ttft = time.perf_counter() - self.t0
+        entries: list[dict] = []
+        if self.req.logprobs and new_lps is not None:
+            entries = chat_logprobs(self.srv.token_strings, new_ids, new_lps, self.req.top_logprobs)
+            c.lp_entries.extend(entries)
+        if co.finish_reason is None:
+            return delta, entries, None
+        tail = c.parser.finish()
+        delta.reasoning += tail.reasoning
+        delta.content += tail.content
+        delta.tool_calls += tail.tool_calls
+        c.done = True
+        c.finish_reason = "tool_calls" if co.finish_reason == "stop" and c.parser.tool_calls else co.finish_reason
+        c.stop_reason = co.stop_reason
+        return delta, entries, c.finish_reason
+
+    def finish_metrics(self) -> None:
+        self.srv.metrics.observe_completion(
+            prompt_tokens=len(self.prompt_ids), generation_tokens=self.completion_tokens, ttft=self.ttft,
+            e2e=time.perf_counter() - self.t0, finish_reasons=[c.finish_reason for c in self.choices],
+            decode_tokens=max((len(c.token_ids) for c in self.choices), default=0))
+
+    def message(self, c: Choice) -> dict[str, Any]:
+        reasoning, content, tool_calls = c.parser.result()
+        msg: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        if tool_calls:
+            msg["tool_calls"] = tool_calls
+        return msg
+
+
+async def start_chat(request: Request, body: dict[str, Any], t0: float) -> ChatCall:
+    """Validate, encode and submit a chat request (raises APIError for anything the client must fix)."""
+    srv = server_of(request)
+    srv.check_admitting()
+    req = parse_chat_request(body, vocab_size=srv.vocab_size)
+    model = srv.check_model(req.model)
+    prompt_text, thinking = srv.encode_chat(req)
+    prompt_ids = await srv.tokenize(prompt_text)
+    max_tokens = srv.check_length(len(prompt_ids), req.sampling.max_tokens, "messages", None)
+    params = srv.sampling_params(req.sampling, max_tokens, (req.top_logprobs if req.logprobs else None), None,
+                                 skip_special=False)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = await srv.submit(rid, prompt_ids, params)
+    return ChatCall(srv, req, model, rid, prompt_ids, thinking, stream, t0)
+
+
+def _delta_chunk(call: ChatCall, index: int, delta: Delta, entries: list[dict]) -> dict[str, Any] | None:
+    d: dict[str, Any] = {}
+    if delta.reasoning:
+        d["reasoning_content"] = delta.reasoning
+    if delta.content:
+        d["content"] = delta.content
+    if delta.tool_calls:
+        d["tool_calls"] = delta.tool_calls
+    if not d and not entries:
+        return None
+    return {"index": index, "delta": d, "logprobs": {"content": entries} if call.req.logprobs else None,
+            "finish_reason": None}
+
+
+def _finish_choice(index: int, finish: str, stop_reason: Any) -> dict[str, Any]:
+    return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+
+
+async def _chat_chunks(call: ChatCall) -> AsyncIterator[str]:
+    """The chunks of the whole stream, the unfinished choices ended with 'abort' (a shutdown or an abort)."""
+    req = call.req
+    base = {"id": call.rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": call.model}
+    extra = {"usage": None} if req.include_usage else {}
+    for c in call.choices:
+        yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra})
+    async for _, out in merged_outputs([call.stream]):
+        for co in out.outputs:
+            delta, entries, finish = call.absorb(co)
+            if delta is None:
+                continue
+            ch = _delta_chunk(call, co.index, delta, entries)
+            if ch is not None:
+                chunk = {**base, "choices": [ch], **extra}
+                if req.continuous_usage and req.include_usage:
+                    chunk["usage"] = usage(len(call.prompt_ids), call.completion_tokens)
+                yield sse(chunk)
+            if finish is not None:
+                yield sse({**base, "choices": [_finish_choice(co.index, finish, call.choices[co.index].stop_reason)],
+                           **extra})
+    for c in call.choices:
+        if not c.done:
+            c.done, c.finish_reason = True, "abort"
+            yield sse({**base, "choices": [_finish_choice(c.index, "abort", None)], **extra})
+    if req.include_usage:
+        yield sse({**base, "choices": [], "usage": usage(len(call.prompt_ids), call.completion_tokens)})
+
+
+async def _chat_events(call: ChatCall, request: Request) -> AsyncIterator[str]:
+    status = 200
+    try:
+        try:
+            async for chunk in _chat_chunks(call):
+                yield chunk
+        except Exception as e:  # engine failure mid-stream: report it in-band
+            status = 500
+            log.exception("stream %s failed", call.rid)
+            yield sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
+        yield DONE
+    except BaseException:  # the client went away (GeneratorExit / CancelledError)
+        status = 499
+        raise
+    finally:
+        call.srv.abort_unfinished([call.stream])
+        count(request, "chat", status)
+        call.finish_metrics()
+
+
+async def _chat_result(call: ChatCall, request: Request) -> dict[str, Any]:
+    srv = call.srv
+    try:
+        async for _, out in collect(request, srv, [call.stream]):
+            for co in out.outputs:
+                call.absorb(co)
+    except Exception as e:
+        count(request, "chat", 500)
+        raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
+    call.finish_metrics()
+    finished = all(c.finish_reason for c in call.choices)
+    if not finished and srv.draining:
+        count(request, "chat", 503)
+        raise APIError("The server shut down before the request finished; retry", status=503,
+                       type="server_error", code="shutting_down")
+    count(request, "chat", 200 if finished else 499)
+    choices = [{"index": c.index, "message": call.message(c),
+                "logprobs": {"content": c.lp_entries} if call.req.logprobs else None,
+                "finish_reason": c.finish_reason or "abort", "stop_reason": c.stop_reason} for c in call.choices]
+    return {"id": call.rid, "object": "chat.completion", "created": int(time.time()), "model": call.model,
+            "choices": choices, "usage": usage(len(call.prompt_ids), call.completion_tokens)}
+
+
+async def chat_completions(request: Request):
+    t0 = time.perf_counter()
+    try:
+        check_auth(request)
+        call = await start_chat(request, await read_json(request), t0)
+    except APIError as e:
+        count(request, "chat", e.status)
+        raise
+    if call.req.stream:
+        return event_stream(_chat_events(call, request), call.srv, [call.stream])
+    return await _chat_result(call, request)
+
+
+def register(app: FastAPI) -> None:
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])

@@ -1,0 +1,133 @@
+"""Streaming machinery every endpoint shares: per-choice state, merging the outputs of several engine requests,
+server-sent events, and ending the engine requests of a client that went away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .engine_loop import RequestStream
+from .tool_parser import ChatOutputParser
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(obj: Any, event: str | None = None) -> str:
+    head = f"event: {event}\n" if event else ""
+    return head + "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n"
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class Choice:
+    """One choice's state while its engine outputs arrive."""
+
+    index: int
+    pieces: list[str] = field(default_factory=list)  # raw engine text seen so far (joined once, at the end)
+    token_ids: list[int] = field(default_factory=list)
+    n_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    done: bool = False
+    parser: ChatOutputParser | None = None
+    lp_entries: list[dict[str, Any]] = field(default_factory=list)
+    started: bool = False
+    lp_chars: int = 0  # characters of the token strings already given logprobs (completions' text_offset)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def absorb(self, co: Any) -> tuple[str, list[int], list | None]:
+        """Take one "delta" CompletionOutput: (new text, new token ids, new logprobs or None). The engine sends
+        only what is new, so a step's work does not grow with the completion's length."""
+        self.pieces.append(co.text)  # not ``text +=``: that copies the whole text on every delta
+        self.token_ids.extend(co.token_ids)
+        return co.text, list(co.token_ids), co.logprobs
+
+
+async def merged_outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Merge request streams: yields (k, RequestOutput); raises a stream's error."""
+    if len(streams) == 1:
+        s = streams[0]
+        while (o := await s.get()) is not None:
+            yield 0, o
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, s: RequestStream) -> None:
+        try:
+            while (o := await s.get()) is not None:
+                q.put_nowait((k, o))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            q.put_nowait((k, e))
+        finally:
+            q.put_nowait((k, None))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            k, o = await q.get()
+            if o is None:
+                left -= 1
+            elif isinstance(o, BaseException):
+                raise o
+            else:
+                yield k, o
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class AbortGuard:
+    """Aborts a streaming response's requests if its body generator is dropped without ever running (the
+    client left before the first byte); a generator that ran aborts them in its ``finally``."""
+
+    def __init__(self, srv: Any, streams: list[RequestStream]):
+        self.srv, self.streams = srv, streams
+
+    def __del__(self) -> None:
+        try:
+            self.srv.abort_unfinished(self.streams)
+        except Exception:  # noqa: BLE001 - never raise from a finalizer
+            pass
+
+
+def event_stream(body: AsyncIterator[str], srv: Any, streams: list[RequestStream]) -> StreamingResponse:
+    """An SSE response over ``body``; ``streams`` are aborted if the response is dropped before ``body`` runs."""
+    response = StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
+    response.abort_guard = AbortGuard(srv, streams)  # dropped with the response
+    return response
+
+
+async def watch_disconnect(request: Request, srv: Any, streams: list[RequestStream]) -> None:
+    """Abort the requests of a non-streaming call whose client went away."""
+    try:
+        while True:
+            await asyncio.sleep(0.25)
+            if await request.is_disconnected():
+                srv.abort_unfinished(streams)
+                return
+    except asyncio.CancelledError:
+        pass
+
+
+async def collect(request: Request, srv: Any, streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """The merged outputs of a non-streaming call, its requests aborted if the client leaves or the call ends."""
+    watcher = asyncio.create_task(watch_disconnect(request, srv, streams))
+    try:
+        async for item in merged_outputs(streams):
+            yield item
+    finally:
+        watcher.cancel()
+        srv.abort_unfinished(streams)
