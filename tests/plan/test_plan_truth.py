@@ -15,7 +15,6 @@ from flashserve.plan.calibrate import fit_prefill_efficiency
 from flashserve.plan.cli import main
 from flashserve.plan.dispatch import COMBINE_BYTES, DISPATCH_BYTES, node_touch_probability, prefill_link_bytes
 from flashserve.plan.hardware import HARDWARE_JSON, load_catalog
-from flashserve.plan.inputs import PlanInputs
 from flashserve.plan.models import resolve_model
 from flashserve.plan.planner import plan
 from flashserve.plan.scenarios import PUBLISHED, PUBLISHED_PREFILL
