@@ -115,6 +115,12 @@ _TINY_V41: dict[str, Any] = {
         "dspark_target_layer_ids": [7, 8, 9], "dspark_markov_rank": 16,
         "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
     },
+    # a two-block tower 32 wide with the released image geometry (14-pixel patches, 3x3 cells, the same
+    # min_pixels and span budget), so span lengths are the real model's and a ViT pass stays cheap on a CPU
+    "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32,
+                      "intermediate_size": 48, "num_attention_heads": 2, "patch_size": 14,
+                      "downsample_ratio": 3, "rope_theta": 10000, "max_image_tokens": 1024,
+                      "min_pixels": 295936, "max_wh_ratio": None},
 }
 
 _TINY_V4: dict[str, Any] = {

@@ -14,6 +14,7 @@ from . import preflight
 from .cache import KVCache
 from .detokenizer import IncrementalDetokenizer
 from .engine_config import EngineConfig
+from .images import ImageInput, ImageLimits, ImageSpan, expand_placeholders, load_images
 from .decode_step import DecodeStep
 from .model_runner import ModelRunner
 from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
@@ -73,13 +74,18 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self.image_limits = ImageLimits()  # per request; the server sets its own from its flags
 
     # ------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    images: list | None = None) -> None:
+        """Queue a request. ``images`` (encoded bytes, ``PIL.Image`` or preprocessed
+        :class:`~flashserve.engine.images.ImageInput`): one per image placeholder of the prompt, in order."""
         with self.lock:
-            self._add_request(request_id, prompt, params)
+            self._add_request(request_id, prompt, params, images or [])
 
-    def _add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None) -> None:
+    def _add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                     images: list) -> None:
         params = params or SamplingParams()
         cfg = self.model_config
         params.validate(cfg.vocab_size)
@@ -93,6 +99,9 @@ class LLMEngine:
                 raise RequestError(f"prompt: token ids must be in [0, {cfg.vocab_size})")
         if not ids:
             raise RequestError("prompt: empty prompt")
+        inputs = load_images(images, cfg.vision if self.model.vision is not None else None, self.image_limits)
+        if inputs:
+            ids, starts = expand_placeholders(ids, inputs, cfg.image_token_id)
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt: {len(ids)} tokens leaves no room in max_model_len {self.max_model_len}")
         if -(-(len(ids) + 1) // self.cache.page_tokens) > self.cache.num_pages:
@@ -105,6 +114,8 @@ class LLMEngine:
         if waiting + params.n > self.config.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} sequences); retry later")
         group = RequestGroup(request_id, text, ids, params, time.monotonic())
+        if inputs:  # every check passed: now run the vision tower, once per request
+            group.images = self._embed_images(inputs, starts)
         exact = not self.encoder_only or params.prompt_logprobs is not None
         dev = self.model.embed.weight.device
         for i in range(params.n):
@@ -119,6 +130,12 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.groups[request_id] = group
         self.prompt_tokens_total += len(ids)
+
+    @torch.inference_mode()
+    def _embed_images(self, inputs: list[ImageInput], starts: list[int]) -> list[ImageSpan]:
+        dev = self.model.embed.weight.device
+        return [ImageSpan(s, inp.span_tokens, inp.digest, self.model.embed_image(inp.patches.to(dev), inp.grid.patches))
+                for s, inp in zip(starts, inputs)]
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its pages and slot at once (no further outputs)."""

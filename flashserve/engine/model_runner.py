@@ -8,6 +8,7 @@ import torch
 from .batch_state import BatchState
 from .cache import KVCache
 from .decode_step import DecodeStep
+from .images import chunk_embeds
 from .sequence import Sequence
 
 
@@ -39,6 +40,14 @@ class ModelRunner:
         out = self.model(ids, self._state(seqs), start=start, logits_rows=1)
         return out.logits[:, -1]
 
+    def _image_embeds(self, seqs: list[Sequence], n: int) -> torch.Tensor | None:
+        """[B, n, D] embeddings of the image-span positions among the next ``n`` of each sequence, or None."""
+        if not any(s.group.images for s in seqs):
+            return None
+        out = torch.zeros(len(seqs), n, self.cfg.hidden_size, dtype=self.model.dtype, device=self.device)
+        hit = [chunk_embeds(s.group.images, s.num_computed, s.num_computed + n, out[b]) for b, s in enumerate(seqs)]
+        return out if any(hit) else None
+
     def encoder_only(self, seq: Sequence, n: int) -> bool:
         """V4.1 encoder-only prefill covers prompt tokens only: tokens generated before a preemption are
         recomputed exactly, as they were first computed by full decode steps."""
@@ -66,7 +75,7 @@ class ModelRunner:
         encoder_only = self.encoder_only(seq, n)
         out = self.model(ids, self._state(seqs), start=start, encoder_only=encoder_only,
                          run_decoder=not encoder_only or a + n == seq.num_prompt,
-                         logits_rows=None if all_logits else 1)
+                         logits_rows=None if all_logits else 1, image_embeds=self._image_embeds(seqs, n))
         if out.logits is None:
             return None
         if all_logits:

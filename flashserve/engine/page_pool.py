@@ -59,8 +59,11 @@ class PagePool:
         return self.cached.get(h)
 
 
-def chain_hash(parent: bytes | None, tokens: list[int]) -> bytes:
+def chain_hash(parent: bytes | None, tokens: list[int], salt: bytes = b"") -> bytes:
+    """Hash of a page of ``tokens`` after the page hashed ``parent``; ``salt``: what else decides the page's
+    rows (the digests of images whose spans it overlaps)."""
     m = hashlib.blake2b(digest_size=16)
     m.update(parent or b"root")
     m.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    m.update(salt)
     return m.digest()

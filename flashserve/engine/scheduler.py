@@ -96,7 +96,8 @@ class Scheduler:
         limit = (seq.num_tokens - 1) // self.P
         hashes = []
         for i in range(limit):
-            h = chain_hash(h, seq.tokens[i * self.P:(i + 1) * self.P])
+            lo, hi = i * self.P, (i + 1) * self.P
+            h = chain_hash(h, seq.tokens[lo:hi], seq.group.page_salt(lo, hi))
             page = self.pool.lookup(h)
             if page is None:
                 break
@@ -113,7 +114,8 @@ class Scheduler:
         while len(seq.page_hashes) < full:
             i = len(seq.page_hashes)
             parent = seq.page_hashes[-1] if seq.page_hashes else None
-            h = chain_hash(parent, seq.tokens[i * self.P:(i + 1) * self.P])
+            lo, hi = i * self.P, (i + 1) * self.P
+            h = chain_hash(parent, seq.tokens[lo:hi], seq.group.page_salt(lo, hi))
             self.pool.register(seq.pages[i], h)
             seq.page_hashes.append(h)
 

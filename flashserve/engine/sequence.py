@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .images import ImageSpan, page_salt
 from .sampler import TokenCounts
 from .sampling_params import SamplingParams
 
@@ -121,6 +122,11 @@ class RequestGroup:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.prompt_logprobs_sent = False
+        self.images: list[ImageSpan] = []  # image spans of the prompt, embedded once for all n sequences
+
+    def page_salt(self, lo: int, hi: int) -> bytes:
+        """Besides token ids, what decides the cached state of prompt positions [lo, hi): overlapping images."""
+        return page_salt(self.images, lo, hi) if self.images else b""
 
     @property
     def finished(self) -> bool:

@@ -49,7 +49,7 @@ DEFAULT_SHARD_BYTES = 5 * 10**9
 _CHUNK_BYTES = 256 * 2**20  # larger stored tensors are read and decoded in row chunks
 _LIST_LIMIT = 20
 _OPTIONAL_PARTS = ({"mtp", "dspark"}, {"vision"})  # groups a checkpoint may omit as a whole
-DRAFTERS, BIAS_VL = "drafters", "bias_vl"  # what load_checkpoint reports as omitted
+DRAFTERS, BIAS_VL, VISION = "drafters", "bias_vl", "vision"  # what load_checkpoint reports as omitted
 
 _FLOAT_STORAGE = {BF16: torch.bfloat16, FP32: torch.float32}
 
@@ -265,11 +265,13 @@ def _listing(title: str, items: list[str]) -> str:
 
 def _omitted(dest: Mapping[str, torch.Tensor], present: Iterable[str], cfg: ModelConfig) -> dict[str, list[str]]:
     """Optional parts that the checkpoint leaves out as a whole: the MTP/DSpark drafters (transformers'
-    ``save_pretrained`` drops them) and the routers' ``bias_vl`` (tools without a vision path drop it).
+    ``save_pretrained`` drops them), the vision tower, and the routers' ``bias_vl`` (tools without a vision path
+    drop it).
     Returns {what: names in ``dest``}; a part present in part is not omitted (its gaps stay errors)."""
     present = set(present)
     parts = {t.name: t.part for t in checkpoint_layout(cfg)}
     groups = {DRAFTERS: [n for n in dest if parts.get(n) in ("mtp", "dspark")],
+              VISION: [n for n in dest if parts.get(n) == "vision"],
               BIAS_VL: [n for n in dest if n.endswith(".bias_vl")]}
     return {what: names for what, names in groups.items() if names and not present & set(names)}
 

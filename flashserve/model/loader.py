@@ -35,6 +35,8 @@ _FP32_LEAVES = ("_fn", "_base", "_scale", "attn_sink", "bias", "bias_vl", "ape")
 def keep_fp32(model: torch.nn.Module) -> None:
     """Return the always-fp32 parameters to fp32 after a cast of the whole model."""
     for name, p in model.named_parameters():
+        if name.startswith(("vision.", "aligner.")):  # the vision path is BF16 throughout, biases included
+            continue
         if name.rsplit(".", 1)[-1].endswith(_FP32_LEAVES) and p.dtype != torch.float64:
             p.data = p.data.float()
 
@@ -42,13 +44,16 @@ def keep_fp32(model: torch.nn.Module) -> None:
 def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool) -> None:
     """Load a checkpoint folder into ``model``; drop the drafters and zero ``bias_vl`` where the folder
     leaves them out (each said once in the log)."""
-    from .checkpoint import BIAS_VL, DRAFTERS, load_checkpoint
+    from .checkpoint import BIAS_VL, DRAFTERS, VISION, load_checkpoint
 
     dest = model.checkpoint_tensors()
     omitted = load_checkpoint(dest, path, cfg, strict=strict)
     if DRAFTERS in omitted:
         model.mtp = None
         log.info("%s has no MTP/DSpark weights: the drafters are disabled", path)
+    if VISION in omitted:
+        model.drop_vision()
+        log.info("%s has no vision tower: it serves text, and requests with images are refused", path)
     if BIAS_VL in omitted:
         with torch.no_grad():
             for name in omitted[BIAS_VL]:

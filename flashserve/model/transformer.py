@@ -21,6 +21,7 @@ from .mhc import HyperHead, collapse
 from .norms import fp32, RMSNorm
 from .rope import RotaryTables
 from .state import DenseState, Replay, SequenceState
+from .vision import Aligner, VisionTower, span_embeddings
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ForwardOutput:
 class Transformer(nn.Module):
     """DeepSeek-V4 (``deepseek_v4``) or V4.1 (``deepseek_v41``) text model, built from a :class:`ModelConfig`."""
 
-    def __init__(self, cfg: ModelConfig, *, with_mtp: bool = True):
+    def __init__(self, cfg: ModelConfig, *, with_mtp: bool = True, with_vision: bool = True):
         super().__init__()
         self.cfg = cfg
         D, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
@@ -52,6 +53,13 @@ class Transformer(nn.Module):
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
         self._engram_slot = {lid: i for i, lid in enumerate(cfg.engram_layer_ids)}
         self.fake_quant = False  # QAT quantisation points (spec §2.1); load_model turns it on for V4.1
+        self.vision: VisionTower | None = None  # V4.1 image input (spec §6), when the config has a tower
+        self.aligner: Aligner | None = None
+        if with_vision and cfg.vision is not None:
+            self.vision, self.aligner = VisionTower(cfg.vision), Aligner(cfg.vision, D)
+            self.image_start = nn.Parameter(torch.zeros(D))
+            self.image_newline = nn.Parameter(torch.zeros(D))
+            self.image_end = nn.Parameter(torch.zeros(D))
         self.mtp = None
         if with_mtp and cfg.num_nextn_predict_layers:
             from .draft import DSparkStages, MTPBlocks
@@ -66,6 +74,20 @@ class Transformer(nn.Module):
     def new_state(self, batch: int) -> DenseState:
         """A float state for ``batch`` sequences starting at position 0."""
         return DenseState(batch, self.cfg.sliding_window, self.embed.weight.device)
+
+    def drop_vision(self) -> None:
+        """Serve text only (a checkpoint without the vision tower)."""
+        self.vision = self.aligner = None
+        for name in ("image_start", "image_newline", "image_end"):
+            delattr(self, name)
+
+    def embed_image(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Embeddings [span, D] of one image's span from its patches [rows·cols, 3·p·p] on a ``grid`` of
+        (rows, cols) patches (see :mod:`flashserve.engine.images`)."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower: it reads text only")
+        return span_embeddings(self.vision, self.aligner, (self.image_start, self.image_newline, self.image_end),
+                               patches, grid)
 
     def image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
         tok = self.cfg.image_token_id
@@ -97,8 +119,12 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
                 start: torch.Tensor | None = None, fake_quant: bool | None = None, encoder_only: bool = False,
                 run_decoder: bool = True, logits_rows: int | None = None,
-                capture: tuple[int, ...] = (), return_streams: bool = False) -> ForwardOutput:
+                capture: tuple[int, ...] = (), return_streams: bool = False,
+                image_embeds: torch.Tensor | None = None) -> ForwardOutput:
         """Run ``input_ids`` [B,S] continuing ``state`` (a fresh one when None).
+
+        ``image_embeds`` [B,S,D]: the embeddings of image-span positions (those whose id is ``image_token_id``),
+        merged before the stream expansion; other rows of it are ignored.
 
         ``encoder_only`` (V4.1): layers before the decoder run on all rows, the decoder's cache producer on
         all rows, and the decoder (if ``run_decoder``) only on the last ``sliding_window`` positions of the
@@ -114,6 +140,10 @@ class Transformer(nn.Module):
         ctx = ForwardContext(state=state, positions=positions, input_ids=input_ids, rope=self.rope,
                              fake_quant=fake_quant, image_mask=self.image_mask(input_ids))
         x = self.embed(input_ids)
+        if image_embeds is not None:
+            if ctx.image_mask is None:
+                raise ValueError(f"{cfg.model_type} has no image positions (no image_token_id)")
+            x = torch.where(ctx.image_mask[..., None], image_embeds.to(x.dtype), x)
         x = x[..., None, :].expand(B, S, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = None
         if cfg.is_v41:
