@@ -14,6 +14,7 @@ from . import preflight
 from .cache import KVCache
 from .detokenizer import IncrementalDetokenizer
 from .engine_config import EngineConfig
+from .guided import Guides
 from .images import ImageInput, ImageLimits, ImageSpan, expand_placeholders, load_images
 from .decode_step import DecodeStep
 from .model_runner import ModelRunner
@@ -68,6 +69,7 @@ class LLMEngine:
         step.warm_up()
         self.runner = ModelRunner(self.model, self.cache, step)
         self.encoder_only = cfg.is_v41 and not c.exact_prefill
+        self.guides = Guides(self.tokenizer, cfg.vocab_size)  # structured outputs (compiled on first use)
         self.generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(c.seed)
         self.groups: dict[str, RequestGroup] = {}
         self.lock = threading.RLock()  # add/abort may come from another thread than step()
@@ -89,6 +91,8 @@ class LLMEngine:
         params = params or SamplingParams()
         cfg = self.model_config
         params.validate(cfg.vocab_size)
+        if params.constraint is not None:
+            self.guides.check(params.constraint)  # a schema the backend cannot compile: RequestError (400)
         if request_id in self.groups:
             raise RequestError(f"request_id: {request_id!r} is already running")
         if isinstance(prompt, str):
@@ -227,12 +231,14 @@ class LLMEngine:
             outputs.append(group.make_output())
         return outputs
 
-    @staticmethod
-    def _sample_row(seq: Sequence, logits: torch.Tensor) -> SampleRow:
-        """The sampler's view of ``seq``, O(1): no copy of its ids; penalty counts made once, then kept."""
+    def _sample_row(self, seq: Sequence, logits: torch.Tensor) -> SampleRow:
+        """The sampler's view of ``seq``, O(1): no copy of its ids; penalty counts and the structured-output
+        matcher made once, then kept."""
         if seq.counts is None and seq.params.has_penalties:
             seq.counts = TokenCounts(seq.prompt_ids, seq.output_view, logits.shape[-1], logits.device)
-        return SampleRow(seq.params, seq.prompt_ids, seq.output_view, seq.generator, seq.counts)
+        if seq.guide is None and seq.params.constraint is not None:
+            seq.guide = self.guides.guide(seq.params.constraint)
+        return SampleRow(seq.params, seq.prompt_ids, seq.output_view, seq.generator, seq.counts, seq.guide)
 
     def _append(self, seq: Sequence, tid: int, lp: dict[int, float] | None) -> None:
         p = seq.params

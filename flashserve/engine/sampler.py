@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs.
+"""Batched sampling: penalties, logit bias, structured-output masks, temperature, top-k / top-p / min-p,
+per-request seeds, logprobs.
 
 Everything runs on the logits tensor of the step's sampled rows; the only host transfer is the sampled ids
 (plus the requested logprobs)."""
@@ -10,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from .guided import Guide, allowed_tokens
 from .sampling_params import SamplingParams
 
 
@@ -39,6 +41,7 @@ class SampleRow:
     output_ids: Sequence[int]
     generator: torch.Generator | None
     counts: TokenCounts | None = None  # kept by the engine; None: built from the id lists (O(length))
+    guide: Guide | None = None  # structured-output matcher, kept by the engine (advanced here)
 
 
 @dataclass
@@ -70,12 +73,37 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits
 
 
+def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """``logit_bias`` added, and tokens a row's grammar forbids set to -inf, for every such row at once."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    guided, allowed = allowed_tokens([r.guide for r in rows], logits.shape[-1])
+    if not biased and not guided:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        bias = rows[i].params.logit_bias
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    if guided:
+        sub = torch.tensor(guided, device=logits.device)
+        logits[sub] = logits[sub].masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> SampleResult:
-    """One token per row of ``logits`` [N, V]."""
+    """One token per row of ``logits`` [N, V]; each row's guide, if any, advanced by its token."""
+    result = _sample(logits, rows, generator)
+    for r, t in zip(rows, result.token_ids):
+        if r.guide is not None:
+            r.guide.advance(t)
+    return result
+
+
+def _sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None) -> SampleResult:
     N, V = logits.shape
     dev = logits.device
     raw = logits if logits.dtype == torch.float64 else logits.float()
-    lg = _apply_penalties(raw, rows)
+    lg = _apply_bias_and_masks(_apply_penalties(raw, rows), rows)
     chosen = lg.argmax(-1)
     if not all(r.params.greedy for r in rows):
         temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=lg.dtype)

@@ -16,6 +16,21 @@ class QueueFullError(RuntimeError):
 
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+CONSTRAINT_KINDS = ("json", "lark")
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, enforced by a token mask (:mod:`flashserve.engine.guided`): a JSON schema
+    (``kind="json"``, ``text`` its JSON) or a Lark grammar (``kind="lark"``). With ``after`` set, the output runs
+    free until that token (V4.1 reasoning until ``</think>``) and is constrained from the next one. ``param``
+    names the request field in errors."""
+
+    kind: str
+    text: str
+    after: int | None = None
+    param: str = "constraint"
 
 
 @dataclass
@@ -39,6 +54,8 @@ class SamplingParams:
     # what each RequestOutput carries (as vLLM's RequestOutputKind): "cumulative": text, token ids and
     # logprobs so far; "delta": only what is new since the previous output; "final_only": one output at the end
     output_kind: str = "cumulative"
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's [-100, 100])
+    constraint: Constraint | None = None  # structured output (JSON schema, grammar)
 
     @property
     def greedy(self) -> bool:
@@ -84,7 +101,19 @@ class SamplingParams:
                 bad("stop_token_ids", f"must be token ids in [0, {vocab_size})")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}")
+        self._validate_structure(vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0 or v > min(vocab_size, 20)):
                 bad(name, f"must be an integer in [0, {min(vocab_size, 20)}], got {v!r}")
+
+    def _validate_structure(self, vocab_size: int) -> None:
+        if self.logit_bias is not None:
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                    raise RequestError(f"logit_bias: token ids must be in [0, {vocab_size}), got {t!r}")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                    raise RequestError(f"logit_bias: biases must be numbers in [-100, 100], got {b!r} for {t}")
+        c = self.constraint
+        if c is not None and (not isinstance(c, Constraint) or c.kind not in CONSTRAINT_KINDS):
+            raise RequestError(f"constraint: must be a Constraint of kind {' or '.join(CONSTRAINT_KINDS)}")

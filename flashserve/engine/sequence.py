@@ -92,6 +92,7 @@ class Sequence:
         self.num_preemptions = 0
         self.output_view = OutputIds(self.tokens, self.num_prompt)  # ``tokens`` is only ever appended to
         self.counts: TokenCounts | None = None  # penalty state, made by the engine at the first sampling
+        self.guide = None  # structured-output matcher (engine.guided.Guide), made at the first sampling
 
     @property
     def output_ids(self) -> list[int]:

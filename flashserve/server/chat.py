@@ -95,7 +95,7 @@ async def start_chat(request: Request, body: dict[str, Any], t0: float) -> ChatC
     prompt_ids = await srv.tokenize(prompt_text)
     max_tokens = srv.check_length(len(prompt_ids), req.sampling.max_tokens, "messages", None)
     params = srv.sampling_params(req.sampling, max_tokens, (req.top_logprobs if req.logprobs else None), None,
-                                 skip_special=False)
+                                 skip_special=False, constraint=srv.chat_constraint(req, thinking))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = await srv.submit(rid, prompt_ids, params)
     return ChatCall(srv, req, model, rid, prompt_ids, thinking, stream, t0)

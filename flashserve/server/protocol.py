@@ -211,6 +211,7 @@ class SamplingFields:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool | None = None
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -224,7 +225,9 @@ class ChatRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str = "auto"
+    tool_choice: str = "auto"  # none | auto | required | named
+    tool_name: str | None = None  # the function a named tool_choice forces
+    response_format: dict[str, Any] | None = None  # {"type": "json_object"} or {"type": "json_schema", "schema": ...}
     thinking: bool | None = None
     reasoning_effort: str | int | None = None
     drop_thinking: bool = True
@@ -275,13 +278,30 @@ def _parse_sampling(body: dict, *, chat: bool, vocab_size: int) -> SamplingField
     best_of = get_int(body, "best_of", None, 1, MAX_N)
     if best_of is not None and best_of != s.n:
         raise invalid("best_of", "'best_of' different from 'n' is not supported", "unsupported_value")
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise invalid("logit_bias", "'logit_bias' must be an object", "invalid_type")
-        if bias:
-            raise invalid("logit_bias", "'logit_bias' is not supported", "unsupported_value")
+    s.logit_bias = _parse_logit_bias(body.get("logit_bias"), vocab_size)
     return s
+
+
+def _parse_logit_bias(bias: Any, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's ``{"token id": bias}`` with biases in [-100, 100]."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
+    if len(bias) > 1024:
+        raise invalid("logit_bias", "'logit_bias' may hold at most 1024 tokens")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {key!r}", "invalid_type") from None
+        if not 0 <= tid < vocab_size:
+            raise invalid("logit_bias", f"'logit_bias' token id {tid} is outside [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"'logit_bias[{key}]' must be a number in [-100, 100], got {value!r}")
+        out[tid] = float(value)
+    return out or None
 
 
 def _parse_stream(body: dict) -> tuple[bool, bool, bool]:
@@ -305,15 +325,31 @@ def _parse_stream(body: dict) -> tuple[bool, bool, bool]:
     return stream, include_usage, continuous
 
 
-def _check_response_format(body: dict) -> None:
+def _parse_response_format(body: dict) -> dict[str, Any] | None:
+    """``text`` -> None; ``json_object`` and ``json_schema`` -> what the output must be (the schema compiles later,
+    in the structured-output backend, which names what it cannot handle)."""
     rf = body.get("response_format")
     if rf is None:
-        return
+        return None
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise invalid("response_format", "'response_format' must be an object with a string 'type'", "invalid_type")
-    if rf["type"] != "text":
-        raise invalid("response_format.type", f"response_format type {rf['type']!r} is not supported (only 'text')",
-                      "unsupported_value")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise invalid("response_format.type", f"response_format type {kind!r} is not supported; use 'text', "
+                      "'json_object' or 'json_schema'", "unsupported_value")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise invalid("response_format.json_schema", "'response_format.json_schema' must be an object with a "
+                      "'schema'", "invalid_type")
+    schema = js.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise invalid("response_format.json_schema.schema", "'response_format.json_schema.schema' must be a JSON "
+                      "schema object", "invalid_schema")
+    return {"type": "json_schema", "schema": schema, "name": js.get("name")}
 
 
 def _check_json_schema(schema: Any, param: str, depth: int = 0) -> None:
@@ -351,7 +387,7 @@ def _check_json_schema(schema: Any, param: str, depth: int = 0) -> None:
         raise invalid(f"{param}.enum", f"'{param}.enum' must be an array", "invalid_schema")
 
 
-def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str]:
+def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str, str | None]:
     tools = body.get("tools")
     choice = body.get("tool_choice")
     names: list[str] = []
@@ -391,7 +427,7 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str]:
             # the function object is rendered into the prompt as given (as the reference encoder does)
             out.append({"type": "function", "function": fn})
         tools = out or None
-    mode = "auto"
+    mode, forced = "auto", None
     if choice is not None:
         if isinstance(choice, str):
             if choice not in ("none", "auto", "required"):
@@ -405,16 +441,12 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str]:
             if fn["name"] not in names:
                 raise invalid("tool_choice.function.name", f"tool_choice names {fn['name']!r}, which is not in "
                               "'tools'")
-            mode = "named"
+            mode, forced = "named", fn["name"]
         else:
             raise invalid("tool_choice", "'tool_choice' must be a string or an object", "invalid_type")
-        if mode in ("required", "named"):
-            if not tools:
-                raise invalid("tool_choice", f"tool_choice {choice!r} needs 'tools'")
-            # Without constrained decoding a call cannot be forced; say so rather than pretend.
-            raise invalid("tool_choice", "forcing tool calls ('required' or a named function) is not supported; "
-                          "use 'auto'", "unsupported_value")
-    return tools, mode
+        if mode in ("required", "named") and not tools:
+            raise invalid("tool_choice", f"tool_choice {choice!r} needs 'tools'")
+    return tools, mode, forced
 
 
 def _parse_content(content: Any, param: str, allow_none: bool) -> Any:
@@ -529,8 +561,10 @@ def parse_chat_request(body: dict, *, vocab_size: int) -> ChatRequest:
     top_logprobs = get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
     if top_logprobs and not logprobs:
         raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
-    _check_response_format(body)
-    tools, tool_choice = _parse_tools(body)
+    response_format = _parse_response_format(body)
+    tools, tool_choice, tool_name = _parse_tools(body)
+    if response_format is not None and tool_choice in ("required", "named"):
+        raise invalid("response_format", "'response_format' cannot be combined with a forced 'tool_choice'")
     get_bool(body, "parallel_tool_calls", True)
     kwargs = body.get("chat_template_kwargs")
     thinking = None
@@ -564,7 +598,8 @@ def parse_chat_request(body: dict, *, vocab_size: int) -> ChatRequest:
     add_gen = get_bool(body, "add_generation_prompt", True)
     return ChatRequest(model=model, messages=messages, sampling=sampling, stream=stream, include_usage=include_usage,
                        continuous_usage=continuous, logprobs=logprobs, top_logprobs=top_logprobs or 0, tools=tools,
-                       tool_choice=tool_choice, thinking=thinking, reasoning_effort=effort,
+                       tool_choice=tool_choice, tool_name=tool_name, response_format=response_format,
+                       thinking=thinking, reasoning_effort=effort,
                        drop_thinking=drop_thinking, add_generation_prompt=add_gen, user=user)
 
 

@@ -101,6 +101,16 @@ class Server:
                            param="model", code="model_not_found")
         return model
 
+    def chat_constraint(self, req: ChatRequest, thinking: bool) -> Any:
+        """The structured-output constraint of a chat request (None when it asks for none)."""
+        from .structured import chat_constraint
+
+        forces_call = req.tool_choice in ("required", "named")
+        if forces_call and not self.use_v41:
+            raise invalid("tool_choice", "forcing a tool call needs the V4.1 chat format (DSML tool calls)",
+                          "unsupported_value")
+        return chat_constraint(req, thinking, self.tokenizer)
+
     def encode_chat(self, req: ChatRequest) -> tuple[str, bool]:
         """Prompt text of a chat, and whether the model starts in thinking mode."""
         tools = req.tools if req.tool_choice != "none" else None
@@ -139,7 +149,7 @@ class Server:
 
     # -- requests ------------------------------------------------------------------------------------------
     def sampling_params(self, s: SamplingFields, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None, skip_special: bool) -> Any:
+                        prompt_logprobs: int | None, skip_special: bool, constraint: Any = None) -> Any:
         """The one mapping of request fields onto the engine's SamplingParams."""
         _, RequestError, SamplingParams = _engine_import()
         seed = None if s.seed is None else s.seed % (2 ** 63)
@@ -148,7 +158,8 @@ class Server:
                                 frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
                                 stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                skip_special_tokens=skip_special, output_kind="delta")
+                                skip_special_tokens=skip_special, output_kind="delta",
+                                logit_bias=s.logit_bias, constraint=constraint)
         try:
             params.validate(self.vocab_size)
         except RequestError as e:

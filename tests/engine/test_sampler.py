@@ -63,3 +63,57 @@ def test_logprobs_are_log_softmax_of_the_logits():
     assert set(lp) == {0, 1}
     for tok in lp:
         assert lp[tok] == pytest.approx(math.log(PROBS[tok]), abs=1e-9)
+
+
+def test_logit_bias_adds_to_the_logits():
+    row = SampleRow(SamplingParams(temperature=0.0, logit_bias={3: 100.0}), [], [], None)
+    assert sample(LOGITS.clone(), [row]).token_ids == [3]  # the least likely token, pushed to the top
+    row = SampleRow(SamplingParams(temperature=0.0, logit_bias={0: -100.0}), [], [], None)
+    assert sample(LOGITS.clone(), [row]).token_ids == [1]  # the most likely, pushed out
+
+
+def _tiny_guides():
+    from flashserve.engine.guided import Guides
+    from flashserve.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("tiny-v41", 512)
+    return tok, Guides(tok, 512)
+
+
+def test_a_mixed_batch_masks_only_the_constrained_rows():
+    """Rows 0 and 2 must spell a JSON object of one digit; row 1 is free: its tokens are those of the same row
+    sampled in a batch without any constraint (same seeds), and the constrained rows parse."""
+    import json
+
+    from flashserve.engine.sampling_params import Constraint
+
+    tok, guides = _tiny_guides()
+    schema = json.dumps({"type": "object", "properties": {"d": {"type": "integer", "minimum": 0, "maximum": 9}},
+                         "required": ["d"], "additionalProperties": False})
+    c = Constraint("json", schema)
+    logits = torch.randn(40, 3, 512, generator=torch.Generator().manual_seed(1))  # noise for every step
+    p = SamplingParams(temperature=1.0)
+    free_gen, ref_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    rows = [SampleRow(p, [], [], torch.Generator().manual_seed(i), guide=guides.guide(c) if i != 1 else None)
+            for i in range(3)]
+    rows[1].generator = free_gen
+    out: list[list[int]] = [[], [], []]
+    free_ref = []
+    for step in logits:
+        for i, t in enumerate(sample(step.clone(), rows).token_ids):
+            out[i].append(t)
+        ref = SampleRow(p, [], [], ref_gen)
+        free_ref.append(sample(step[1:2].clone(), [ref]).token_ids[0])
+    assert out[1] == free_ref
+    for i in (0, 2):
+        ids = out[i][:out[i].index(tok.eos_token_id)]  # the grammar ends the row with EOS
+        value = json.loads(tok.decode(ids))
+        assert set(value) == {"d"} and 0 <= value["d"] <= 9
+
+
+def test_an_uncompilable_schema_names_the_field():
+    from flashserve.engine.sampling_params import Constraint, RequestError
+
+    _, guides = _tiny_guides()
+    with pytest.raises(RequestError, match="response_format: the constraint cannot be compiled: .*nope"):
+        guides.check(Constraint("json", '{"$ref": "#/nope"}', param="response_format"))
