@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI's ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``;
-``/tokenize``, ``/detokenize``, ``/health``, ``/metrics``.
+"""The FastAPI app: OpenAI's ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``; Anthropic's
+``/v1/messages``; ``/tokenize``, ``/detokenize``, ``/health``, ``/metrics``.
 
 One process: uvicorn's event loop serves HTTP, :class:`EngineLoop` runs the engine in a thread beside it.
 User input never reaches the engine unchecked (:mod:`protocol`), and every error leaves as error JSON. Each
@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from . import basic_routes, chat, completions
+from . import anthropic_api, basic_routes, chat, completions
 from .http import install_error_handlers
 from .service import Server, ServerConfig
 
@@ -35,6 +35,6 @@ def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -
     app = FastAPI(title="flashserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
     install_error_handlers(app)
-    for module in (basic_routes, chat, completions):
+    for module in (basic_routes, chat, completions, anthropic_api):
         module.register(app)
     return app

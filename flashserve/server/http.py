@@ -77,15 +77,19 @@ def count(request: Request, endpoint: str, status: int) -> None:
         log.warning("%s %s refused with %d", request.method, request.url.path, status)
 
 
-def _shape(request: Request, body: dict[str, Any]) -> dict[str, Any]:
-    """The error body in the API's shape."""
+def _shape(request: Request, body: dict[str, Any], status: int) -> dict[str, Any]:
+    """The error body in the API's shape: Anthropic's under /v1/messages, OpenAI's elsewhere."""
+    if request.url.path.startswith("/v1/messages"):
+        from .anthropic_api import anthropic_error
+
+        return anthropic_error(body, status)
     return body
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return JSONResponse(_shape(request, exc.body()), status_code=exc.status, headers=exc.headers)
+        return JSONResponse(_shape(request, exc.body(), exc.status), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -93,16 +97,16 @@ def install_error_handlers(app: FastAPI) -> None:
         msg = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             msg = f"Not found: {request.method} {request.url.path}"
-        return JSONResponse(_shape(request, error_body(msg, typ, None, str(exc.status_code))),
+        return JSONResponse(_shape(request, error_body(msg, typ, None, str(exc.status_code)), exc.status_code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse(_shape(request, error_body(str(exc), "invalid_request_error", None, "invalid_value")),
-                            status_code=400)
+        body = error_body(str(exc), "invalid_request_error", None, "invalid_value")
+        return JSONResponse(_shape(request, body, 400), status_code=400)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("internal error on %s", request.url.path)
         body = error_body(f"internal server error: {type(exc).__name__}", "server_error", None, "internal_error")
-        return JSONResponse(_shape(request, body), status_code=500)
+        return JSONResponse(_shape(request, body, 500), status_code=500)

@@ -1,0 +1,350 @@
+"""Anthropic's Messages API at ``POST /v1/messages`` (and ``/v1/messages/count_tokens``), as DeepSeek offers it
+beside the OpenAI one, for agent tools that speak it.
+
+A Messages request is translated into the equivalent OpenAI chat body and goes through the same validation,
+encoding and engine path as ``/v1/chat/completions``; only the shapes differ: content blocks (``text``,
+``thinking``, ``tool_use``, ``tool_result``), Anthropic's stop reasons, its stream of named events, and its error
+body ``{"type": "error", "error": {"type", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+
+from .chat import ChatCall, start_chat
+from .http import check_auth, count, read_json, server_of
+from .protocol import APIError, invalid
+from .streaming import collect, event_stream, merged_outputs, sse
+
+log = logging.getLogger("flashserve.server")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
+
+
+def anthropic_error(body: dict[str, Any], status: int) -> dict[str, Any]:
+    """The OpenAI error body of the shared validation, in Anthropic's shape."""
+    err = body.get("error", {})
+    message = err.get("message", "error")
+    if err.get("param"):
+        message = f"{err['param']}: {message}"
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+# ---------------------------------------------------------------------------------------------- request
+
+def _blocks(content: Any, param: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise invalid(param, f"'{param}' must be a string or an array of content blocks", "invalid_type")
+    for i, b in enumerate(content):
+        if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+            raise invalid(f"{param}[{i}]", f"'{param}[{i}]' must be a content block with a 'type'", "invalid_type")
+    return content
+
+
+def _text_of(content: Any, param: str) -> str:
+    parts = []
+    for i, b in enumerate(_blocks(content, param)):
+        if b["type"] != "text" or not isinstance(b.get("text"), str):
+            raise invalid(f"{param}[{i}]", f"'{param}[{i}]' must be a text block", "invalid_type")
+        parts.append(b["text"])
+    return "\n\n".join(parts)
+
+
+def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
+    """One Anthropic user turn: tool results become OpenAI tool messages, text a user message."""
+    out, texts = [], []
+    for i, b in enumerate(_blocks(content, param)):
+        p = f"{param}[{i}]"
+        if b["type"] == "text":
+            texts.append(b.get("text"))
+        elif b["type"] == "tool_result":
+            inner = b.get("content", "")
+            text = _text_of(inner, f"{p}.content") if inner != "" else ""
+            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
+        else:
+            raise invalid(f"{p}.type", f"content block type {b['type']!r} is not supported in a user turn "
+                          "(text and tool_result)", "unsupported_value")
+    if texts:
+        out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+    return out
+
+
+def _assistant_message(content: Any, param: str) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": None}
+    texts, calls = [], []
+    for i, b in enumerate(_blocks(content, param)):
+        p = f"{param}[{i}]"
+        if b["type"] == "text":
+            texts.append(b.get("text"))
+        elif b["type"] == "thinking":
+            msg["reasoning_content"] = b.get("thinking")
+        elif b["type"] == "redacted_thinking":
+            continue
+        elif b["type"] == "tool_use":
+            if not isinstance(b.get("input", {}), dict):
+                raise invalid(f"{p}.input", f"'{p}.input' must be an object", "invalid_type")
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
+        else:
+            raise invalid(f"{p}.type", f"content block type {b['type']!r} is not supported in an assistant turn",
+                          "unsupported_value")
+    if texts:
+        msg["content"] = [{"type": "text", "text": t} for t in texts]
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise invalid("messages", "'messages' must be a non-empty array", "invalid_type")
+    out = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _text_of(body["system"], "system")})
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise invalid(f"{p}.role", f"'{p}.role' must be 'user' or 'assistant'")
+        if "content" not in m:
+            raise invalid(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
+        out.extend(_user_messages(m["content"], f"{p}.content") if m["role"] == "user"
+                   else [_assistant_message(m["content"], f"{p}.content")])
+    return out
+
+
+def _tools(body: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise invalid("tools", "'tools' must be an array", "invalid_type")
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict):
+                raise invalid(f"tools[{i}]", f"'tools[{i}]' must be an object", "invalid_type")
+        out["tools"] = [{"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"),
+            "parameters": t.get("input_schema", {"type": "object"})}} for t in tools]
+    choice = body.get("tool_choice")
+    if choice is not None:
+        kind = choice.get("type") if isinstance(choice, dict) else None
+        modes = {"auto": "auto", "any": "required", "none": "none"}
+        if kind in modes:
+            out["tool_choice"] = modes[kind]
+        elif kind == "tool":
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+        else:
+            raise invalid("tool_choice", "'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'")
+    return out
+
+
+def _thinking(body: dict[str, Any]) -> dict[str, Any]:
+    th = body.get("thinking")
+    if th is None:
+        return {}
+    if not isinstance(th, dict) or th.get("type") not in ("enabled", "disabled"):
+        raise invalid("thinking", "'thinking' must be {'type': 'enabled' | 'disabled'}")
+    return {"chat_template_kwargs": {"thinking": th["type"] == "enabled"}}
+
+
+def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI chat body equivalent to an Anthropic Messages body."""
+    if "max_tokens" not in body:
+        raise invalid("max_tokens", "'max_tokens' is required", "missing_required_parameter")
+    chat: dict[str, Any] = {"model": body.get("model"), "messages": _messages(body), "max_tokens": body["max_tokens"],
+                            "stream": body.get("stream", False), **_tools(body), **_thinking(body)}
+    if body.get("stream") is True:
+        chat["stream_options"] = {"include_usage": True}
+    for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
+                     ("stop_sequences", "stop")):
+        if body.get(src) is not None:
+            chat[dst] = body[src]
+    return chat
+
+
+# ---------------------------------------------------------------------------------------------- response
+
+def _stop(call: ChatCall) -> tuple[str, str | None]:
+    c = call.choices[0]
+    if c.finish_reason == "stop" and isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return _STOP_REASONS.get(c.finish_reason or "abort", "end_turn"), None
+
+
+def _usage(call: ChatCall) -> dict[str, int]:
+    return {"input_tokens": len(call.prompt_ids), "output_tokens": call.completion_tokens}
+
+
+def _content(call: ChatCall) -> list[dict[str, Any]]:
+    reasoning, content, tool_calls = call.choices[0].parser.result()
+    blocks: list[dict[str, Any]] = []
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
+    if content:
+        blocks.append({"type": "text", "text": content})
+    for tc in tool_calls:
+        try:
+            args = json.loads(tc["function"]["arguments"] or "{}")
+        except ValueError:
+            args = {"arguments": tc["function"]["arguments"]}
+        blocks.append({"type": "tool_use", "id": tc["id"], "name": tc["function"]["name"], "input": args})
+    return blocks
+
+
+def _message(call: ChatCall, content: list[dict[str, Any]]) -> dict[str, Any]:
+    stop_reason, stop_sequence = _stop(call) if call.choices[0].done else (None, None)
+    return {"id": call.rid, "type": "message", "role": "assistant", "model": call.model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": _usage(call)}
+
+
+class _Blocks:
+    """Turns parser deltas into Anthropic content-block events, opening a new block when the kind changes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+        self.tool: int | None = None
+
+    def _open(self, kind: str, block: dict[str, Any]) -> list[str]:
+        events = self.close()
+        self.index += 1
+        self.kind = kind
+        return events + [sse({"type": "content_block_start", "index": self.index, "content_block": block},
+                             "content_block_start")]
+
+    def _delta(self, delta: dict[str, Any]) -> str:
+        return sse({"type": "content_block_delta", "index": self.index, "delta": delta}, "content_block_delta")
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        events = []
+        if self.kind == "thinking":  # clients expect a signature to close a thinking block
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
+        self.kind = None
+        return events + [sse({"type": "content_block_stop", "index": self.index}, "content_block_stop")]
+
+    def feed(self, delta: Any) -> list[str]:
+        events: list[str] = []
+        if delta.reasoning:
+            if self.kind != "thinking":
+                events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
+        if delta.content:
+            if self.kind != "text":
+                events += self._open("text", {"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": delta.content}))
+        for tc in delta.tool_calls:
+            if "id" in tc:
+                self.tool = tc["index"]
+                events += self._open("tool_use", {"type": "tool_use", "id": tc["id"],
+                                                  "name": tc["function"]["name"], "input": {}})
+            args = tc["function"].get("arguments")
+            if args:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": args}))
+        return events
+
+
+async def _events(call: ChatCall) -> AsyncIterator[str]:
+    yield sse({"type": "message_start", "message": {**_message(call, []), "usage": {
+        "input_tokens": len(call.prompt_ids), "output_tokens": 0}}}, "message_start")
+    blocks = _Blocks()
+    async for _, out in merged_outputs([call.stream]):
+        for co in out.outputs:
+            delta, _, _ = call.absorb(co)
+            if delta is not None:
+                for event in blocks.feed(delta):
+                    yield event
+    for event in blocks.close():
+        yield event
+    if not call.choices[0].done and call.srv.draining:
+        yield sse({"type": "error", "error": {"type": "overloaded_error", "message": "the server shut down "
+                                              "before the message finished"}}, "error")
+        return
+    call.choices[0].done = True
+    call.choices[0].finish_reason = call.choices[0].finish_reason or "abort"
+    stop_reason, stop_sequence = _stop(call)
+    yield sse({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+               "usage": {"output_tokens": call.completion_tokens}}, "message_delta")
+    yield sse({"type": "message_stop"}, "message_stop")
+
+
+async def _stream(call: ChatCall, request: Request) -> AsyncIterator[str]:
+    status = 200
+    try:
+        try:
+            async for event in _events(call):
+                yield event
+        except Exception as e:  # engine failure mid-stream: an error event, as Anthropic sends
+            status = 500
+            log.exception("stream %s failed", call.rid)
+            yield sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {e}"}},
+                      "error")
+    except BaseException:  # the client went away
+        status = 499
+        raise
+    finally:
+        call.srv.abort_unfinished([call.stream])
+        count(request, "messages", status)
+        call.finish_metrics()
+
+
+async def _result(call: ChatCall, request: Request) -> dict[str, Any]:
+    srv = call.srv
+    try:
+        async for _, out in collect(request, srv, [call.stream]):
+            for co in out.outputs:
+                call.absorb(co)
+    except Exception as e:
+        count(request, "messages", 500)
+        raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
+    call.finish_metrics()
+    if not call.choices[0].done and srv.draining:
+        count(request, "messages", 503)
+        raise APIError("The server shut down before the message finished; retry", status=503,
+                       type="server_error", code="shutting_down")
+    count(request, "messages", 200 if call.choices[0].done else 499)
+    return _message(call, _content(call))
+
+
+async def messages(request: Request):
+    t0 = time.perf_counter()
+    try:
+        check_auth(request)
+        body = await read_json(request)
+        if body.get("n") not in (None, 1):
+            raise invalid("n", "the Messages API returns one message")
+        call = await start_chat(request, to_chat_body(body), t0)
+        call.rid = f"msg_{uuid.uuid4().hex[:24]}"
+    except APIError as e:
+        count(request, "messages", e.status)
+        raise
+    if call.req.stream:
+        return event_stream(_stream(call, request), call.srv, [call.stream])
+    return await _result(call, request)
+
+
+async def count_tokens(request: Request):
+    check_auth(request)
+    srv = server_of(request)
+    body = await read_json(request)
+    from .protocol import parse_chat_request
+
+    req = parse_chat_request(to_chat_body({"max_tokens": 1, **body, "stream": False}), vocab_size=srv.vocab_size)
+    text, _ = srv.encode_chat(req)
+    return {"input_tokens": len(await srv.tokenize(text))}
+
+
+def register(app: FastAPI) -> None:
+    app.add_api_route("/v1/messages", messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", count_tokens, methods=["POST"])
