@@ -86,16 +86,13 @@ def test_bad_targets_are_refused(capsys):
     assert "--concurrency" in capsys.readouterr().err
 
 
-def test_in_process_engine_serve_and_sweep(tmp_path):
-    out = tmp_path / "r.json"
-    assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB",
-                 "--result-file", str(out)]) == 0
-    r = json.loads(out.read_text())
-    assert r["backend"] == "flashserve-engine" and r["completed"] == 4 and r["output_lens"] == [6] * 4
-    assert 0 < r["median_ttft_ms"] < r["median_e2el_ms"] and r["median_itl_ms"] > 0
+def test_in_process_engine_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     assert main(["bench", "sweep", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--concurrency", "1,2",
                  "--out", str(sweep)]) == 0
+    r = json.loads((sweep / "tiny-v41-c2.json").read_text())
+    assert r["backend"] == "flashserve-engine" and r["completed"] == 4 and r["output_lens"] == [6] * 4
+    assert 0 < r["median_ttft_ms"] < r["median_e2el_ms"] and r["median_itl_ms"] > 0 and r["max_concurrency"] == 2
     summary = json.loads((sweep / "sweep.json").read_text())["configurations"]["tiny-v41"]
     assert len(summary["measured"]) == 2 and summary["predicted"] is not None  # cpu-local by default
     assert (sweep / "sweep.png").stat().st_size > 5000
