@@ -51,7 +51,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--dataset-path", default=None, help="sharegpt: a JSON or JSONL file of conversations")
     d.add_argument("--num-prompts", type=int, default=16)
     d.add_argument("--input-len", type=int, default=128, help="random/prefix: prompt tokens (prefix: unique part)")
-    d.add_argument("--output-len", type=int, default=64, help="output tokens asked (sharegpt: 0 = the reply's)")
+    d.add_argument("--output-len", type=int, default=None,
+                   help="output tokens asked (random/prefix default 64; sharegpt default: each reply's length)")
     d.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths uniform in len·(1±ratio)")
     d.add_argument("--prefix-len", type=int, default=0, help="prefix: tokens shared by every prompt")
     ld = p.add_argument_group("load and sampling")

@@ -67,7 +67,7 @@ def random_requests(tok: TextTokenizer, n: int, input_len: int, output_len: int,
                     prefix_len: int = 0, seed: int = 0) -> list[SampleRequest]:
     """``n`` prompts of random ordinary tokens; with ``prefix_len`` all share one random prefix of that many
     tokens and differ in a random suffix of ``input_len`` tokens (the prefix-cache case)."""
-    _check_positive(n=n, input_len=input_len, output_len=output_len)
+    _check_positive(num_prompts=n, input_len=input_len, output_len=output_len)
     if prefix_len < 0:
         raise UserError(f"--prefix-len must be >= 0, got {prefix_len}")
     rng = np.random.default_rng(seed)

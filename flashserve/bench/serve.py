@@ -20,6 +20,7 @@ from .metrics import RequestResult, agent_and_cost, compute_metrics, parse_goodp
 from .spec_metrics import acceptance, read_counters
 
 DATASETS = ("random", "prefix", "sharegpt")
+DEFAULT_OUTPUT_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class ServeConfig:
     dataset_path: str | None = None
     num_prompts: int = 16
     input_len: int = 128
-    output_len: int = 64
+    output_len: int | None = None  # random/prefix: 64 when None; sharegpt: each reply's length when None
     range_ratio: float = 0.0
     prefix_len: int = 0
     request_rate: float = math.inf
@@ -98,9 +99,10 @@ def load_bench_tokenizer(name: str) -> Any:
 def build_requests(cfg: ServeConfig, tok: Any, n: int, seed: int) -> list[SampleRequest]:
     """``n`` requests of the configured dataset."""
     if cfg.dataset == "sharegpt":
-        return sharegpt_requests(tok, cfg.dataset_path or "", n, cfg.output_len if cfg.output_len else None, seed)
+        return sharegpt_requests(tok, cfg.dataset_path or "", n, cfg.output_len, seed)
     prefix = cfg.prefix_len if cfg.dataset == "prefix" else 0
-    return random_requests(tok, n, cfg.input_len, cfg.output_len, cfg.range_ratio, prefix, seed)
+    out = DEFAULT_OUTPUT_LEN if cfg.output_len is None else cfg.output_len
+    return random_requests(tok, n, cfg.input_len, out, cfg.range_ratio, prefix, seed)
 
 
 def make_backend(cfg: ServeConfig, tok: Any) -> Backend:
@@ -126,7 +128,8 @@ def _record(cfg: ServeConfig, backend: Backend, requests: Sequence[SampleRequest
         "request_rate": cfg.request_rate if math.isfinite(cfg.request_rate) else "inf",
         "burstiness": cfg.burstiness, "max_concurrency": cfg.max_concurrency,
         "dataset_name": cfg.dataset, "dataset_path": cfg.dataset_path, "random_input_len": cfg.input_len,
-        "random_output_len": cfg.output_len, "random_range_ratio": cfg.range_ratio,
+        "random_output_len": cfg.output_len if cfg.output_len is not None else (
+            None if cfg.dataset == "sharegpt" else DEFAULT_OUTPUT_LEN), "random_range_ratio": cfg.range_ratio,
         "random_prefix_len": cfg.prefix_len if cfg.dataset == "prefix" else 0,
         "seed": cfg.seed, "temperature": s.temperature, "ignore_eos": s.ignore_eos, "extra_body": s.extra_body,
         "input_len_stats": _lengths([r.prompt_len for r in requests]),
@@ -193,12 +196,15 @@ def summary_lines(r: dict[str, Any], percentiles: Sequence[float]) -> list[str]:
     """The printed report: counts, throughputs, latency summaries, per-agent speed and cost."""
     from .metrics import percentile_key
 
-    lines = [f"successful requests            {r['completed']} (failed {r['failed']})",
-             f"benchmark duration             {r['duration']:.2f} s",
-             f"input / output tokens          {r['total_input_tokens']} / {r['total_output_tokens']}",
-             f"request throughput             {r['request_throughput']:.2f} req/s",
-             f"output token throughput        {r['output_throughput']:.2f} tok/s",
-             f"total token throughput         {r['total_token_throughput']:.2f} tok/s"]
+    lines = [f"successful requests            {r['completed']} (failed {r['failed']})"]
+    first_error = next((e for e in r.get("errors", []) if e), "")
+    if first_error:
+        lines.append(f"first error                    {first_error[:200]}")
+    lines += [f"benchmark duration             {r['duration']:.2f} s",
+              f"input / output tokens          {r['total_input_tokens']} / {r['total_output_tokens']}",
+              f"request throughput             {r['request_throughput']:.2f} req/s",
+              f"output token throughput        {r['output_throughput']:.2f} tok/s",
+              f"total token throughput         {r['total_token_throughput']:.2f} tok/s"]
     if r.get("request_goodput") is not None:
         lines.append(f"request goodput                {r['request_goodput']:.2f} req/s")
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E latency")):

@@ -96,3 +96,12 @@ def test_in_process_engine_sweep(tmp_path):
     summary = json.loads((sweep / "sweep.json").read_text())["configurations"]["tiny-v41"]
     assert len(summary["measured"]) == 2 and summary["predicted"] is not None  # cpu-local by default
     assert (sweep / "sweep.png").stat().st_size > 5000
+
+
+def test_requests_the_server_refuses_are_counted_and_shown(server, tmp_path, capsys):
+    out = tmp_path / "bad.json"
+    assert main(["bench", "serve", "--base-url", server.url, "--served-model-name", "no-such-model",
+                 "--tokenizer", "tiny-v41", *SMALL, "--result-file", str(out)]) == 1
+    r = json.loads(out.read_text())
+    assert r["completed"] == 0 and r["failed"] == 4 and all(e.startswith("HTTP 4") for e in r["errors"])
+    assert "first error                    HTTP 4" in capsys.readouterr().out
