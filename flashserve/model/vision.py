@@ -40,7 +40,10 @@ class VisionAttention(nn.Module):
         n, w = z.shape
         q, k, v = self.wqkv(z).view(n, 3, self.heads, w // self.heads).unbind(1)  # each [n, H, hd]
         q, k = rope_2d(q, rows, cols, theta), rope_2d(k, rows, cols, theta)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+        # 4-D [1, H, n, hd] takes torch's fused CPU kernel (flash attention): 12x faster than the 3-D math path
+        # at 8748 patches (0.25 s against 2.9 s, 2 heads of 16, 2 threads), and no n x n score matrix in memory
+        q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)[0]
         return self.wo(out.transpose(0, 1).reshape(n, w))
 
 

@@ -60,22 +60,36 @@ def _text_of(content: Any, param: str) -> str:
     return "\n\n".join(parts)
 
 
+def _image_part(block: dict[str, Any], param: str) -> dict[str, Any]:
+    """An Anthropic ``image`` block (base64 or url source) as the OpenAI ``image_url`` part it means."""
+    src = block.get("source")
+    if isinstance(src, dict) and src.get("type") == "base64" and isinstance(src.get("data"), str):
+        media = src.get("media_type") if isinstance(src.get("media_type"), str) else "image/png"
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{src['data']}"}}
+    if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": src["url"]}}
+    raise invalid(f"{param}.source", f"'{param}.source' must be an image source: {{'type': 'base64', "
+                  "'media_type': ..., 'data': ...} or {'type': 'url', 'url': ...}", "invalid_type")
+
+
 def _user_messages(content: Any, param: str) -> list[dict[str, Any]]:
-    """One Anthropic user turn: tool results become OpenAI tool messages, text a user message."""
-    out, texts = [], []
+    """One Anthropic user turn: tool results become OpenAI tool messages, text and images a user message."""
+    out, parts = [], []
     for i, b in enumerate(_blocks(content, param)):
         p = f"{param}[{i}]"
         if b["type"] == "text":
-            texts.append(b.get("text"))
+            parts.append({"type": "text", "text": b.get("text")})
+        elif b["type"] == "image":
+            parts.append(_image_part(b, p))
         elif b["type"] == "tool_result":
             inner = b.get("content", "")
             text = _text_of(inner, f"{p}.content") if inner != "" else ""
             out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": text})
         else:
             raise invalid(f"{p}.type", f"content block type {b['type']!r} is not supported in a user turn "
-                          "(text and tool_result)", "unsupported_value")
-    if texts:
-        out.append({"role": "user", "content": [{"type": "text", "text": t} for t in texts]})
+                          "(text, image and tool_result)", "unsupported_value")
+    if parts:
+        out.append({"role": "user", "content": parts})
     return out
 
 

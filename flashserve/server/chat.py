@@ -91,14 +91,17 @@ async def start_chat(request: Request, body: dict[str, Any], t0: float) -> ChatC
     srv.check_admitting()
     req = parse_chat_request(body, vocab_size=srv.vocab_size)
     model = srv.check_model(req.model)
+    refs = [ref for m in req.messages for ref in m.get("images", ())]
+    images = await srv.prepare_images(refs) if refs else []
     prompt_text, thinking = srv.encode_chat(req)
     prompt_ids = await srv.tokenize(prompt_text)
-    max_tokens = srv.check_length(len(prompt_ids), req.sampling.max_tokens, "messages", None)
+    run_ids = srv.expanded_ids(prompt_ids, images) if images else prompt_ids  # what the engine runs and bills
+    max_tokens = srv.check_length(len(run_ids), req.sampling.max_tokens, "messages", None)
     params = srv.sampling_params(req.sampling, max_tokens, (req.top_logprobs if req.logprobs else None), None,
                                  skip_special=False, constraint=srv.chat_constraint(req, thinking))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = await srv.submit(rid, prompt_ids, params)
-    return ChatCall(srv, req, model, rid, prompt_ids, thinking, stream, t0)
+    stream = await srv.submit(rid, prompt_ids, params, images)
+    return ChatCall(srv, req, model, rid, run_ids, thinking, stream, t0)
 
 
 def _delta_chunk(call: ChatCall, index: int, delta: Delta, entries: list[dict]) -> dict[str, Any] | None:

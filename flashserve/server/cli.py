@@ -8,6 +8,7 @@ loads, so a typo or a busy port fails in about a second. ``register(subparsers)`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -45,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "ended with finish_reason 'abort'")
     g.add_argument("--log-stats-interval", type=float, default=10.0,
                    help="seconds between throughput/queue/cache log lines while busy (0: never)")
+    g.add_argument("--allow-remote-images", action="store_true",
+                   help="fetch http(s) image URLs (off: images must come as base64 data URLs or blocks)")
+    g.add_argument("--limit-mm-per-prompt", default='{"image": 8}', metavar="JSON",
+                   help="most images one request may carry, as vLLM spells it")
     g.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="log verbosity")
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -72,6 +77,23 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key: the key is empty")
+    images_per_prompt(args.limit_mm_per_prompt)
+
+
+def images_per_prompt(value: str) -> int:
+    """``--limit-mm-per-prompt '{"image": N}'`` → N."""
+    import json
+
+    try:
+        limits = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise UserError(f"--limit-mm-per-prompt: not JSON ({e.msg}); write e.g. '{{\"image\": 4}}'") from None
+    if not isinstance(limits, dict) or set(limits) - {"image"}:
+        raise UserError(f"--limit-mm-per-prompt: expected an object with an 'image' count, got {value}")
+    n = limits.get("image", 8)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise UserError(f"--limit-mm-per-prompt: the image count must be an integer >= 0, got {n!r}")
+    return n
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -134,7 +156,9 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
     cfg = ServerConfig(model_name=names[0], served_names=names[1:], api_key=args.api_key,
                        max_request_bytes=args.max_request_bytes, default_thinking=args.default_thinking == "on",
                        chat_template=args.chat_template, max_model_len=engine.max_model_len,
-                       log_stats_interval=args.log_stats_interval)
+                       log_stats_interval=args.log_stats_interval, allow_remote_images=args.allow_remote_images)
+    engine.image_limits = dataclasses.replace(engine.image_limits,
+                                              max_images=images_per_prompt(args.limit_mm_per_prompt))
     app = create_app(engine, cfg)
     host, port = sock.getsockname()[:2]
     log.info("serving %s on http://%s:%d (max_model_len %d)", ", ".join(cfg.names()), host, port,

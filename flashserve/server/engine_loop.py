@@ -92,12 +92,14 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.fatal is None
 
     # -- handler side (event loop thread) ---------------------------------------------------------------------
-    async def add(self, request_id: str, prompt: str | list[int], params: Any) -> RequestStream:
+    async def add(self, request_id: str, prompt: str | list[int], params: Any,
+                  images: list | None = None) -> RequestStream:
+        """Queue a request on the engine thread (``images``: preprocessed, one per placeholder)."""
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(request_id)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.append(("add", request_id, prompt, params, stream, fut))
+        self._cmds.append(("add", request_id, prompt, params, images or [], stream, fut))
         self._wake.set()
         try:
             await asyncio.wrap_future(fut)
@@ -140,11 +142,11 @@ class EngineLoop:
             cmd = self._cmds.popleft()
             did = True
             if cmd[0] == "add":
-                _, rid, prompt, params, stream, fut = cmd
+                _, rid, prompt, params, imgs, stream, fut = cmd
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, images=imgs)
                 except BaseException as e:  # RequestError / QueueFullError / anything: back to the handler
                     fut.set_exception(e)
                 else:

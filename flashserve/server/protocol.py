@@ -449,7 +449,9 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str, str | No
     return tools, mode, forced
 
 
-def _parse_content(content: Any, param: str, allow_none: bool) -> Any:
+def _parse_content(content: Any, param: str, allow_none: bool, images: list | None = None) -> Any:
+    """Text of a message's content; image parts (user messages only: ``images`` collects them, in order)
+    become the image placeholder in the text."""
     if content is None:
         if allow_none:
             return None
@@ -467,8 +469,14 @@ def _parse_content(content: Any, param: str, allow_none: bool) -> Any:
                 if not isinstance(part.get("text"), str):
                     raise invalid(f"{pp}.text", f"'{pp}.text' must be a string", "invalid_type")
                 texts.append(part["text"])
+            elif ptype in ("image_url", "input_image") and images is not None:
+                from .images import IMAGE_PLACEHOLDER, openai_image_part
+
+                images.append(openai_image_part(part, pp))
+                texts.append(IMAGE_PLACEHOLDER)
             elif isinstance(ptype, str):
-                raise invalid(f"{pp}.type", f"content part type {ptype!r} is not supported (text only)",
+                where = "in user messages only" if ptype in ("image_url", "input_image") else "text and image_url"
+                raise invalid(f"{pp}.type", f"content part type {ptype!r} is not supported here ({where})",
                               "unsupported_value")
             else:
                 raise invalid(f"{pp}.type", f"'{pp}.type' must be a string", "invalid_type")
@@ -497,7 +505,11 @@ def _parse_messages(body: dict) -> list[dict[str, Any]]:
         has_calls = role == "assistant" and m.get("tool_calls") not in (None, [])
         if role != "assistant" and "content" not in m:
             raise invalid(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
-        msg["content"] = _parse_content(m.get("content"), f"{p}.content", allow_none=(role == "assistant"))
+        images: list | None = [] if role == "user" else None
+        msg["content"] = _parse_content(m.get("content"), f"{p}.content", allow_none=(role == "assistant"),
+                                        images=images)
+        if images:
+            msg["images"] = images
         if role == "assistant" and msg["content"] is None and not has_calls and not m.get("reasoning_content"):
             raise invalid(f"{p}.content", f"'{p}.content' is required unless 'tool_calls' is set",
                           "missing_required_parameter")

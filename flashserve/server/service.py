@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import chat_encoding
+from . import chat_encoding, images
 from .engine_loop import EngineDeadError, EngineLoop, RequestStream
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
@@ -30,6 +30,7 @@ class ServerConfig:
     completion_default_max_tokens: int = 16
     max_model_len: int | None = None
     log_stats_interval: float = 0.0  # seconds between busy-engine log lines; 0: none
+    allow_remote_images: bool = False  # fetch http(s) image URLs (off: only data: URLs and base64 blocks)
 
     def names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((self.model_name,) + tuple(self.served_names)))
@@ -172,11 +173,18 @@ class Server:
             raise APIError("The server is shutting down; retry on another instance", status=503,
                            type="server_error", code="shutting_down", headers={"Retry-After": "1"})
 
-    async def submit(self, rid: str, prompt_ids: list[int], params: Any) -> RequestStream:
+    async def prepare_images(self, refs: list) -> list:
+        """Preprocessed images of a request (a 400 naming the part for any it cannot use)."""
+        return await images.prepare_images(refs, self.engine, self.cfg.allow_remote_images)
+
+    def expanded_ids(self, prompt_ids: list[int], imgs: list) -> list[int]:
+        return images.expanded_ids(prompt_ids, imgs, self.engine.model_config.image_token_id)
+
+    async def submit(self, rid: str, prompt_ids: list[int], params: Any, imgs: list | None = None) -> RequestStream:
         QueueFullError, RequestError, _ = _engine_import()
         self.check_admitting()
         try:
-            return await self.loop.add(rid, prompt_ids, params)
+            return await self.loop.add(rid, prompt_ids, params, imgs or [])
         except QueueFullError as e:
             raise APIError(f"The server is busy (waiting queue full): {e}; retry later", status=429,
                            type="rate_limit_exceeded", code="queue_full", headers={"Retry-After": "1"}) from None

@@ -71,8 +71,11 @@ CASES = [
     ("unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), "messages[0].role", None),
     ("content-number", CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages[0].content", None),
     ("content-missing", CHAT, chat(messages=[{"role": "user"}]), "messages[0].content", None),
-    ("image-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
-        "url": "http://x"}}]}]), "messages[0].content[0].type", "unsupported_value"),
+    ("remote-image", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://x"}}]}]), "messages[0].content[0]", "invalid_image"),
+    ("image-in-system", CHAT, chat(messages=[{"role": "system", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}, {"role": "user", "content": "x"}]),
+     "messages[0].content[0].type", "unsupported_value"),
     ("text-part-not-string", CHAT, chat(messages=[{"role": "user", "content": [{"type": "text", "text": 3}]}]),
      "messages[0].content[0].text", None),
     ("bad-tool-call", CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
