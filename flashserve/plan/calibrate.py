@@ -220,19 +220,38 @@ def fit(points: Sequence[Measured], terms: Sequence[str], start: dict[str, float
     return min(fits, key=lambda v: _loss(resolved, v))
 
 
-def fit_prefill_efficiency(points: Sequence[Any]) -> float:
-    """``eta_flop_prefill`` minimising the squared log error of prefill tokens/s per GPU over ``points``
-    (:class:`~flashserve.plan.scenarios.PublishedPrefill`), by golden-section search in log space."""
-    lo, hi, _ = BOUNDS["eta_flop_prefill"]
+def _fit_term(points: Sequence[Any], term: str, error: Callable[[Any, dict[str, float]], float]) -> float:
+    """The value of ``term`` minimising the summed squared ``error(point, overrides)`` (golden-section search,
+    in log space where the term's range spans decades)."""
+    lo, hi, log = BOUNDS[term]
 
     def loss(x: float) -> float:
-        total = 0.0
-        for p in points:
-            inp = replace(p.inputs, overrides={**p.inputs.overrides, "eta_flop_prefill": math.exp(x)})
-            total += math.log(plan(inp).prefill.tokens_per_s_per_gpu / p.uncached_tokens_per_s_per_gpu) ** 2
-        return total
+        value = math.exp(x) if log else x
+        return sum(error(p, {term: value}) ** 2 for p in points)
 
-    return math.exp(_golden(loss, math.log(lo), math.log(hi), iters=60))
+    x = _golden(loss, math.log(lo), math.log(hi), iters=60) if log else _golden(loss, lo, hi, iters=60)
+    return math.exp(x) if log else x
+
+
+def _with(inputs: PlanInputs, overrides: dict[str, float]) -> PlanInputs:
+    return replace(inputs, overrides={**inputs.overrides, **overrides})
+
+
+def fit_prefill_efficiency(points: Sequence[Any]) -> float:
+    """``eta_flop_prefill`` fitting prefill tokens/s per GPU of
+    :class:`~flashserve.plan.scenarios.PublishedPrefill` points."""
+    return _fit_term(points, "eta_flop_prefill", lambda p, o: math.log(
+        plan(_with(p.inputs, o)).prefill.tokens_per_s_per_gpu / p.uncached_tokens_per_s_per_gpu))
+
+
+def fit_decode_term(points: Sequence[Any], term: str) -> float:
+    """``term`` fitting the decode speed per agent (acceptance length / step time, what TPOT measures) of
+    :class:`~flashserve.plan.scenarios.PublishedPoint` points."""
+    def error(p: Any, o: dict[str, float]) -> float:
+        res = plan(_with(p.inputs, o))
+        return math.log(res.accept_length / res.step.t_step / p.tokens_per_s_per_agent)
+
+    return _fit_term(points, term, error)
 
 
 def split_held_out(n: int) -> list[bool]:

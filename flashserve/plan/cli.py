@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, default=None, help="drafted tokens per step (default: the drafter's block)")
     p.add_argument("--prefix-hit-rate", type=float, default=0.0, help="fraction of prompt tokens from the prefix cache")
     p.add_argument("--cost-per-gpu-hour", type=float, default=None, help="US$ (default: the preset's)")
+    p.add_argument("--stack", default=None, help="serving-stack profile over the hardware's (hardware.json 'stacks')")
     for flag in OVERRIDE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help=f"override efficiency term {flag}")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -70,7 +71,7 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         prefill_gpus=a.prefill_gpus, weight_dtype=a.weight_dtype, kv_dtype=a.kv_dtype, concurrency=a.concurrency,
         context=a.context, prompt_len=a.prompt_len, output_len=a.output_len, accept_length=a.accept_length,
         draft_tokens=a.draft_tokens, prefix_hit_rate=a.prefix_hit_rate, cost_per_gpu_hour=a.cost_per_gpu_hour,
-        overrides=overrides)
+        overrides=overrides, stack=a.stack)
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -42,9 +42,16 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
     yield "hardware", "scale-out link", _g(hw.scaleout_bw, "B/s"), src.get(p + "scaleout_bw", "")
     yield "hardware", "price", f"${r.price_per_gpu_hour:.2f} / GPU-hour", src.get(p + "cost_per_gpu_hour", "") if r.inputs.cost_per_gpu_hour is None else "--cost-per-gpu-hour"
     eff = r.deployment.eff
+    stack_src: dict[str, str] = {}
+    if r.inputs.stack is not None:
+        from .stacks import get_stack
+
+        stack = get_stack(r.inputs.stack, r.deployment.model.family)
+        stack_src = {k: f"stack {stack.name}: {v}" for k, v in stack.sources.items()}
     for term in ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap",
                  "workspace_fraction"):
-        note = "override" if term in r.inputs.overrides else src.get(f"efficiency.{eff.name}.{term}", "")
+        note = "override" if term in r.inputs.overrides else stack_src.get(
+            term, src.get(f"efficiency.{eff.name}.{term}", ""))
         yield "efficiency", term, f"{getattr(eff, term):.4g}", note
     if eff.eta_flop_prefill is not None or "eta_flop_prefill" in r.inputs.overrides:
         note = "override" if "eta_flop_prefill" in r.inputs.overrides else src.get(

@@ -127,7 +127,12 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
         raise PlanError("--accept-length", f"{inp.accept_length} exceeds draft tokens + 1 = {draft + 1}")
     if inp.tp > hw.scaleup_domain:
         raise PlanError("--tp", f"TP {inp.tp} spans more than one {hw.scaleup_domain}-GPU scale-up domain")
-    eff = hw.efficiency.with_overrides(**inp.overrides)
+    eff = hw.efficiency
+    if inp.stack is not None:
+        from .stacks import get_stack
+
+        eff = eff.with_overrides(**get_stack(inp.stack, model.family).terms)
+    eff = eff.with_overrides(**inp.overrides)
     return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
                       dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
                       dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft)

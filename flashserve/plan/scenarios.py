@@ -27,6 +27,7 @@ class PublishedPoint:
     metric: str  # decode, total or none
     role: str  # fit or held_out
     assumptions: str
+    agent_metric: str = "cycle"  # cycle: per-agent speed with the prefill share; step: AL / decode step (TPOT)
 
 
 def _r1(**kw: object) -> PlanInputs:
@@ -38,6 +39,30 @@ def _inferencex(per_user: float, per_gpu: float, gpus: int, **kw: object) -> Pla
     conc = round(per_gpu / 2 / per_user * gpus)
     return _r1(hardware="gb300-nvl72", gpus=gpus, weight_dtype="fp4", kv_dtype="fp8", concurrency=conc,
                prompt_len=1024, output_len=1024, **kw)
+
+
+V41_STACK = "v41-vllm-sglang-2026-09"
+INFERENCEX_PR = "https://github.com/SemiAnalysisAI/InferenceX/pull/"
+GB300_VLLM_TPOT_MS = {1: 2.19, 2: 2.35, 4: 2.51, 8: 2.83, 16: 3.85}  # PR 3176, baseline 2026-09-15
+
+
+def _v41_dspark(hardware: str, ep: int, concurrency: int) -> PlanInputs:
+    """V4.1-Flash with five-token DSpark at InferenceX's committed acceptance length 3.51 on 4 GPUs in TP4.
+    The agentic traces' context is not published per point: 64K with 90% prefix hits is assumed (V4.1's
+    bounded reads make the step nearly independent of it at these concurrencies)."""
+    return PlanInputs(model="deepseek-v41-flash", hardware=hardware, gpus=4, tp=4, ep=ep, weight_dtype="fp4",
+                      concurrency=concurrency, context=65536, prompt_len=65536, output_len=1024,
+                      accept_length=3.51, draft_tokens=5, prefix_hit_rate=0.9, stack=V41_STACK)
+
+
+def _gb300_vllm(concurrency: int, role: str) -> PublishedPoint:
+    tpot = GB300_VLLM_TPOT_MS[concurrency]
+    return PublishedPoint(
+        f"gb300-v41-dspark-vllm-c{concurrency}",
+        f"{INFERENCEX_PR}3176 (InferenceX AgentX, vLLM, 4xGB300 TP4/EP1, baseline 2026-09-15: concurrency "
+        f"{concurrency}, mean TPOT {tpot} ms, golden acceptance length 3.51)",
+        _v41_dspark("gb300-nvl72", 1, concurrency), 1000.0 / tpot, None, "none", role,
+        "per-agent decode speed = 1000 / TPOT; five-token DSpark, experts tensor-sharded (EP1)", "step")
 
 
 PUBLISHED: tuple[PublishedPoint, ...] = (
@@ -90,6 +115,13 @@ PUBLISHED: tuple[PublishedPoint, ...] = (
         _inferencex(184.0, 959.0, 72, tp=8, ep=72),
         184.0, 959.0, "total", "fit",
         "72 GPUs, TP8 attention groups (9 DP ranks), EP72, FP8 KV, no MTP, prefill sharing the GPUs"),
+    _gb300_vllm(1, "fit"),
+    PublishedPoint(
+        "b200-v41-dspark-sglang-c1", f"{INFERENCEX_PR}3335 (InferenceX AgentX, SGLang dev-dsv41, 4xB200 "
+        "TP4/EP4, baseline 2026-09-18: concurrency 1, mean TPOT 2.1 ms, golden acceptance length 3.51)",
+        _v41_dspark("b200", 4, 1), 1000.0 / 2.1, None, "none", "held_out",
+        "per-agent decode speed = 1000 / TPOT; five-token DSpark, EP4; another GPU and another stack", "step"),
+    *(_gb300_vllm(c, "held_out") for c in (2, 4, 8, 16)),
 )
 
 

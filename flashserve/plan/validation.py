@@ -21,11 +21,12 @@ def compare_published(points: tuple[PublishedPoint, ...] = PUBLISHED) -> list[di
     for p in points:
         res = plan(p.inputs)
         gpu = predicted_per_gpu(p, res)
+        agent = res.accept_length / res.step.t_step if p.agent_metric == "step" else res.tokens_per_s_per_agent
         rows.append({
             "name": p.name, "role": p.role, "source": p.source, "assumptions": p.assumptions,
             "hardware": p.inputs.hardware, "concurrency": p.inputs.concurrency,
-            "predicted_agent": res.tokens_per_s_per_agent, "published_agent": p.tokens_per_s_per_agent,
-            "agent_error": res.tokens_per_s_per_agent / p.tokens_per_s_per_agent - 1.0,
+            "predicted_agent": agent, "published_agent": p.tokens_per_s_per_agent,
+            "agent_error": agent / p.tokens_per_s_per_agent - 1.0,
             "predicted_gpu": gpu, "published_gpu": p.tokens_per_s_per_gpu,
             "gpu_error": (gpu / p.tokens_per_s_per_gpu - 1.0) if gpu and p.tokens_per_s_per_gpu else None,
             "profile": res.deployment.eff.name, "bound": res.step.bound,

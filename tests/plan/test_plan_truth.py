@@ -144,7 +144,10 @@ MARKED = ("prior", "assum", "measured here", "derived", "single device", "one cp
 
 
 def _sources() -> list[str]:
+    from flashserve.plan.stacks import load_stacks
+
     found = [s for hw in load_catalog().values() for s in hw.sources.values()]
+    found += [s for stack in load_stacks().values() for s in stack.sources.values()]
     return found + [p.source for p in PUBLISHED] + [p.source for p in PUBLISHED_PREFILL]
 
 
@@ -158,3 +161,37 @@ def test_every_cited_source_is_a_repository_file_or_a_public_url() -> None:
         for path in paths:
             assert (ROOT / path).is_file(), (path, src)
         assert urls or paths or any(m in src.lower() for m in MARKED), src
+
+
+def test_v41_stack_is_the_documented_fit_and_is_checked_elsewhere() -> None:
+    from flashserve.plan.calibrate import fit_decode_term
+    from flashserve.plan.stacks import load_stacks
+
+    stack = load_stacks()["v41-vllm-sglang-2026-09"]
+    names = {p.name: p for p in PUBLISHED}
+    fitted = [names[n] for n in stack.fitted_on]
+    held = [names[n] for n in stack.held_out]
+    assert [p.role for p in fitted] == ["fit"] and {p.role for p in held} == {"held_out"}
+    assert {p.inputs.hardware for p in held} - {p.inputs.hardware for p in fitted}  # another GPU held out
+    assert all(p.inputs.stack == stack.name for p in fitted + held)
+    assert fit_decode_term(fitted, "layer_overhead_us") == pytest.approx(stack.terms["layer_overhead_us"], rel=0.01)
+
+
+def test_stack_is_refused_for_other_models_and_unknown_names(capsys) -> None:
+    assert main(["--model", "deepseek-r1", "--hardware", "b200", "--stack", "v41-vllm-sglang-2026-09"]) == 2
+    assert "measured on deepseek_v41, not deepseek_v3" in capsys.readouterr().err
+    assert main(["--stack", "no-such-stack"]) == 2
+    assert "unknown stack 'no-such-stack'" in capsys.readouterr().err
+
+
+def test_stack_terms_replace_the_hardware_profile_and_cite_their_source(capsys) -> None:
+    argv = ["--model", "deepseek-v41-flash", "--hardware", "gb300-nvl72", "--gpus", "4", "--tp", "4", "--ep", "1",
+            "--accept-length", "3.51"]
+    assert main(argv + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--stack", "v41-vllm-sglang-2026-09", "--json"]) == 0
+    stacked = json.loads(capsys.readouterr().out)
+    assert stacked["step"]["t_overhead"] > plain["step"]["t_overhead"]  # 148 µs per layer instead of 66.8
+    assert stacked["tokens_per_s_per_agent"] < plain["tokens_per_s_per_agent"]
+    assert main(argv + ["--stack", "v41-vllm-sglang-2026-09", "--explain"]) == 0
+    assert "stack v41-vllm-sglang-2026-09: fitted" in capsys.readouterr().out
