@@ -27,12 +27,25 @@ class LLM:
 
     @staticmethod
     def _normalize(prompts) -> list:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             return [prompts]
         prompts = list(prompts)
         if prompts and all(isinstance(p, int) for p in prompts):
             return [prompts]
         return prompts
+
+    @staticmethod
+    def _parts(prompt) -> tuple[str | list[int], list]:
+        """A prompt as vLLM takes it: text, token ids, or ``{"prompt": text | "prompt_token_ids": ids,
+        "multi_modal_data": {"image": image | [images]}}`` (PIL images or encoded bytes, one per image
+        placeholder, in order)."""
+        if not isinstance(prompt, dict):
+            return prompt, []
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        if text is None:
+            raise ValueError("prompt: a dict prompt needs 'prompt' (text) or 'prompt_token_ids'")
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        return text, (list(images) if isinstance(images, (list, tuple)) else [images])
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -46,7 +59,8 @@ class LLM:
         try:
             for p, sp in zip(prompts, plist):
                 rid = f"gen-{next(self._ids)}"
-                self.engine.add_request(rid, p, sp)
+                text, images = self._parts(p)
+                self.engine.add_request(rid, text, sp, images=images)
                 order.append(rid)
         except Exception:  # a bad prompt rejects the whole call: withdraw the ones already queued
             for rid in order:
@@ -63,7 +77,8 @@ class LLM:
         """Yield a :class:`RequestOutput` (with ``delta_text`` / ``delta_token_ids``) per step that produced
         tokens for this prompt, the last one with ``finished=True``."""
         rid = f"stream-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, params or SamplingParams())
+        text, images = self._parts(prompt)
+        self.engine.add_request(rid, text, params or SamplingParams(), images=images)
         try:
             while True:
                 done = False

@@ -104,7 +104,7 @@ class LLMEngine:
         if not ids:
             raise RequestError("prompt: empty prompt")
         inputs = load_images(images, cfg.vision if self.model.vision is not None else None, self.image_limits)
-        if inputs:
+        if inputs or (cfg.image_token_id is not None and cfg.image_token_id in ids):  # a placeholder needs its image
             ids, starts = expand_placeholders(ids, inputs, cfg.image_token_id)
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt: {len(ids)} tokens leaves no room in max_model_len {self.max_model_len}")

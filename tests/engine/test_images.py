@@ -139,3 +139,18 @@ def test_a_model_without_a_vision_tower_serves_text_and_refuses_images(models, t
     with pytest.raises(ImageError, match="reads text only"):
         engine.add_request("img", ids, images=[photo(8)])
     assert len(generate(engine, ids, []).outputs[0].token_ids) == 6
+
+
+def test_offline_llm_takes_vllm_style_multimodal_prompts():
+    from flashserve import LLM
+
+    llm = LLM(NAME, dtype="float64", kv_memory="16MiB", exact_prefill=True)
+    img = Image.open(io.BytesIO(photo(9)))
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    text = f"see {PLACEHOLDER} now"
+    as_pil, as_bytes = llm.generate([{"prompt": text, "multi_modal_data": {"image": img}},
+                                     {"prompt": text, "multi_modal_data": {"image": [photo(9)]}}], sp)
+    assert as_pil.outputs[0].token_ids == as_bytes.outputs[0].token_ids
+    assert len(as_pil.prompt_token_ids) > 100  # the span, not one placeholder
+    with pytest.raises(ImageError, match="1 image placeholders for 0 images"):
+        llm.generate({"prompt": text}, sp)
