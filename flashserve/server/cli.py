@@ -130,15 +130,19 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_server_args(args)
-    preflight.check(engine_config(args))  # every engine flag, before loading
-    sock = bind_socket(args.host, args.port)
     if not args.api_key and not _is_loopback(args.host):
         log.warning("listening on %s without an API key: anyone who can reach this address can use the "
                     "server (set --api-key or $%s)", args.host, API_KEY_ENV)
+    preflight.check(engine_config(args))  # every engine flag, before loading
+    sock = bind_socket(args.host, args.port)
     try:
-        return serve(build_engine(args), args, sock)
+        code = serve(build_engine(args), args, sock)
     finally:
         sock.close()
+    from .lifecycle import exit_now
+
+    exit_now(code)
+    return code
 
 
 def build_engine(args: argparse.Namespace):

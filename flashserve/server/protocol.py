@@ -564,6 +564,15 @@ def _parse_common(body: dict) -> tuple[str | None, str | None]:
     return model, user
 
 
+def _parse_thinking(value: Any) -> bool | None:
+    """DeepSeek's API field: ``{"type": "enabled" | "disabled"}`` (``chat_template_kwargs`` wins over it)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("enabled", "disabled"):
+        raise invalid("thinking", "'thinking' must be {\"type\": \"enabled\"} or {\"type\": \"disabled\"}")
+    return value["type"] == "enabled"
+
+
 def parse_chat_request(body: dict, *, vocab_size: int) -> ChatRequest:
     model, user = _parse_common(body)
     messages = _parse_messages(body)
@@ -597,6 +606,8 @@ def parse_chat_request(body: dict, *, vocab_size: int) -> ChatRequest:
             drop_thinking = kwargs["drop_thinking"]
         if kwargs.get("reasoning_effort") is not None:
             effort = kwargs["reasoning_effort"]
+    if thinking is None:
+        thinking = _parse_thinking(body.get("thinking"))
     if body.get("reasoning_effort") is not None:
         effort = body["reasoning_effort"]
     if effort is not None:

@@ -77,6 +77,9 @@ def test_chat_mode_chosen_per_request(client, tokenizer):
         ({"reasoning_effort": "max"}, dict(thinking=True, reasoning_effort=100)),
         ({"reasoning_effort": "none"}, dict(thinking=False)),
         ({"chat_template_kwargs": {"thinking": False}}, dict(thinking=False)),
+        ({"thinking": {"type": "disabled"}}, dict(thinking=False)),  # DeepSeek's API field
+        ({"thinking": {"type": "enabled"}, "reasoning_effort": "max"}, dict(thinking=True, reasoning_effort=100)),
+        ({"thinking": {"type": "enabled"}, "chat_template_kwargs": {"thinking": False}}, dict(thinking=False)),
     ]
     for extra, kw in cases:
         r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, extra_body=extra)

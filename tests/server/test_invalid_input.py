@@ -118,6 +118,8 @@ CASES = [
     ("top_logprobs-high", CHAT, chat(logprobs=True, top_logprobs=21), "top_logprobs", None),
     ("top_logprobs-without-logprobs", CHAT, chat(top_logprobs=2), "top_logprobs", None),
     ("best_of-mismatch", CHAT, chat(best_of=3), "best_of", "unsupported_value"),
+    ("thinking-bool", CHAT, chat(thinking=True), "thinking", None),
+    ("thinking-type", CHAT, chat(thinking={"type": "sometimes"}), "thinking", None),
     ("logit_bias-range", CHAT, chat(logit_bias={"5": 101}), "logit_bias", "invalid_value"),
     ("logit_bias-key", CHAT, chat(logit_bias={"five": 1}), "logit_bias", "invalid_type"),
     ("response_format-type", CHAT, chat(response_format={"type": "yaml"}), "response_format.type",
@@ -218,9 +220,10 @@ def test_auth(server):
     assert httpx.get(server.url + "/metrics").status_code == 200
 
 
-def test_body_too_large(http):
+def test_body_too_large(server, http):
     big = chat(messages=[{"role": "user", "content": "x" * (LIMIT + 10)}])
     check_error(http.post(CHAT, json=big), 413, code="request_too_large")
+    assert "WARNING flashserve.server: POST /v1/chat/completions refused with 413" in server.log()
 
     def chunks():  # no Content-Length: the limit holds while streaming the body in
         yield b'{"messages": [{"role": "user", "content": "'
@@ -282,6 +285,7 @@ def test_queue_full_429(server, http):
         assert err["type"] == "rate_limit_exceeded"
         r = http.post(CHAT, json=chat())
         check_error(r, 429, code="queue_full")
+        assert "refused with 429" in server.log()
     finally:
         stop.set()
         c1.close()

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from flashserve.server.chat_encoding import encode_v41
+
 from serverproc import MODEL, REPO, signal_and_wait, start_server, stop_server
 
 SHUTDOWN_TIMEOUT = 3.0
@@ -98,9 +100,12 @@ def test_sigterm_lets_a_short_request_finish_and_admits_no_new_one():
     assert out["body"]["usage"]["completion_tokens"] == 40
 
 
-def test_served_names_replace_the_model_and_the_key_comes_from_the_environment():
-    srv = start_server("--served-model-name", "alias-a", "alias-b", env={"FLASHSERVE_API_KEY": "s3cret"})
+def test_served_names_key_from_the_environment_and_default_thinking_off(tokenizer):
+    srv = start_server("--served-model-name", "alias-a", "alias-b", "--default-thinking", "off",
+                       env={"FLASHSERVE_API_KEY": "s3cret"})
     try:
+        plain = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": "Bearer s3cret"},
+                           json={"model": "alias-b", "messages": CHAT["messages"], "max_tokens": 1})
         unauth = httpx.get(srv.url + "/v1/models")
         bearer = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
         x_key = httpx.post(srv.url + "/v1/chat/completions", headers={"x-api-key": "s3cret"},
@@ -109,6 +114,8 @@ def test_served_names_replace_the_model_and_the_key_comes_from_the_environment()
         log = Path(srv.log_path).read_text()
     finally:
         stop_server(srv)
+    assert plain.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(encode_v41(CHAT["messages"],
+                                                                                      thinking=False)))
     assert unauth.status_code == 401
     assert [m["id"] for m in bearer.json()["data"]] == ["alias-a", "alias-b"]
     assert x_key.status_code == 400 and x_key.json()["error"]["code"] == "model_not_found"
