@@ -16,6 +16,7 @@ import socket
 
 from ..engine.options import add_engine_args, engine_config
 from ..errors import UserError
+from .jinja_template import BUILTIN, JinjaTemplate
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
 log = logging.getLogger("flashserve.server")
@@ -39,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-thinking", choices=("on", "off"), default="on",
                    help="V4.1 chat mode when a request says nothing (requests choose with thinking, "
                         "chat_template_kwargs or reasoning_effort)")
-    g.add_argument("--chat-template", choices=("auto", "v41", "plain"), default="auto",
-                   help="prompt encoder: V4.1 DSML for V4.1 checkpoints, plain role text otherwise")
+    g.add_argument("--chat-template", default="auto", metavar="auto|v41|plain|FILE",
+                   help="prompt encoder: auto (V4.1 DSML for V4.1 checkpoints, plain role text otherwise), v41, "
+                        "plain, or a Jinja chat template file")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are "
                         "ended with finish_reason 'abort'")
@@ -77,6 +79,8 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise UserError(f"--max-request-bytes: must be >= 1, got {args.max_request_bytes}")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key: the key is empty")
+    if args.chat_template not in BUILTIN:
+        JinjaTemplate.load(args.chat_template)  # readable and compiles
     images_per_prompt(args.limit_mm_per_prompt)
 
 

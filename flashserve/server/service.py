@@ -10,6 +10,7 @@ from typing import Any
 
 from . import chat_encoding, images
 from .engine_loop import EngineDeadError, EngineLoop, RequestStream
+from .jinja_template import BUILTIN, JinjaTemplate, TemplateError
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatRequest, SamplingFields, invalid
@@ -26,7 +27,7 @@ class ServerConfig:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     default_thinking: bool = True
-    chat_template: str = "auto"  # auto | v41 | plain
+    chat_template: str = "auto"  # auto | v41 | plain | a Jinja template file
     completion_default_max_tokens: int = 16
     max_model_len: int | None = None
     log_stats_interval: float = 0.0  # seconds between busy-engine log lines; 0: none
@@ -51,8 +52,9 @@ class Server:
         self.is_v41 = bool(getattr(getattr(engine, "model_config", None), "is_v41", False))
         mml = config.max_model_len or getattr(engine, "max_model_len", None)
         self.max_model_len = int(mml) if mml else 4096
+        self.jinja = None if config.chat_template in BUILTIN else JinjaTemplate.load(config.chat_template)
         self.use_v41 = {"v41": True, "plain": False}.get(config.chat_template,
-                                                         self.is_v41 and self._has_v41_tokens())
+                                                         self.jinja is None and self.is_v41 and self._has_v41_tokens())
         self.metrics = ServerMetrics(config.model_name)
         self.stats_log = StatsLogger(config.log_stats_interval)
         self.loop = EngineLoop(engine, on_stats=self._on_stats)
@@ -115,6 +117,8 @@ class Server:
     def encode_chat(self, req: ChatRequest) -> tuple[str, bool]:
         """Prompt text of a chat, and whether the model starts in thinking mode."""
         tools = req.tools if req.tool_choice != "none" else None
+        if self.jinja is not None:
+            return self._render_jinja(req, tools)
         if not self.use_v41:
             return chat_encoding.encode_plain(req.messages, tools=tools, bos=self.bos_text,
                                               add_generation_prompt=req.add_generation_prompt), False
@@ -127,6 +131,15 @@ class Server:
                                         drop_thinking=req.drop_thinking,
                                         add_generation_prompt=req.add_generation_prompt)
         return text, thinking
+
+    def _render_jinja(self, req: ChatRequest, tools: list | None) -> tuple[str, bool]:
+        tok = self.tokenizer
+        special = {"bos_token": self.bos_text, "eos_token": next(
+            (s for s, i in (getattr(tok, "special_tokens", {}) or {}).items() if i == tok.eos_token_id), None)}
+        try:
+            return self.jinja.render(req.messages, tools, req.add_generation_prompt, special)
+        except TemplateError as e:
+            raise invalid("messages", f"the chat template failed on these messages: {e}") from None
 
     async def tokenize(self, text: str) -> list[int]:
         if len(text) > 50_000:  # long prompts off the event loop

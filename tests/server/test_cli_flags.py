@@ -27,6 +27,9 @@ BAD_FLAGS = [
     (["serve", MODEL, "--port", "70000"], "--port: 70000 is not a port number"),
     (["serve", MODEL, "--tokenizer", "/nonexistent"], "tokenizer: '/nonexistent' is not a folder"),
     (["serve", "no-such-model"], "no-such-model"),
+    (["serve", MODEL, "--chat-template", "/nonexistent.jinja"], "--chat-template: '/nonexistent.jinja' is neither"),
+    (["serve", MODEL, "--chat-template", str(REPO / "tests/server/data/broken.jinja")],
+     "is not a valid Jinja template"),
     (["generate", MODEL, "hi", "--max-model-len", "5000"], "max_model_len: 5000 is outside [2, 4096]"),
     (["generate", MODEL, "hi", "--top-p", "0"], "top_p: must be in (0, 1]"),
 ]

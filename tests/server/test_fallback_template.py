@@ -40,3 +40,28 @@ def test_forced_v41_template(engine):
     with TestClient(app) as c:
         tok = c.post("/tokenize", json={"messages": msgs}).json()
         assert tok["prompt"] == encode_v41(msgs, thinking=False)
+
+
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if tools %}tools: {{ tools | length }}\n{% endif %}"
+            "{% if messages[-1].role == 'tool' %}{{ raise_exception('no tool turns here') }}{% endif %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_jinja_chat_template_file(engine, tmp_path):
+    path = tmp_path / "chat.jinja"
+    path.write_text(TEMPLATE)
+    app = create_app(engine, ServerConfig(model_name="tiny-v4", chat_template=str(path)))
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hello"}]
+    with TestClient(app) as c:
+        tok = c.post("/tokenize", json={"messages": msgs}).json()
+        assert tok["prompt"] == f"{BOS}[system] S\n[user] hello\n[assistant]"
+        tools = [{"type": "function", "function": {"name": "f"}}]
+        assert c.post("/tokenize", json={"messages": msgs, "tools": tools}).json()["prompt"].endswith(
+            "tools: 1\n[assistant]")
+        r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == tok["count"]
+        bad = c.post("/v1/chat/completions", json={"messages": msgs + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"name": "f"}}]},
+            {"role": "tool", "tool_call_id": "1", "content": "x"}], "max_tokens": 2})
+        assert bad.status_code == 400 and "no tool turns here" in bad.json()["error"]["message"]
