@@ -5,8 +5,10 @@ padded to the next bucket (1, 2, 4, 8, ... up to ``max_num_seqs``). Padding rows
 and scratch page. The step's inputs are four tensors built on the host from what the scheduler knows (ids,
 start positions, slots, page table), so nothing inside the forward reads a value back. The batch and
 page-table widths are marked dynamic, so one graph serves every bucket from 2 and every context length (plus
-one for batch 1, and one where the MoE switches from gathered experts to all experts). ``enforce_eager`` runs the same step without
-compiling or padding, as vLLM's switch does.
+one for batch 1, and one where the MoE switches from gathered experts to all experts). On CUDA the compiled
+step replays CUDA graphs (``cuda_graphs``; torch.compile's "reduce-overhead" mode records one per shape, the
+cache's tensors marked as static addresses). ``enforce_eager`` runs the same step without compiling or padding,
+as vLLM's switch does.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class DecodeStep:
     """Runs padded decode forwards: ``torch.compile`` per bucket, or eager with ``enforce_eager``."""
 
     def __init__(self, model, cache: KVCache, *, max_num_seqs: int, enforce_eager: bool,
-                 backend: str = "inductor"):
+                 backend: str = "inductor", cuda_graphs: bool = True):
         self.model, self.cache = model, cache
         self.buckets = decode_buckets(max_num_seqs)
         self.enforce_eager = enforce_eager
@@ -62,7 +64,13 @@ class DecodeStep:
         entries_per_page = cache.page_tokens // max(ratios) if ratios else cache.page_tokens
         self.min_pages = max(2, -(-need // max(entries_per_page, 1)))
         self.max_pages = max(cache.num_pages, self.min_pages) + 1
-        self._forward = self._eager if enforce_eager else torch.compile(self._eager, backend=backend, dynamic=False)
+        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda" and not enforce_eager
+        if self.cuda_graphs:  # replays write the cache in place: its tensors must keep their addresses
+            for t in cache.storage.tensors():
+                torch._dynamo.mark_static_address(t)
+        mode = "reduce-overhead" if self.cuda_graphs else None
+        self._forward = (self._eager if enforce_eager
+                         else torch.compile(self._eager, backend=backend, mode=mode, dynamic=False))
         self.warmup_s = 0.0
 
     def bucket(self, n: int) -> int:
@@ -99,7 +107,8 @@ class DecodeStep:
                 for t in (inp.ids, inp.start, inp.slots, inp.table):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(inp.table, 1)
-        return self._forward(inp.ids, inp.start, inp.slots, inp.table)
+        out = self._forward(inp.ids, inp.start, inp.slots, inp.table)
+        return out.clone() if self.cuda_graphs else out  # a graph's output buffer is rewritten by the next replay
 
     def _eager(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ class LLMEngine:
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
-                          backend=c.compile_backend)
+                          backend=c.compile_backend, cuda_graphs=c.cuda_graphs)
         step.warm_up()
         self.runner = ModelRunner(self.model, self.cache, step)
         self.encoder_only = cfg.is_v41 and not c.exact_prefill

@@ -45,6 +45,8 @@ HELP = {
     "threads": f"torch intra-op threads (default {DEFAULT_THREADS}: suits a shared machine)",
     "enforce_eager": "decode eagerly, or through a torch.compile'd step with --no-enforce-eager (default: "
                      "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
+    "cuda_graphs": "on CUDA, replay the compiled decode step as CUDA graphs (no effect on the CPU or with "
+                   "--enforce-eager)",
     "quantization": "pack float weights at load (int8, fp8, mxfp4) or unpack a packed checkpoint (float); "
                     "default: as the checkpoint stores them",
 }

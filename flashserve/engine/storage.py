@@ -130,6 +130,17 @@ class CacheStorage:
     replay: ReplayStash
     history: torch.Tensor  # [slots, engram_max_ngram_size - 1] token ids before each slot's next row (−1: none)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a step may write: what a CUDA graph must find at the same address on every replay."""
+        out = [self.history]
+        for lay in self.layers:
+            out += [lay.window.rows, lay.window.first]
+        for rows in self.paged:
+            out += [rows.pages, rows.counts, rows.protected]
+        for ring in self.rings:
+            out += [ring.rows, ring.keep]
+        return out
+
     @property
     def paged(self) -> list[PagedRows]:
         """Every global cache, in layer order (main before index)."""

@@ -63,6 +63,8 @@ def test_serving_never_replaces_storage(models, name):
     model = models(name, torch.float32)
     engine = make_engine(model, name, dtype="float32", max_num_seqs=2, prefill_chunk=48)
     before = {k: (t, t.data_ptr()) for k, t in _storage_tensors(engine.cache).items()}
+    # what a CUDA-graph step marks as static addresses is every tensor a step can write
+    assert {id(t) for t, _ in before.values()} == {id(t) for t in engine.cache.storage.tensors()}
     shared = prompt_of(150, seed=1)
     run_greedy(engine, [shared], 4)
     run_greedy(engine, [shared + prompt_of(20, seed=2), prompt_of(90, seed=3), prompt_of(30, seed=5)], 12)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# GPU checks of the fixed-shape decode step, for a machine with CUDA (see scripts/device_check.py): compiled
+# step with and without CUDA graphs against eager (tokens, logits), no host sync, no recompiles, and decode
+# tokens/s at batch 1/8/16 for eager, compiled, and compiled + CUDA graphs. Stops itself after 8 minutes.
+# Uses the machine's own torch (the project asks only for torch>=2.4); llguidance, fastapi and uvicorn are the
+# only imports the engine may lack there: pass a folder of wheels as $WHEELS to install them first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -n "${WHEELS:-}" ]; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout 480 python3 scripts/device_check.py
