@@ -55,7 +55,10 @@ def _generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos, output_kind="delta")
     config = engine_config(args)
     params.validate(preflight.check(config).model_config.vocab_size)  # every flag, before loading
-    from .llm import LLM  # torch: only once every flag is known to be good
+    from ..interrupts import deferred_interrupt
+
+    with deferred_interrupt():
+        from .llm import LLM  # torch: only once every flag is known to be good
 
     t0 = time.perf_counter()
     llm = LLM.from_config(config)

@@ -151,7 +151,10 @@ def run(args: argparse.Namespace) -> int:
 
 def build_engine(args: argparse.Namespace):
     """The engine the parsed flags describe (torch is imported here, once every flag is known to be good)."""
-    from ..engine.llm_engine import LLMEngine
+    from ..interrupts import deferred_interrupt
+
+    with deferred_interrupt():
+        from ..engine.llm_engine import LLMEngine
 
     return LLMEngine(engine_config(args))
 
