@@ -42,7 +42,8 @@ def test_v41_composite_layout() -> None:
     text = out["text_config"]
     assert text["compress_ratios"] == [0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0]
     assert text["engram_pad_token_id"] == 2 and "num_hash_layers" not in text
-    assert "vision_config" not in out
+    assert out["vision_config"]["hidden_size"] == 32 and out["vision_config"]["max_image_tokens"] == 1024
+    assert preset_config("tiny-v41") == config_from_dict(out)
     assert config_to_json(preset_config("deepseek-v41-flash"))["vision_config"]["max_wh_ratio"] is None
 
 
