@@ -152,3 +152,16 @@ def test_generate_ctrl_c_exits_130_without_traceback():
             p.kill()
     assert p.returncode == 130, err
     assert out.endswith(b"\n") and b"Traceback" not in err and b"interrupted" in err, err
+
+
+def test_ctrl_c_while_starting_exits_130_without_traceback():
+    p = subprocess.Popen([sys.executable, "-m", "flashserve", "serve", MODEL, "--port", "0"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        time.sleep(1.5)  # importing torch or loading
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and b"interrupted" in out and b"Traceback" not in out, out[-2000:]
