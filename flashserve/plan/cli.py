@@ -46,7 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int, default=None, help="drafted tokens per step (default: the drafter's block)")
     p.add_argument("--prefix-hit-rate", type=float, default=0.0, help="fraction of prompt tokens from the prefix cache")
     p.add_argument("--cost-per-gpu-hour", type=float, default=None, help="US$ (default: the preset's)")
-    p.add_argument("--stack", default=None, help="serving-stack profile over the hardware's (hardware.json 'stacks')")
+    p.add_argument("--stack", default=None,
+                   help="serving-stack profile over the hardware's (hardware.json 'stacks'); default: the stack "
+                        "measured for the model on that hardware (V4.1 on GPUs), 'none' for the hardware profile alone")
     for flag in OVERRIDE_FLAGS:
         p.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help=f"override efficiency term {flag}")
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -190,23 +192,37 @@ def _published(a: argparse.Namespace) -> int:
 
 
 def _seed(a: argparse.Namespace) -> int:
-    from .seed import SEED_BEFORE_TERMS, SEED_PUBLISHED, seed_scenario
+    from .seed import SEED_PUBLISHED, SOLVED_TERM, seed_scenario
 
     res = seed_scenario()
-    out = {k: {"predicted": r.tokens_per_s_per_agent, "published": SEED_PUBLISHED[k],
-               "step_time_ms": r.step.t_step * 1e3, "cost_per_million_output_tokens": r.cost_per_million_output_tokens}
-           for k, r in res.items()}
-    out["differing_terms"] = {k: {"before": v, "after": getattr(res["after"].deployment.eff, k)}
-                              for k, v in SEED_BEFORE_TERMS.items()}
+    m = res["measured"]
+    out: dict[str, object] = {"measured": {
+        "stack": m.deployment.stack, SOLVED_TERM: getattr(m.deployment.eff, SOLVED_TERM),
+        "predicted": m.tokens_per_s_per_agent, "step_time_ms": m.step.t_step * 1e3,
+        "error_vs": {k: m.tokens_per_s_per_agent / v - 1.0 for k, v in SEED_PUBLISHED.items()}}}
+    for k in SEED_PUBLISHED:
+        out[k] = {"published": SEED_PUBLISHED[k], "predicted": res[k].tokens_per_s_per_agent,
+                  SOLVED_TERM: getattr(res[k].deployment.eff, SOLVED_TERM), "step_time_ms": res[k].step.t_step * 1e3,
+                  "cost_per_million_output_tokens": res[k].cost_per_million_output_tokens}
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
-    for k in ("before", "after"):
-        print(f"{k:6}: {out[k]['predicted']:.0f} tokens/s per agent (published {out[k]['published']:.0f}), "
-              f"step {out[k]['step_time_ms']:.2f} ms")
-    for k, v in out["differing_terms"].items():
-        print(f"differs: {k} {v['before']} → {v['after']}")
+    print(_seed_text(out, SOLVED_TERM))
     return 0
+
+
+def _seed_text(out: dict, term: str) -> str:
+    """``plan seed`` in words: the prediction with the measured stack, then what would have to be true."""
+    m = out["measured"]
+    lines = [f"measured stack {m['stack']} ({m[term]:g} us per layer): {m['predicted']:.0f} tokens/s per agent, "
+             f"step {m['step_time_ms']:.2f} ms",
+             f"  vs published before 596 ({m['error_vs']['before']:+.0%}) and after 848 "
+             f"({m['error_vs']['after']:+.0%}): the headline is not reproduced by the measured stack",
+             "what would have to be true (per-layer time solved, all other terms the same):"]
+    for k in ("before", "after"):
+        lines.append(f"  {k:6}: {out[k][term]:.1f} us per layer -> {out[k]['predicted']:.0f} tokens/s per agent "
+                     f"(published {out[k]['published']:.0f}), step {out[k]['step_time_ms']:.2f} ms")
+    return "\n".join(lines)
 
 
 def _verdict(a: argparse.Namespace) -> int:

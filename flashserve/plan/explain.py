@@ -6,6 +6,7 @@ import textwrap
 from typing import Iterator
 
 from .planner import PlanResult
+from .stacks import NO_STACK, get_stack
 
 Row = tuple[str, str, str, str]  # section, term, value, note / source
 
@@ -42,11 +43,10 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
     yield "hardware", "scale-out link", _g(hw.scaleout_bw, "B/s"), src.get(p + "scaleout_bw", "")
     yield "hardware", "price", f"${r.price_per_gpu_hour:.2f} / GPU-hour", src.get(p + "cost_per_gpu_hour", "") if r.inputs.cost_per_gpu_hour is None else "--cost-per-gpu-hour"
     eff = r.deployment.eff
+    yield _stack_row(r)
     stack_src: dict[str, str] = {}
-    if r.inputs.stack is not None:
-        from .stacks import get_stack
-
-        stack = get_stack(r.inputs.stack, r.deployment.model.family)
+    if r.deployment.stack is not None:
+        stack = get_stack(r.deployment.stack, r.deployment.model.family)
         stack_src = {k: f"stack {stack.name}: {v}" for k, v in stack.sources.items()}
     for term in ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap",
                  "workspace_fraction"):
@@ -57,6 +57,22 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
         note = "override" if "eta_flop_prefill" in r.inputs.overrides else src.get(
             f"efficiency.{eff.name}.eta_flop_prefill", "")
         yield "efficiency", "eta_flop_prefill", f"{eff.prefill_flop_efficiency:.4g}", note
+
+
+def _stack_row(r: PlanResult) -> Row:
+    """Which serving-stack profile the efficiency terms come from, and how far to trust it."""
+    name = r.deployment.stack
+    if name is None:
+        off = "--stack none given" if r.inputs.stack == NO_STACK else "no stack measured for this model here"
+        return "efficiency", "serving stack", "none", f"{off}: hardware profile {r.deployment.eff.name} only"
+    stack = get_stack(name, r.deployment.model.family)
+    how = "--stack" if r.inputs.stack == name else f"default for {r.deployment.model.family}; --stack none: off"
+    n = len(stack.fitted_on)
+    count = "one published point" if n == 1 else f"{n} published points"
+    return ("efficiency", "serving stack", name,
+            f"{how}. {stack.description}. Its {', '.join(stack.terms)} was fitted on {count} only "
+            f"({', '.join(stack.fitted_on)}); held out: {', '.join(stack.held_out) or 'none'} "
+            "(docs/plan.md section 3)")
 
 
 def _step_rows(r: PlanResult) -> Iterator[Row]:

@@ -31,7 +31,7 @@ class PlanInputs:
     prefix_hit_rate: float = 0.0  # fraction of prompt tokens served from the prefix cache
     cost_per_gpu_hour: float | None = None  # default: the hardware preset's price
     overrides: dict[str, float] = field(default_factory=dict)  # efficiency terms to replace
-    stack: str | None = None  # serving-stack profile laid over the hardware's (see stacks.py)
+    stack: str | None = None  # serving-stack profile over the hardware's; None: the default, "none": off
 
     def resolved_context(self) -> float:
         return float(self.context) if self.context is not None else self.prompt_len + self.output_len / 2

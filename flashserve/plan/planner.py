@@ -18,6 +18,7 @@ from .model_terms import ModelTerms
 from .models import resolve_model
 from .prefill import Prefill, prefill_terms
 from .roofline import DecodeStep, Deployment, decode_step
+from .stacks import resolve_stack
 
 
 def cost_per_million(price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:
@@ -110,7 +111,7 @@ class PlanResult:
             "cost_per_gpu_hour": self.price_per_gpu_hour,
             "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
             "cost_per_million_total_tokens": self.cost_per_million_total_tokens,
-            "efficiency_profile": dep.eff.name,
+            "efficiency_profile": dep.eff.name, "stack": dep.stack,
             "step": self.step.as_dict(), "prefill": self.prefill.as_dict(), "capacity": self.capacity.as_dict(),
         }
 
@@ -127,15 +128,12 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
         raise PlanError("--accept-length", f"{inp.accept_length} exceeds draft tokens + 1 = {draft + 1}")
     if inp.tp > hw.scaleup_domain:
         raise PlanError("--tp", f"TP {inp.tp} spans more than one {hw.scaleup_domain}-GPU scale-up domain")
-    eff = hw.efficiency
-    if inp.stack is not None:
-        from .stacks import get_stack
-
-        eff = eff.with_overrides(**get_stack(inp.stack, model.family).terms)
-    eff = eff.with_overrides(**inp.overrides)
+    stack = resolve_stack(inp.stack, model.family, hw.name)
+    eff = hw.efficiency.with_overrides(**{**(stack.terms if stack else {}), **inp.overrides})
     return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
                       dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
-                      dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft)
+                      dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
+                      stack=stack.name if stack else None)
 
 
 def plan(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None = None) -> PlanResult:

@@ -31,6 +31,7 @@ class Deployment:
     expert_dtype: str
     dense_dtype: str
     draft_tokens: int = 0
+    stack: str | None = None  # serving-stack profile laid over the hardware's efficiency terms
 
     @property
     def ep_link(self) -> tuple[str, float]:

@@ -2,8 +2,9 @@
 
 A hardware profile is fitted on whatever stack produced its published points (mostly DeepSeek-R1 on
 TensorRT-LLM or SGLang). ``--stack NAME`` lays a stack's terms over it, for the model families the stack was
-measured on; explicit ``--<term>`` overrides still win. Stacks live in ``hardware.json`` under ``stacks``,
-every number with its source.
+measured on; explicit ``--<term>`` overrides still win. A stack listing a family and a hardware preset in
+``families`` / ``default_on`` is used by default for that pair; ``--stack none`` turns it off. Stacks live in
+``hardware.json`` under ``stacks``, every number with its source.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from .errors import PlanError
 from .hardware import HARDWARE_JSON
 
+NO_STACK = "none"
 STACK_TERMS = ("layer_overhead_us", "pass_overhead_us", "eta_mem", "eta_flop", "eta_comm")
 
 
@@ -30,6 +32,8 @@ class Stack:
     sources: dict[str, str]
     fitted_on: tuple[str, ...]
     held_out: tuple[str, ...]
+    default_on: tuple[str, ...] = ()  # hardware presets where it is the default for its families
+    default_note: str = ""
 
 
 def _stack(name: str, raw: dict[str, Any]) -> Stack:
@@ -45,7 +49,8 @@ def _stack(name: str, raw: dict[str, Any]) -> Stack:
     if not terms or not families:
         raise PlanError(f"stacks.{name}", "needs at least one term and its model 'families'")
     return Stack(name, str(raw.get("description", "")), families, terms, sources,
-                 tuple(raw.get("fitted_on", ())), tuple(raw.get("held_out", ())))
+                 tuple(raw.get("fitted_on", ())), tuple(raw.get("held_out", ())),
+                 tuple(raw.get("default_on", ())), str(raw.get("default_note", "")))
 
 
 def load_stacks(path: Path = HARDWARE_JSON) -> dict[str, Stack]:
@@ -57,11 +62,31 @@ def load_stacks(path: Path = HARDWARE_JSON) -> dict[str, Stack]:
     return {name: _stack(name, raw) for name, raw in data.get("stacks", {}).items()}
 
 
+def default_stack(family: str, hardware: str) -> Stack | None:
+    """The stack used when ``--stack`` is not given: the one measured on ``family`` and marked default on
+    ``hardware``, or None."""
+    found = [s for s in load_stacks().values() if family in s.families and hardware in s.default_on]
+    if len(found) > 1:
+        raise PlanError("hardware.json", f"stacks {', '.join(s.name for s in found)} are all default for "
+                                         f"{family} on {hardware}")
+    return found[0] if found else None
+
+
+def resolve_stack(name: str | None, family: str, hardware: str) -> Stack | None:
+    """The stack a plan uses: ``name``; the default for ``family`` on ``hardware`` when None; none for 'none'."""
+    if name == NO_STACK:
+        return None
+    if name is None:
+        return default_stack(family, hardware)
+    return get_stack(name, family)
+
+
 def get_stack(name: str, family: str) -> Stack:
     """The stack ``name``, refused when unknown or measured on other model families."""
     stacks = load_stacks()
     if name not in stacks:
-        raise PlanError("--stack", f"unknown stack {name!r}; known: {', '.join(sorted(stacks)) or 'none'}")
+        known = ", ".join([*sorted(stacks), NO_STACK])
+        raise PlanError("--stack", f"unknown stack {name!r}; known: {known}")
     stack = stacks[name]
     if family not in stack.families:
         raise PlanError("--stack", f"{name} was measured on {', '.join(stack.families)}, not {family}")

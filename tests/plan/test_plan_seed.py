@@ -1,4 +1,5 @@
-"""The seed's headline (596 → 848 tokens/s per agent) and the verdict on its aggregate claims."""
+"""The seed's headline (596 → 848 tokens/s per agent) checked with the measured stack, and the verdict on its
+aggregate claims."""
 
 from __future__ import annotations
 
@@ -7,24 +8,49 @@ from dataclasses import fields
 import pytest
 
 from flashserve.plan.hardware import Efficiency
-from flashserve.plan.seed import SEED_BEFORE_TERMS, SEED_PUBLISHED, seed_scenario
+from flashserve.plan.cli import main
+from flashserve.plan.seed import SEED_PUBLISHED, SOLVED_TERM, seed_scenario
+from flashserve.plan.stacks import load_stacks
 from flashserve.plan.verdict import RACK_GPUS, verdict
 
 
-def test_seed_scenario_reproduces_both_numbers() -> None:
-    res = seed_scenario()
+@pytest.fixture(scope="module")
+def seed():
+    return seed_scenario()
+
+
+def test_seed_with_the_measured_stack_falls_well_short_of_the_headline(seed) -> None:
+    """docs/plan.md §4: with the measured V4.1 stack (the default) the planner does not reproduce 596 or 848;
+    both are further off than the 25% the held-out points are held to."""
+    m = seed["measured"]
+    stack = load_stacks()["v41-vllm-sglang-2026-09"]
+    assert m.deployment.stack == stack.name
+    assert m.deployment.eff.layer_overhead_us == stack.terms["layer_overhead_us"]
     for key in ("before", "after"):
-        assert res[key].tokens_per_s_per_agent == pytest.approx(SEED_PUBLISHED[key], rel=0.05), key
-    assert res["after"].capacity.sessions_fit >= res["after"].inputs.concurrency
+        assert m.tokens_per_s_per_agent < 0.75 * SEED_PUBLISHED[key], key
 
 
-def test_seed_differs_only_in_the_documented_software_terms() -> None:
-    res = seed_scenario()
-    before, after = res["before"].deployment, res["after"].deployment
-    assert before.model is not None and before.gpus == after.gpus and before.draft_tokens == after.draft_tokens
+def test_what_would_have_to_be_true_hits_both_published_numbers(seed) -> None:
+    for key in ("before", "after"):
+        assert seed[key].tokens_per_s_per_agent == pytest.approx(SEED_PUBLISHED[key], rel=1e-3), key
+    assert seed["after"].capacity.sessions_fit >= seed["after"].inputs.concurrency
+    # the one-month figure needs less than half the fixed time per layer of the measured stacks
+    assert seed["after"].deployment.eff.layer_overhead_us < seed["measured"].deployment.eff.layer_overhead_us / 2
+
+
+def test_seed_differs_only_in_the_solved_software_term(seed) -> None:
+    before, after = seed["before"].deployment, seed["after"].deployment
+    assert before.gpus == after.gpus and before.draft_tokens == after.draft_tokens
     differing = {f.name for f in fields(Efficiency) if getattr(before.eff, f.name) != getattr(after.eff, f.name)}
-    assert differing == set(SEED_BEFORE_TERMS) == {"layer_overhead_us"}
+    assert differing == {SOLVED_TERM} == {"layer_overhead_us"}
     assert before.eff.layer_overhead_us > after.eff.layer_overhead_us
+
+
+def test_seed_command_says_the_headline_is_not_reproduced(capsys) -> None:
+    assert main(["seed"]) == 0
+    out = capsys.readouterr().out
+    assert "measured stack v41-vllm-sglang-2026-09" in out and "not reproduced" in out
+    assert "what would have to be true" in out
 
 
 @pytest.fixture(scope="module")
