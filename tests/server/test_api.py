@@ -173,7 +173,8 @@ def test_completion_usage_and_logprobs(client, tokenizer):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 7
     for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert val <= 0 and 2 <= len(top) <= 3
+        assert val <= 0 and len(top) <= 3
+        assert len(top) >= 2 or "\ufffd" in top  # top-2 strings differ unless both are byte pieces ('\ufffd')
         if tok in top and "\ufffd" not in tok:  # byte pieces of split characters share the string '\ufffd'
             assert top[tok] == pytest.approx(val)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(7)]

@@ -105,11 +105,11 @@ def test_served_names_key_from_the_environment_and_default_thinking_off(tokenize
                        env={"FLASHSERVE_API_KEY": "s3cret"})
     try:
         plain = httpx.post(srv.url + "/v1/chat/completions", headers={"Authorization": "Bearer s3cret"},
-                           json={"model": "alias-b", "messages": CHAT["messages"], "max_tokens": 1})
-        unauth = httpx.get(srv.url + "/v1/models")
-        bearer = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"})
+                           json={"model": "alias-b", "messages": CHAT["messages"], "max_tokens": 1}, timeout=60)
+        unauth = httpx.get(srv.url + "/v1/models", timeout=60)
+        bearer = httpx.get(srv.url + "/v1/models", headers={"Authorization": "Bearer s3cret"}, timeout=60)
         x_key = httpx.post(srv.url + "/v1/chat/completions", headers={"x-api-key": "s3cret"},
-                           json={**CHAT, "model": MODEL, "max_tokens": 1})
+                           json={**CHAT, "model": MODEL, "max_tokens": 1}, timeout=60)
         rc, took = signal_and_wait(srv, signal.SIGINT, timeout=15)
         log = Path(srv.log_path).read_text()
     finally:
