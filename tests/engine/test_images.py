@@ -138,7 +138,7 @@ def test_a_model_without_a_vision_tower_serves_text_and_refuses_images(models, t
     ids = engine.tokenizer.encode(f"{PLACEHOLDER} hi")
     with pytest.raises(ImageError, match="reads text only"):
         engine.add_request("img", ids, images=[photo(8)])
-    assert len(generate(engine, ids, []).outputs[0].token_ids) == 6
+    assert len(generate(engine, engine.tokenizer.encode("hi"), []).outputs[0].token_ids) == 6
 
 
 def test_offline_llm_takes_vllm_style_multimodal_prompts():
