@@ -7,7 +7,8 @@ from typing import Any
 
 
 def _xy(points: list[dict[str, Any]]) -> tuple[list[float], list[float]]:
-    kept = [p for p in points if p.get("tokens_per_s_per_agent")]
+    """The plotted coordinates: points with a speed, planner points that do not fit left out."""
+    kept = [p for p in points if p.get("tokens_per_s_per_agent") and p.get("fits", True)]
     return [p["tokens_per_s_per_agent"] for p in kept], [p["output_tokens_per_s_per_gpu"] for p in kept]
 
 
@@ -19,6 +20,22 @@ def _label_points(ax: Any, points: list[dict[str, Any]]) -> None:
         text = f"c={p['concurrency']}" + (f", ${cost:.3g}/M" if cost is not None else "")
         ax.annotate(text, (p["tokens_per_s_per_agent"], p["output_tokens_per_s_per_gpu"]), fontsize=7,
                     xytext=(4, 4), textcoords="offset points")
+
+
+def _notes(summary: dict[str, Any]) -> list[str]:
+    """One line per configuration whose planner curve left levels out (or failed) or whose levels served
+    nothing."""
+    lines = []
+    for label, entry in sorted(summary["configurations"].items()):
+        left = [str(m["concurrency"]) for m in entry.get("predicted_misfits") or []]
+        left += [str(p["concurrency"]) for p in entry.get("predicted") or [] if p.get("fits") is False]
+        if left:
+            lines.append(f"{label}: planner points left out, deployment does not fit at c={', '.join(left)}")
+        elif entry.get("predicted") is None and entry.get("predicted_note"):
+            lines.append(f"{label}: {entry['predicted_note']}")
+        if entry.get("failed_levels"):
+            lines.append(f"{label}: no request completed at c={', '.join(map(str, entry['failed_levels']))}")
+    return lines
 
 
 def draw(summary: dict[str, Any], png: Path) -> Path:
@@ -43,7 +60,10 @@ def draw(summary: dict[str, Any], png: Path) -> Path:
     ax.set_title("per-agent speed against throughput per device", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    notes = _notes(summary)
+    if notes:
+        fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom", wrap=True)
+    fig.tight_layout(rect=(0, min(0.035 * len(notes), 0.4), 1, 1))
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png

@@ -102,11 +102,28 @@ def _serve(a: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
+PLAN_FLAGS = ("plan_model", "plan_gpus", "plan_tp", "plan_ep", "plan_stack", "plan_accept_length",
+              "plan_draft_tokens")
+
+
+def _plan_setup(a: argparse.Namespace):
+    """The planner setup drawn beside the measured curve: --plan-* flags, cpu-local for --model by default."""
+    from .sweep import PlanSetup
+
+    if not a.plan_hardware and not a.model:
+        given = [f"--{k.replace('_', '-')}" for k in PLAN_FLAGS if getattr(a, k) is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} need --plan-hardware when the target is a --base-url")
+        return None
+    return PlanSetup(a.plan_hardware or "cpu-local", a.plan_model, a.plan_weight_dtype, a.plan_gpus, a.plan_tp or 1,
+                     a.plan_ep, a.plan_stack, a.plan_accept_length, a.plan_draft_tokens)
+
+
 def _sweep(a: argparse.Namespace) -> int:
-    from .sweep import PlanSetup, levels_from, run_sweep
+    from .sweep import levels_from, run_sweep
 
     levels = levels_from(a.concurrency, a.max_concurrency)
-    plan = PlanSetup(a.plan_hardware, a.plan_model, a.plan_weight_dtype, a.plan_gpus) if a.plan_hardware else None
+    plan = _plan_setup(a)
     paths = run_sweep(serve_config(a, None), levels, Path(a.out), a.label, plan)
     for line in paths.lines:
         print(line)
@@ -133,5 +150,13 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
     sweep.add_argument("--plan-model", default=None, help="planner model (default: --model / served model)")
     sweep.add_argument("--plan-weight-dtype", default="fp32", help="planner expert dtype (fp4, fp8, bf16, fp32)")
     sweep.add_argument("--plan-gpus", type=int, default=None, help="planner device count (default --num-devices)")
+    sweep.add_argument("--plan-tp", type=int, default=None, help="planner attention TP (default 1)")
+    sweep.add_argument("--plan-ep", type=int, default=None, help="planner expert parallelism (default --plan-gpus)")
+    sweep.add_argument("--plan-stack", default=None,
+                       help="planner serving-stack profile (default: the planner's for the model; 'none': off)")
+    sweep.add_argument("--plan-accept-length", type=float, default=None,
+                       help="planner acceptance length (default: the server's measured one, else 1)")
+    sweep.add_argument("--plan-draft-tokens", type=int, default=None,
+                       help="planner drafted tokens per step (default: the model's drafter block)")
     sweep.set_defaults(func=_sweep)
     return bench

@@ -20,12 +20,18 @@ SWEEP_JSON, SWEEP_PNG = "sweep.json", "sweep.png"
 
 @dataclass(frozen=True)
 class PlanSetup:
-    """The planner deployment drawn beside a measured curve."""
+    """The planner deployment drawn beside a measured curve. ``accept_length`` None: the acceptance length
+    the server reported over the sweep, or 1 (no speculation) when it reported none."""
 
     hardware: str
     model: str | None = None
     weight_dtype: str = "fp32"
     gpus: int | None = None
+    tp: int = 1
+    ep: int | None = None
+    stack: str | None = None  # None: the planner's default for the model and hardware; "none": off
+    accept_length: float | None = None
+    draft_tokens: int | None = None
 
 
 @dataclass
@@ -60,20 +66,52 @@ def _point(result: dict[str, Any], level: int) -> dict[str, Any]:
             "median_tpot_ms": result["median_tpot_ms"], "median_ttft_ms": result["median_ttft_ms"]}
 
 
-def predicted_curve(plan: PlanSetup, cfg: ServeConfig, levels: Sequence[int], prompt_len: int,
-                    output_len: int) -> tuple[list[dict[str, Any]] | None, str]:
-    """The planner's points at ``levels`` for the measured workload, or None and the planner's reason."""
-    from ..plan.errors import PlanError
+def measured_accept_length(results: Sequence[dict[str, Any]]) -> float | None:
+    """Acceptance length over every level (1 + accepted / drafts, summed), or None without spec counters."""
+    drafts = sum(r.get("spec_decode_num_drafts", 0) for r in results)
+    accepted = sum(r.get("spec_decode_accepted_tokens", 0) for r in results)
+    return 1.0 + accepted / drafts if drafts else None
+
+
+def _plan_inputs(plan: PlanSetup, cfg: ServeConfig, prompt_len: int, output_len: int,
+                 measured_al: float | None) -> tuple[Any, str]:
+    """The planner's inputs for the measured setup, and where its acceptance length came from."""
     from ..plan.inputs import PlanInputs
+
+    if plan.accept_length is not None:
+        al, src = plan.accept_length, "--plan-accept-length"
+    elif measured_al is not None:
+        al, src = measured_al, "measured by the server"
+    else:
+        al, src = 1.0, "no speculation reported"
+    model = plan.model or cfg.model or cfg.served_model or ""
+    inp = PlanInputs(model=model, hardware=plan.hardware, gpus=plan.gpus or cfg.num_devices, tp=plan.tp,
+                     ep=plan.ep, weight_dtype=plan.weight_dtype, prompt_len=max(prompt_len, 1),
+                     output_len=max(output_len, 1), accept_length=al, draft_tokens=plan.draft_tokens,
+                     stack=plan.stack)
+    return inp, f"acceptance length {al:.3g} ({src})"
+
+
+def predicted_curve(plan: PlanSetup, cfg: ServeConfig, levels: Sequence[int], prompt_len: int, output_len: int,
+                    measured_al: float | None = None) -> dict[str, Any]:
+    """The planner's points at ``levels`` for the measured workload (levels that do not fit left out and
+    named), with a note saying which setup was planned; ``predicted`` None and the reason when it cannot."""
+    from ..plan.errors import PlanError
     from ..plan.sweep import sweep, sweep_points
 
-    model = plan.model or cfg.model or cfg.served_model or ""
-    base = PlanInputs(model=model, hardware=plan.hardware, gpus=plan.gpus or cfg.num_devices,
-                      weight_dtype=plan.weight_dtype, prompt_len=max(prompt_len, 1), output_len=max(output_len, 1))
+    inp, al_note = _plan_inputs(plan, cfg, prompt_len, output_len, measured_al)
     try:
-        return sweep_points(sweep(base, levels)), f"planner: {model} on {base.gpus}× {plan.hardware}"
+        results = sweep(inp, levels)
     except PlanError as exc:
-        return None, f"planner curve left out: {exc}"
+        return {"predicted": None, "predicted_note": f"planner curve left out: {exc}", "predicted_misfits": []}
+    dep = results[0].deployment
+    misfits = [{"concurrency": r.inputs.concurrency, "reasons": r.misfit()} for r in results if r.misfit()]
+    kept = sweep_points([r for r in results if not r.misfit()])
+    note = (f"planner: {inp.model} on {dep.gpus}x {dep.hw.name} TP{dep.tp} EP{dep.ep}, "
+            f"stack {dep.stack or 'none'}, {al_note}")
+    if misfits:
+        note += "; left out (does not fit): " + ", ".join(f"c={m['concurrency']}" for m in misfits)
+    return {"predicted": kept or None, "predicted_note": note, "predicted_misfits": misfits}
 
 
 async def _measure(cfg: ServeConfig, levels: Sequence[int]) -> list[dict[str, Any]]:
@@ -119,9 +157,11 @@ def run_sweep(cfg: ServeConfig, levels: Sequence[int], out: Path, label: str | N
                          f"{result['output_tokens_per_s_per_device']:9.2f} output tok/s/device  ({path.name})")
     prompt_len = round(sum(r["input_len_stats"]["mean"] for r in results) / len(results))
     output_len = round(sum(r["output_len_stats"]["mean"] for r in results) / len(results))
-    predicted, note = predicted_curve(plan, cfg, levels, prompt_len, output_len) if plan else (None, "")
-    entry = {"measured": [_point(r, c) for c, r in zip(levels, results)], "predicted": predicted,
-             "predicted_note": note, "input_len": prompt_len, "output_len": output_len,
+    pred = predicted_curve(plan, cfg, levels, prompt_len, output_len, measured_accept_length(results)) \
+        if plan else {"predicted": None, "predicted_note": "", "predicted_misfits": []}
+    note = pred["predicted_note"]
+    entry = {"measured": [_point(r, c) for c, r in zip(levels, results)], **pred,
+             "input_len": prompt_len, "output_len": output_len,
              "num_devices": cfg.num_devices, "device_cost_per_hour": cfg.device_cost_per_hour}
     res.summary = out / SWEEP_JSON
     data = _merge_summary(res.summary, label, entry)
