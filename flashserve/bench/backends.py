@@ -25,7 +25,7 @@ class Sampling:
 
     temperature: float = 0.0
     ignore_eos: bool = False
-    seed: int | None = None
+    seed: int | None = None  # per-request sampling seed: sent only when --request-seed is given
     extra_body: dict[str, Any] = field(default_factory=dict)
 
 

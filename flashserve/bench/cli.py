@@ -59,7 +59,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     ld.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
     ld.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals (1 = Poisson)")
     ld.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
-    ld.add_argument("--seed", type=int, default=0)
+    ld.add_argument("--seed", type=int, default=0,
+                    help="samples the dataset and the arrival times (as vLLM's); not sent to the server")
+    ld.add_argument("--request-seed", type=int, default=None,
+                    help="sampling seed sent in every request body (default: none sent)")
     ld.add_argument("--temperature", type=float, default=0.0)
     ld.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked output length")
     ld.add_argument("--extra-body", default=None, help="JSON merged into every request body")
@@ -83,7 +86,7 @@ def serve_config(a: argparse.Namespace, max_concurrency: int | None):
         num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
         range_ratio=a.random_range_ratio, prefix_len=a.prefix_len, request_rate=a.request_rate,
         burstiness=a.burstiness, max_concurrency=max_concurrency, num_warmups=a.num_warmups, seed=a.seed,
-        sampling=Sampling(a.temperature, a.ignore_eos, a.seed, _extra_body(a.extra_body)),
+        sampling=Sampling(a.temperature, a.ignore_eos, a.request_seed, _extra_body(a.extra_body)),
         percentiles=_float_list(a.metric_percentiles, "--metric-percentiles"), goodput=tuple(a.goodput),
         num_devices=a.num_devices, device_cost_per_hour=a.device_cost_per_hour,
         engine_options={"threads": a.threads, "kv_memory": a.kv_memory}, progress=not a.no_progress,

@@ -131,7 +131,7 @@ def _record(cfg: ServeConfig, backend: Backend, requests: Sequence[SampleRequest
         "random_output_len": cfg.output_len if cfg.output_len is not None else (
             None if cfg.dataset == "sharegpt" else DEFAULT_OUTPUT_LEN), "random_range_ratio": cfg.range_ratio,
         "random_prefix_len": cfg.prefix_len if cfg.dataset == "prefix" else 0,
-        "seed": cfg.seed, "temperature": s.temperature, "ignore_eos": s.ignore_eos, "extra_body": s.extra_body,
+        "seed": cfg.seed, "request_seed": s.seed, "temperature": s.temperature, "ignore_eos": s.ignore_eos, "extra_body": s.extra_body,
         "input_len_stats": _lengths([r.prompt_len for r in requests]),
         "output_len_stats": _lengths([r.output_tokens for r in results if r.success]),
         "requested_output_len_stats": _lengths([r.output_len for r in requests]),
