@@ -47,19 +47,25 @@ def draw(summary: dict[str, Any], png: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    plotted = 0
     for i, (label, entry) in enumerate(sorted(summary["configurations"].items())):
         colour = colours[i % len(colours)]
-        ax.plot(*_xy(entry["measured"]), "o-", color=colour, label=f"{label} (measured)")
+        for points, style, kind in ((entry["measured"], "o-", "measured"), (entry.get("predicted") or [], "s--", "planner")):
+            x, y = _xy(points)
+            if x:
+                ax.plot(x, y, style, color=colour, alpha=1.0 if kind == "measured" else 0.6, label=f"{label} ({kind})")
+                plotted += len(x)
         _label_points(ax, entry["measured"])
-        if entry.get("predicted"):
-            ax.plot(*_xy(entry["predicted"]), "s--", color=colour, alpha=0.6, label=f"{label} (planner)")
-    ax.set_xscale("log")  # measured and predicted curves can sit a decade apart before calibration
-    ax.set_yscale("log")
+    if plotted:
+        ax.set_xscale("log")  # measured and predicted curves can sit a decade apart before calibration
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no point to draw", ha="center", transform=ax.transAxes)
     ax.set_xlabel("tokens/s per agent (1000 / median TPOT)")
     ax.set_ylabel("output tokens/s per device")
     ax.set_title("per-agent speed against throughput per device", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     notes = _notes(summary)
     if notes:
         fig.text(0.01, 0.01, "\n".join(notes), fontsize=7, va="bottom", wrap=True)

@@ -130,7 +130,7 @@ def _sweep(a: argparse.Namespace) -> int:
     paths = run_sweep(serve_config(a, None), levels, Path(a.out), a.label, plan)
     for line in paths.lines:
         print(line)
-    return 0
+    return 1 if paths.failed_levels else 0
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:

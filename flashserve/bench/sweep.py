@@ -40,6 +40,7 @@ class SweepOutput:
     summary: Path | None = None
     chart: Path | None = None
     lines: list[str] = field(default_factory=list)
+    failed_levels: list[int] = field(default_factory=list)  # levels where no request completed
 
 
 def levels_from(text: str | None, maximum: int | None) -> list[int]:
@@ -139,6 +140,26 @@ def _merge_summary(path: Path, label: str, entry: dict[str, Any]) -> dict[str, A
     return data
 
 
+def sweep_entry(cfg: ServeConfig, plan: PlanSetup | None, levels: Sequence[int],
+                results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """This configuration's ``sweep.json`` entry: measured points, mean prompt/output lengths and the planner's
+    curve for that workload, all from the levels that completed a request (the others in ``failed_levels``)."""
+    done = [(c, r) for c, r in zip(levels, results) if r["completed"]]
+    entry: dict[str, Any] = {"measured": [_point(r, c) for c, r in done], "predicted": None,
+                             "failed_levels": [c for c, r in zip(levels, results) if not r["completed"]],
+                             "predicted_note": "", "predicted_misfits": [], "input_len": None, "output_len": None,
+                             "num_devices": cfg.num_devices, "device_cost_per_hour": cfg.device_cost_per_hour}
+    if not done:
+        entry["predicted_note"] = "planner curve left out: no level completed a request" if plan else ""
+        return entry
+    entry["input_len"] = round(sum(r["input_len_stats"]["mean"] for _, r in done) / len(done))
+    entry["output_len"] = round(sum(r["output_len_stats"]["mean"] for _, r in done) / len(done))
+    if plan:
+        entry.update(predicted_curve(plan, cfg, levels, entry["input_len"], entry["output_len"],
+                                     measured_accept_length([r for _, r in done])))
+    return entry
+
+
 def run_sweep(cfg: ServeConfig, levels: Sequence[int], out: Path, label: str | None,
               plan: PlanSetup | None) -> SweepOutput:
     """Measure, write the point JSONs and the summary, and draw the chart of every configuration in ``out``."""
@@ -155,14 +176,12 @@ def run_sweep(cfg: ServeConfig, levels: Sequence[int], out: Path, label: str | N
         res.points.append(path)
         res.lines.append(f"concurrency {level:>4}: {result['tokens_per_s_per_agent'] or 0:8.2f} tok/s/agent "
                          f"{result['output_tokens_per_s_per_device']:9.2f} output tok/s/device  ({path.name})")
-    prompt_len = round(sum(r["input_len_stats"]["mean"] for r in results) / len(results))
-    output_len = round(sum(r["output_len_stats"]["mean"] for r in results) / len(results))
-    pred = predicted_curve(plan, cfg, levels, prompt_len, output_len, measured_accept_length(results)) \
-        if plan else {"predicted": None, "predicted_note": "", "predicted_misfits": []}
-    note = pred["predicted_note"]
-    entry = {"measured": [_point(r, c) for c, r in zip(levels, results)], **pred,
-             "input_len": prompt_len, "output_len": output_len,
-             "num_devices": cfg.num_devices, "device_cost_per_hour": cfg.device_cost_per_hour}
+    entry = sweep_entry(cfg, plan, levels, results)
+    res.failed_levels = entry["failed_levels"]
+    note = entry["predicted_note"]
+    if res.failed_levels:
+        res.lines.append("no request completed at concurrency " + ", ".join(map(str, res.failed_levels))
+                         + ": left out of the curve and of the workload averages (see the point JSONs' errors)")
     res.summary = out / SWEEP_JSON
     data = _merge_summary(res.summary, label, entry)
     from .chart import draw

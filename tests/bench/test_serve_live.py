@@ -105,3 +105,13 @@ def test_requests_the_server_refuses_are_counted_and_shown(server, tmp_path, cap
     r = json.loads(out.read_text())
     assert r["completed"] == 0 and r["failed"] == 4 and all(e.startswith("HTTP 4") for e in r["errors"])
     assert "first error                    HTTP 4" in capsys.readouterr().out
+
+
+def test_sweep_where_no_request_completes_exits_1(server, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["bench", "sweep", "--base-url", server.url, "--served-model-name", "no-such-model",
+                 "--tokenizer", "tiny-v41", *SMALL, "--concurrency", "1,2", "--out", str(out)]) == 1
+    entry = json.loads((out / "sweep.json").read_text())["configurations"]
+    (only,) = entry.values()
+    assert only["failed_levels"] == [1, 2] and only["measured"] == [] and only["input_len"] is None
+    assert "no request completed at concurrency 1, 2" in capsys.readouterr().out

@@ -73,3 +73,22 @@ def test_plan_flags_without_a_planner_target_are_refused(tmp_path, capsys) -> No
     assert main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--tokenizer", "tiny-v41",
                  "--concurrency", "1", "--out", str(tmp_path), "--plan-tp", "4", "--plan-stack", "none"]) == 2
     assert "--plan-tp, --plan-stack need --plan-hardware" in capsys.readouterr().err
+
+
+def _level(completed: int, prompt: float, output: float) -> dict:
+    return {"completed": completed, "input_len_stats": {"mean": prompt}, "output_len_stats": {"mean": output},
+            "tokens_per_s_per_agent": 10.0 if completed else None, "output_tokens_per_s_per_device": 10.0 * completed,
+            "cost_per_million_output_tokens": None, "median_tpot_ms": 100.0, "median_ttft_ms": 50.0}
+
+
+def test_levels_that_complete_nothing_are_left_out_of_curve_and_averages() -> None:
+    from flashserve.bench.sweep import sweep_entry
+
+    setup = PlanSetup("cpu-local", "tiny-v41")
+    entry = sweep_entry(CFG, setup, [1, 2, 4], [_level(4, 100, 30), _level(0, 7, 0), _level(4, 120, 50)])
+    assert entry["failed_levels"] == [2]
+    assert [p["concurrency"] for p in entry["measured"]] == [1, 4]
+    assert (entry["input_len"], entry["output_len"]) == (110, 40)  # the failed level's 7 / 0 not averaged in
+    none = sweep_entry(CFG, setup, [1], [_level(0, 7, 0)])
+    assert none["measured"] == [] and none["predicted"] is None and none["input_len"] is None
+    assert none["predicted_note"] == "planner curve left out: no level completed a request"
