@@ -115,3 +115,20 @@ def test_sweep_where_no_request_completes_exits_1(server, tmp_path, capsys):
     (only,) = entry.values()
     assert only["failed_levels"] == [1, 2] and only["measured"] == [] and only["input_len"] is None
     assert "no request completed at concurrency 1, 2" in capsys.readouterr().out
+
+
+def test_serve_in_process_engine_starts_and_closes_it(tmp_path, capsys):
+    import threading
+
+    def engine_threads() -> int:
+        return sum(t.name == "flashserve-engine" and t.is_alive() for t in threading.enumerate())
+
+    before = engine_threads()
+    out = tmp_path / "inproc.json"
+    assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--max-concurrency", "2",
+                 "--result-file", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["backend"] == "flashserve-engine" and r["completed"] == 4 and r["failed"] == 0
+    assert r["output_lens"] == [6] * 4 and r["max_concurrency"] == 2 and r["median_tpot_ms"] > 0
+    assert engine_threads() == before  # run() stopped the engine loop it started
+    assert "per-agent decode speed" in capsys.readouterr().out
