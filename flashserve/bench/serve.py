@@ -72,15 +72,27 @@ def check(cfg: ServeConfig) -> None:
     if cfg.device_cost_per_hour is not None and cfg.device_cost_per_hour < 0:
         raise UserError(f"--device-cost-per-hour must be >= 0, got {cfg.device_cost_per_hour}")
     for p in cfg.percentiles:
-        if not 0 < p < 100:
-            raise UserError(f"--metric-percentiles must lie in (0, 100), got {p:g}")
+        if not 0 < p <= 100:
+            raise UserError(f"--metric-percentiles must lie in (0, 100], got {p:g}")
     parse_goodput(cfg.goodput)
+
+
+def tokenizer_name(cfg: ServeConfig) -> str:
+    """What counts prompt tokens: --tokenizer, else --model, else --served-model-name; refused when none."""
+    name = cfg.tokenizer or cfg.model or cfg.served_model
+    if not name:
+        raise UserError("bench needs a tokenizer to count prompt tokens: pass --tokenizer (a tokenizer.json, a "
+                        "checkpoint folder or a preset), or --served-model-name naming a preset or folder")
+    return name
 
 
 def load_bench_tokenizer(name: str) -> Any:
     """The tokenizer that counts prompt tokens: a ``tokenizer.json`` file, a checkpoint folder holding one,
     or a runnable preset's built-in tokenizer; anything else is refused (a wrong tokenizer miscounts)."""
     from pathlib import Path
+
+    if not name.strip():
+        raise UserError("--tokenizer: empty name; pass a tokenizer.json, a checkpoint folder or a preset")
 
     from ..config import RUNNABLE_PRESETS
     from ..engine.tokenizer import Tokenizer, load_tokenizer
@@ -176,7 +188,7 @@ async def run_async(cfg: ServeConfig, backend: Backend | None = None, tok: Any =
     """One run. A ``backend`` passed in is the caller's (already started, left open); otherwise one is made
     from ``cfg``, started and closed here."""
     check(cfg)
-    tok = tok or load_bench_tokenizer(cfg.tokenizer or cfg.model or cfg.served_model or "")
+    tok = tok or load_bench_tokenizer(tokenizer_name(cfg))
     if backend is not None:
         return await _measure(cfg, backend, tok)
     backend = make_backend(cfg, tok)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UserError
-from .serve import ServeConfig, load_bench_tokenizer, make_backend, run_async
+from .serve import ServeConfig, load_bench_tokenizer, make_backend, run_async, tokenizer_name
 
 SWEEP_JSON, SWEEP_PNG = "sweep.json", "sweep.png"
 
@@ -117,7 +117,7 @@ def predicted_curve(plan: PlanSetup, cfg: ServeConfig, levels: Sequence[int], pr
 
 async def _measure(cfg: ServeConfig, levels: Sequence[int]) -> list[dict[str, Any]]:
     """Run every level on one backend (an in-process engine is loaded once)."""
-    tok = load_bench_tokenizer(cfg.tokenizer or cfg.model or cfg.served_model or "")
+    tok = load_bench_tokenizer(tokenizer_name(cfg))
     backend = make_backend(cfg, tok)
     await backend.start()
     try:

@@ -68,6 +68,20 @@ def test_unknown_tokenizer_is_refused():
         load_bench_tokenizer("some-remote-model")
 
 
+def test_no_tokenizer_named_is_refused_not_taken_from_the_working_directory(tmp_path, monkeypatch, capsys):
+    from flashserve.cli import main
+
+    (tmp_path / "tokenizer.json").write_text("{}")  # a stray file that must not be picked up
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="empty name"):
+        load_bench_tokenizer("")
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--no-progress"]) == 2
+    assert "bench needs a tokenizer to count prompt tokens: pass --tokenizer" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--base-url", "http://127.0.0.1:9", "--concurrency", "1", "--out",
+                 str(tmp_path / "s"), "--no-progress"]) == 2
+    assert "bench needs a tokenizer" in capsys.readouterr().err
+
+
 def test_arrivals_poisson_and_burstiness():
     assert arrival_gaps(4, float("inf"), 1.0, 0) == [0.0] * 4
     poisson = np.array(arrival_gaps(20000, 4.0, 1.0, 0))

@@ -25,6 +25,16 @@ def _three_requests() -> list[RequestResult]:
     ]
 
 
+def test_percentile_100_is_the_maximum_and_is_accepted_on_the_command_line():
+    m = compute_metrics(_three_requests(), duration_s=2.0, percentiles=(100,))
+    assert m["p100_ttft_ms"] == pytest.approx(300.0) and m["p100_e2el_ms"] == pytest.approx(600.0)
+    from flashserve.bench.serve import ServeConfig, check
+
+    check(ServeConfig(base_url="http://x", percentiles=(50.0, 100.0)))  # no error
+    with pytest.raises(UserError, match=r"\(0, 100\], got 100.5"):
+        check(ServeConfig(base_url="http://x", percentiles=(100.5,)))
+
+
 def test_counts_and_throughputs():
     m = compute_metrics(_three_requests(), duration_s=2.0)
     assert (m["completed"], m["failed"]) == (3, 1)
