@@ -7,10 +7,13 @@ raises :class:`~flashserve.errors.UserError` for bad input (reported in one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
+from ..engine.options import add_engine_args, engine_config
 from ..errors import UserError
 
 
@@ -44,8 +47,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--tokenizer", default=None,
                    help="tokenizer.json, checkpoint folder or preset counting prompt tokens (default: --model "
                         "or --served-model-name)")
-    t.add_argument("--threads", type=int, default=1, help="in-process engine: torch threads")
-    t.add_argument("--kv-memory", default="512MiB", help="in-process engine: KV-cache budget")
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
     d.add_argument("--dataset-path", default=None, help="sharegpt: a JSON or JSONL file of conversations")
@@ -73,6 +74,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--device-cost-per-hour", type=float, default=None, help="US$ per device-hour")
     r.add_argument("--save-detailed", action="store_true", help="also store per-request TTFTs, ITLs and texts")
     r.add_argument("--no-progress", action="store_true", help="no live progress bar")
+    # the in-process engine (--model) takes serve's engine flags, derived from EngineConfig with its defaults;
+    # --tokenizer and --seed keep their benchmark meanings (the token counter, the dataset seed)
+    add_engine_args(p, exclude=frozenset({"tokenizer", "seed"}))
+
+
+def engine_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The in-process engine's options (every EngineConfig field but the model), checked before loading."""
+    if not a.model:
+        return {}
+    from ..engine import preflight
+
+    config = engine_config(a)
+    preflight.check(config)
+    return {k: v for k, v in dataclasses.asdict(config).items() if k != "model"}
 
 
 def serve_config(a: argparse.Namespace, max_concurrency: int | None):
@@ -89,7 +104,7 @@ def serve_config(a: argparse.Namespace, max_concurrency: int | None):
         sampling=Sampling(a.temperature, a.ignore_eos, a.request_seed, _extra_body(a.extra_body)),
         percentiles=_float_list(a.metric_percentiles, "--metric-percentiles"), goodput=tuple(a.goodput),
         num_devices=a.num_devices, device_cost_per_hour=a.device_cost_per_hour,
-        engine_options={"threads": a.threads, "kv_memory": a.kv_memory}, progress=not a.no_progress,
+        engine_options=engine_options(a), progress=not a.no_progress,
         save_detailed=a.save_detailed)
 
 

@@ -32,6 +32,9 @@ BAD_FLAGS = [
      "is not a valid Jinja template"),
     (["generate", MODEL, "hi", "--max-model-len", "5000"], "max_model_len: 5000 is outside [2, 4096]"),
     (["generate", MODEL, "hi", "--top-p", "0"], "top_p: must be in (0, 1]"),
+    (["bench", "serve", "--model", MODEL, "--max-model-len", "999999999"], "max_model_len: 999999999 is outside"),
+    (["bench", "sweep", "--model", MODEL, "--kv-memory", "10", "--concurrency", "1", "--out", "/tmp/x"],
+     "less than one max_model_len"),
 ]
 
 
@@ -46,7 +49,8 @@ def test_bad_flag_fails_before_loading_with_its_message(argv, message):
     assert took < 2.0, f"{took:.2f}s"
 
 
-@pytest.mark.parametrize("command", [["serve", MODEL], ["generate", MODEL, "hi"]])
+@pytest.mark.parametrize("command", [["serve", MODEL], ["generate", MODEL, "hi"], ["bench", "serve", "--model", MODEL],
+                                     ["bench", "sweep", "--model", MODEL, "--out", "x"]])
 def test_engine_flags_have_the_engine_config_defaults(command):
     args = build_parser().parse_args(command)
     for f in dataclasses.fields(EngineConfig):
