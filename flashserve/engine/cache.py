@@ -43,19 +43,6 @@ def page_size(cfg: ModelConfig, block_size: int, packed: bool, element_bytes: in
     return tokens, sum(r.pages[0].numel() for r in probe.paged) * (1 if packed else element_bytes)
 
 
-def parse_bytes(value: str | int) -> int:
-    """``"1GiB"``, ``"512MB"``, ``"300k"`` or an int → bytes."""
-    if isinstance(value, int):
-        return value
-    s = str(value).strip().lower().replace(" ", "")
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
-             "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
-    for u in sorted(units, key=len, reverse=True):
-        if s.endswith(u):
-            return int(float(s[: -len(u)]) * units[u])
-    return int(float(s))
-
-
 class KVCache:
     """Device storage of a model's cache, allocated at start-up, and the page table of every slot."""
 
