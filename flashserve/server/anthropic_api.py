@@ -356,7 +356,11 @@ async def count_tokens(request: Request):
 
     req = parse_chat_request(to_chat_body({"max_tokens": 1, **body, "stream": False}), vocab_size=srv.vocab_size)
     text, _ = srv.encode_chat(req)
-    return {"input_tokens": len(await srv.tokenize(text))}
+    ids = await srv.tokenize(text)
+    refs = [ref for m in req.messages for ref in m.get("images", ())]
+    if refs:  # an image counts its whole span, as the request itself would be billed
+        ids = srv.expanded_ids(ids, await srv.prepare_images(refs))
+    return {"input_tokens": len(ids)}
 
 
 def register(app: FastAPI) -> None:

@@ -130,6 +130,10 @@ def test_anthropic_image_blocks(server):
                                           {"type": "text", "text": "What is this?"}, block]}])
 
     small = ask_claude(base64.b64encode(png_bytes(200, 150, 0)).decode())
+    counted = client.messages.count_tokens(model="tiny-v41", thinking={"type": "disabled"}, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image", "source": {
+            "type": "base64", "media_type": "image/png", "data": base64.b64encode(png_bytes(200, 150, 0)).decode()}}]}])
+    assert counted.input_tokens == small.usage.input_tokens
     wide = ask_claude(base64.b64encode(png_bytes(400, 120, 1)).decode())
     assert small.stop_reason == "max_tokens"
     assert small.usage.input_tokens - wide.usage.input_tokens == span(200, 150) - span(400, 120)
