@@ -20,10 +20,12 @@ _BITS = torch.arange(32, dtype=torch.int32)
 
 
 class Guide:
-    """One sequence's matcher. Inactive until its constraint's ``after`` token has been generated."""
+    """One sequence's matcher. Inactive until its constraint's ``after`` token has been generated; meanwhile the
+    tokens that would end the sequence (``hold``: EOS, stop token ids) are forbidden, so a constrained answer
+    cannot be skipped by ending inside the reasoning (only the length limit can cut it)."""
 
-    def __init__(self, matcher: Any, after: int | None):
-        self.matcher, self.after = matcher, after
+    def __init__(self, matcher: Any, after: int | None, hold: tuple[int, ...] = ()):
+        self.matcher, self.after, self.hold = matcher, after, hold
         self.active = after is None
 
     def advance(self, token_id: int) -> None:
@@ -70,24 +72,30 @@ class Guides:
         if error:
             raise RequestError(f"{c.param}: the constraint cannot be compiled: {error}")
 
-    def guide(self, c: Constraint) -> Guide:
+    def guide(self, c: Constraint, stop_token_ids: list[int] | None = None) -> Guide:
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.ll_tokenizer, self.grammar(c))
         if matcher.is_error():
             raise RequestError(f"{c.param}: the constraint cannot be compiled: {matcher.get_error()}")
-        return Guide(matcher, c.after)
+        hold = tuple({self.tokenizer.eos_token_id, *(stop_token_ids or ())} - {c.after})
+        return Guide(matcher, c.after, hold)
 
 
 def allowed_tokens(guides: list[Guide | None], vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
-    """(rows constrained now, their allowed-token masks [len(rows), vocab_size] bool)."""
+    """(rows constrained now, their allowed-token masks [len(rows), vocab_size] bool): active guides by their
+    grammar, guides still waiting for their ``after`` token everything but their ``hold`` tokens."""
     from llguidance.torch import fill_next_token_bitmask
 
-    rows = [i for i, g in enumerate(guides) if g is not None and g.active]
+    rows = [i for i, g in enumerate(guides) if g is not None and (g.active or g.hold)]
     if not rows:
         return rows, None
     bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for j, i in enumerate(rows):
-        fill_next_token_bitmask(guides[i].matcher, bitmask, j)
-    bits = (bitmask[:, :, None] >> _BITS) & 1
-    return rows, bits.reshape(len(rows), -1)[:, :vocab_size].bool()
+        if guides[i].active:
+            fill_next_token_bitmask(guides[i].matcher, bitmask, j)
+    mask = ((bitmask[:, :, None] >> _BITS) & 1).reshape(len(rows), -1)[:, :vocab_size].bool()
+    for j, i in enumerate(rows):
+        if not guides[i].active:
+            mask[j, [t for t in guides[i].hold if t < vocab_size]] = False
+    return rows, mask

@@ -237,7 +237,7 @@ class LLMEngine:
         if seq.counts is None and seq.params.has_penalties:
             seq.counts = TokenCounts(seq.prompt_ids, seq.output_view, logits.shape[-1], logits.device)
         if seq.guide is None and seq.params.constraint is not None:
-            seq.guide = self.guides.guide(seq.params.constraint)
+            seq.guide = self.guides.guide(seq.params.constraint, seq.params.stop_token_ids)
         return SampleRow(seq.params, seq.prompt_ids, seq.output_view, seq.generator, seq.counts, seq.guide)
 
     def _append(self, seq: Sequence, tid: int, lp: dict[int, float] | None) -> None:

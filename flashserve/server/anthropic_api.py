@@ -355,6 +355,7 @@ async def count_tokens(request: Request):
     from .protocol import parse_chat_request
 
     req = parse_chat_request(to_chat_body({"max_tokens": 1, **body, "stream": False}), vocab_size=srv.vocab_size)
+    srv.check_model(req.model)
     text, _ = srv.encode_chat(req)
     ids = await srv.tokenize(text)
     refs = [ref for m in req.messages for ref in m.get("images", ())]

@@ -19,8 +19,9 @@ def _lark_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _param_rule(name: str, schema: Any, dsml: str) -> str:
-    """One ``<｜DSML｜ parameter ...>value</｜DSML｜ parameter>`` line: strings raw, other values as JSON."""
+def _param_rule(name: str, schema: Any, dsml: str, defs: dict[str, Any]) -> str:
+    """One ``<｜DSML｜ parameter ...>value</｜DSML｜ parameter>`` line: strings raw, other values as JSON (with the
+    tool schema's ``$defs`` / ``definitions``, which a ``$ref`` in the parameter may point into)."""
     schema = schema if isinstance(schema, dict) else {}
     is_str = schema.get("type") == "string"
     head = f'"<" {dsml} {_lark_str(f" parameter name={json.dumps(name)} string={json.dumps(str(is_str).lower())}>")}'
@@ -30,7 +31,7 @@ def _param_rule(name: str, schema: Any, dsml: str) -> str:
         n = schema.get("maxLength")
         value = f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and n >= 0 else "/[^<]*/"
     else:
-        value = "%json " + json.dumps(schema or {})
+        value = "%json " + json.dumps({**defs, **(schema or {})})
     return f'{head} {value} "</" {dsml} " parameter>"'
 
 
@@ -39,9 +40,10 @@ def _invoke_rule(fn: dict[str, Any], dsml: str) -> str:
     params = fn.get("parameters") or {}
     props = params.get("properties") or {}
     required = set(params.get("required") or [])
+    defs = {k: params[k] for k in ("$defs", "definitions") if isinstance(params.get(k), dict)}
     parts = []
     for k, sub in props.items():
-        line = f'"\\n" {_param_rule(k, sub, dsml)}'
+        line = f'"\\n" {_param_rule(k, sub, dsml, defs)}'
         parts.append(line if k in required else f"({line})?")
     name = json.dumps(fn["name"])
     head = f'"<" {dsml} {_lark_str(f" invoke name={name}>")}'

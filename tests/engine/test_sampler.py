@@ -117,3 +117,21 @@ def test_an_uncompilable_schema_names_the_field():
     _, guides = _tiny_guides()
     with pytest.raises(RequestError, match="response_format: the constraint cannot be compiled: .*nope"):
         guides.check(Constraint("json", '{"$ref": "#/nope"}', param="response_format"))
+
+
+def test_a_guide_waiting_for_its_start_forbids_ending_the_sequence():
+    """In thinking mode a constraint starts after </think>; until then EOS and the request's stop token ids are
+    masked (the answer cannot be skipped by ending inside the reasoning), </think> itself stays allowed, and
+    from the token after it the grammar decides."""
+    from flashserve.engine.sampling_params import Constraint
+
+    tok, guides = _tiny_guides()
+    think = tok.token_to_id("</think>")
+    guide = guides.guide(Constraint("json", '{"type": "object"}', after=think), stop_token_ids=[7])
+    logits = torch.zeros(1, 512)
+    logits[0, tok.eos_token_id] = logits[0, 7] = 50.0  # what a model about to stop inside its reasoning gives
+    logits[0, think] = 10.0
+    row = SampleRow(SamplingParams(temperature=0.0), [], [], None, guide=guide)
+    assert sample(logits.clone(), [row]).token_ids == [think]
+    first = sample(logits.clone(), [row]).token_ids[0]
+    assert first not in (tok.eos_token_id, 7) and tok.decode([first]).lstrip().startswith("{")

@@ -107,3 +107,19 @@ def test_bad_structured_requests_are_400(client, body, param, needle):
         client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4, extra_body=body)
     err = e.value.body
     assert needle in err["message"] and (param is None or err["param"] == param), err
+
+
+def test_tool_parameters_may_point_into_the_schemas_defs(tokenizer):
+    """Pydantic-style tools keep shared types under $defs and point at them with $ref: the forced-call grammar
+    carries the $defs into each parameter's schema (compiled alone, such a tool could not be forced at all)."""
+    from flashserve.engine.guided import Guides
+    from flashserve.engine.sampling_params import Constraint
+    from flashserve.server.structured import tool_call_grammar
+
+    point = {"type": "object", "required": ["x", "y"], "additionalProperties": False,
+             "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "required": ["to"], "$defs": {"Point": point},
+        "properties": {"to": {"$ref": "#/$defs/Point"}}}}}
+    grammar = tool_call_grammar([tool], None, tokenizer.token_to_id("｜DSML｜"))
+    Guides(tokenizer, 512).check(Constraint("lark", grammar, param="tool_choice"))
