@@ -25,14 +25,19 @@ def _param_rule(name: str, schema: Any, dsml: str, defs: dict[str, Any]) -> str:
     schema = schema if isinstance(schema, dict) else {}
     is_str = schema.get("type") == "string"
     head = f'"<" {dsml} {_lark_str(f" parameter name={json.dumps(name)} string={json.dumps(str(is_str).lower())}>")}'
+    tail = f'{dsml} " parameter>"'
+    n = schema.get("maxLength")
     if is_str and isinstance(schema.get("enum"), list):
-        value = "(" + " | ".join(_lark_str(str(v)) for v in schema["enum"]) + ")"
+        value = "(" + " | ".join(_lark_str(str(v)) for v in schema["enum"]) + ") \"</\""
+    elif is_str and isinstance(n, int) and n >= 0:
+        value = f'/[^<]{{0,{n}}}/ "</"'  # a regex cannot count characters and allow "<" but not "</" at once
     elif is_str:
-        n = schema.get("maxLength")
-        value = f"/[^<]{{0,{int(n)}}}/" if isinstance(n, int) and n >= 0 else "/[^<]*/"
+        # raw text up to the closing "</", "<" allowed (code, HTML): one terminal with its "</", or the lexer,
+        # having read a "<" into the text, could not give it back to the closing tag
+        value = r"/([^<]|<[^\/])*<\//"
     else:
-        value = "%json " + json.dumps({**defs, **(schema or {})})
-    return f'{head} {value} "</" {dsml} " parameter>"'
+        value = "%json " + json.dumps({**defs, **(schema or {})}) + ' "</"'
+    return f"{head} {value} {tail}"
 
 
 def _invoke_rule(fn: dict[str, Any], dsml: str) -> str:

@@ -123,3 +123,28 @@ def test_tool_parameters_may_point_into_the_schemas_defs(tokenizer):
         "properties": {"to": {"$ref": "#/$defs/Point"}}}}}
     grammar = tool_call_grammar([tool], None, tokenizer.token_to_id("｜DSML｜"))
     Guides(tokenizer, 512).check(Constraint("lark", grammar, param="tool_choice"))
+
+
+def test_forced_string_arguments_may_hold_angle_brackets(tokenizer):
+    """A string parameter of a forced call is raw text up to the closing tag: '<b>' inside it is fine (code,
+    HTML), only '</' would end it. Checked by feeding the encoded call, token by token, to the grammar."""
+    from llguidance import LLMatcher
+
+    from flashserve.engine.guided import Guides
+    from flashserve.engine.sampling_params import Constraint
+    from flashserve.server import chat_encoding as ce
+    from flashserve.server.structured import tool_call_grammar
+
+    tool = {"type": "function", "function": {"name": "say", "parameters": {
+        "type": "object", "required": ["s"], "properties": {"s": {"type": "string"}}}}}
+    guides = Guides(tokenizer, 512)
+    grammar = guides.grammar(Constraint("lark", tool_call_grammar([tool], None, tokenizer.token_to_id(ce.DSML))))
+
+    def accepted(value: str) -> bool:
+        call = {"type": "function", "function": {"name": "say", "arguments": json.dumps({"s": value})}}
+        m = LLMatcher(guides.ll_tokenizer, grammar)
+        return all(m.consume_token(t) for t in tokenizer.encode(ce.encode_tool_calls([call]))) and m.is_accepting()
+
+    assert accepted("plain words")
+    assert accepted("if a < b: print('<b>")  # '<' and '<b>' inside
+    assert not accepted("x</y")  # '</' ends the value: the call would close early
