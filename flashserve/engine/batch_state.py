@@ -142,10 +142,13 @@ class BatchState:
             return got
         rows = self._paged(key)
         n = torch.maximum(rows.counts[self.slots], rows.protected[self.slots])
-        npages = -(-(int(n.max()) if self.B else 0) // rows.per_page)
-        entries = rows.values(rows.pages[self.table[:, :npages]].flatten(1, 2), self.cache.dtype)  # [B,T,w]
-        self._reads[key] = (entries, n)
+        entries = rows.values(rows.pages[self._read_table(n, rows.per_page)].flatten(1, 2), self.cache.dtype)
+        self._reads[key] = (entries, n)  # entries [B, T, width], T a whole number of pages
         return entries, n
+
+    def _read_table(self, n: torch.Tensor, per_page: int) -> torch.Tensor:
+        """Page-table columns a whole read covers: the pages the largest count ``n`` [B] reaches."""
+        return self.table[:, :-(-(int(n.max()) if self.B else 0) // per_page)]
 
     def compressed_rows(self, key: CacheKey, index: torch.Tensor) -> torch.Tensor:
         """The picked entries straight from their pages: a decode step of sparse attention reads (and

@@ -66,12 +66,6 @@ class FixedBatchState(BatchState):
         rows.counts[self.slots] = cnt + n_new
         self._reads.pop(key, None)
 
-    def compressed(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor]:
-        got = self._reads.get(key)
-        if got is not None:
-            return got
-        rows = self._paged(key)
-        n = torch.maximum(rows.counts[self.slots], rows.protected[self.slots])
-        entries = rows.values(rows.pages[self.table].flatten(1, 2), self.cache.dtype)  # [B, P*epp, width]
-        self._reads[key] = (entries, n)
-        return entries, n
+    def _read_table(self, n: torch.Tensor, per_page: int) -> torch.Tensor:
+        """The table's full width: a size the host knew before the step (no read-back of ``n``)."""
+        return self.table

@@ -10,7 +10,6 @@ body ``{"type": "error", "error": {"type", "message"}}``.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -20,9 +19,7 @@ from fastapi import FastAPI, Request
 from .chat import ChatCall, start_chat
 from .http import check_auth, count, read_json, server_of
 from .protocol import APIError, invalid
-from .streaming import collect, event_stream, merged_outputs, sse
-
-log = logging.getLogger("flashserve.server")
+from .streaming import event_stream, gather, guarded_events, merged_outputs, sse
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -293,41 +290,19 @@ async def _events(call: ChatCall) -> AsyncIterator[str]:
     yield sse({"type": "message_stop"}, "message_stop")
 
 
-async def _stream(call: ChatCall, request: Request) -> AsyncIterator[str]:
-    status = 200
-    try:
-        try:
-            async for event in _events(call):
-                yield event
-        except Exception as e:  # engine failure mid-stream: an error event, as Anthropic sends
-            status = 500
-            log.exception("stream %s failed", call.rid)
-            yield sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {e}"}},
-                      "error")
-    except BaseException:  # the client went away
-        status = 499
-        raise
-    finally:
-        call.srv.abort_unfinished([call.stream])
-        count(request, "messages", status)
-        call.finish_metrics()
+def _stream(call: ChatCall, request: Request) -> AsyncIterator[str]:
+    def error(e: Exception) -> str:  # an error event, as Anthropic sends; no [DONE] sentinel in this API
+        return sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {e}"}}, "error")
+
+    return guarded_events(_events(call), request, "messages", call, [call.stream], error, done=None)
 
 
 async def _result(call: ChatCall, request: Request) -> dict[str, Any]:
-    srv = call.srv
-    try:
-        async for _, out in collect(request, srv, [call.stream]):
-            for co in out.outputs:
-                call.absorb(co)
-    except Exception as e:
-        count(request, "messages", 500)
-        raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
-    call.finish_metrics()
-    if not call.choices[0].done and srv.draining:
-        count(request, "messages", 503)
-        raise APIError("The server shut down before the message finished; retry", status=503,
-                       type="server_error", code="shutting_down")
-    count(request, "messages", 200 if call.choices[0].done else 499)
+    def absorb(_: int, out: Any) -> None:
+        for co in out.outputs:
+            call.absorb(co)
+
+    await gather(request, "messages", call, [call.stream], absorb, lambda: call.choices[0].done)
     return _message(call, _content(call))
 
 

@@ -3,7 +3,6 @@ JSON body or as a stream of chunks (reasoning, content and tool calls split by :
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,10 +14,8 @@ from .engine_loop import RequestStream
 from .http import check_auth, count, read_json, server_of
 from .logprobs import chat_logprobs
 from .protocol import APIError, ChatRequest, error_body, parse_chat_request
-from .streaming import DONE, Choice, collect, event_stream, merged_outputs, sse, usage
+from .streaming import Choice, event_stream, gather, guarded_events, merged_outputs, sse, usage
 from .tool_parser import ChatOutputParser, Delta
-
-log = logging.getLogger("flashserve.server")
 
 
 @dataclass
@@ -152,42 +149,19 @@ async def _chat_chunks(call: ChatCall) -> AsyncIterator[str]:
         yield sse({**base, "choices": [], "usage": usage(len(call.prompt_ids), call.completion_tokens)})
 
 
-async def _chat_events(call: ChatCall, request: Request) -> AsyncIterator[str]:
-    status = 200
-    try:
-        try:
-            async for chunk in _chat_chunks(call):
-                yield chunk
-        except Exception as e:  # engine failure mid-stream: report it in-band
-            status = 500
-            log.exception("stream %s failed", call.rid)
-            yield sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
-        yield DONE
-    except BaseException:  # the client went away (GeneratorExit / CancelledError)
-        status = 499
-        raise
-    finally:
-        call.srv.abort_unfinished([call.stream])
-        count(request, "chat", status)
-        call.finish_metrics()
+def _chat_events(call: ChatCall, request: Request) -> AsyncIterator[str]:
+    def error(e: Exception) -> str:
+        return sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
+
+    return guarded_events(_chat_chunks(call), request, "chat", call, [call.stream], error)
 
 
 async def _chat_result(call: ChatCall, request: Request) -> dict[str, Any]:
-    srv = call.srv
-    try:
-        async for _, out in collect(request, srv, [call.stream]):
-            for co in out.outputs:
-                call.absorb(co)
-    except Exception as e:
-        count(request, "chat", 500)
-        raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
-    call.finish_metrics()
-    finished = all(c.finish_reason for c in call.choices)
-    if not finished and srv.draining:
-        count(request, "chat", 503)
-        raise APIError("The server shut down before the request finished; retry", status=503,
-                       type="server_error", code="shutting_down")
-    count(request, "chat", 200 if finished else 499)
+    def absorb(_: int, out: Any) -> None:
+        for co in out.outputs:
+            call.absorb(co)
+
+    await gather(request, "chat", call, [call.stream], absorb, lambda: all(c.finish_reason for c in call.choices))
     choices = [{"index": c.index, "message": call.message(c),
                 "logprobs": {"content": c.lp_entries} if call.req.logprobs else None,
                 "finish_reason": c.finish_reason or "abort", "stop_reason": c.stop_reason} for c in call.choices]

@@ -3,7 +3,6 @@ legacy completions API returns them."""
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -15,9 +14,7 @@ from . import logprobs as lpmod
 from .engine_loop import RequestStream
 from .http import check_auth, count, read_json, server_of
 from .protocol import APIError, CompletionRequest, error_body, invalid, parse_completion_request
-from .streaming import DONE, Choice, collect, event_stream, merged_outputs, sse, usage
-
-log = logging.getLogger("flashserve.server")
+from .streaming import Choice, event_stream, gather, guarded_events, merged_outputs, sse, usage
 
 
 @dataclass
@@ -169,24 +166,11 @@ async def _completion_chunks(call: CompletionCall) -> AsyncIterator[str]:
         yield sse({**base, "choices": [], "usage": usage(call.prompt_tokens(), call.completion_tokens())})
 
 
-async def _completion_events(call: CompletionCall, request: Request) -> AsyncIterator[str]:
-    status = 200
-    try:
-        try:
-            async for chunk in _completion_chunks(call):
-                yield chunk
-        except Exception as e:  # engine failure mid-stream: report it in-band
-            status = 500
-            log.exception("stream %s failed", call.base_id)
-            yield sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
-        yield DONE
-    except BaseException:  # the client went away (GeneratorExit / CancelledError)
-        status = 499
-        raise
-    finally:
-        call.srv.abort_unfinished(call.streams)
-        count(request, "completions", status)
-        call.finish_metrics()
+def _completion_events(call: CompletionCall, request: Request) -> AsyncIterator[str]:
+    def error(e: Exception) -> str:
+        return sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
+
+    return guarded_events(_completion_chunks(call), request, "completions", call, call.streams, error)
 
 
 def _choice_body(call: CompletionCall, c: Choice, lp: dict | None, p: int) -> dict[str, Any]:
@@ -202,24 +186,17 @@ def _choice_body(call: CompletionCall, c: Choice, lp: dict | None, p: int) -> di
 
 
 async def _completion_result(call: CompletionCall, request: Request) -> dict[str, Any]:
-    srv, n = call.srv, call.req.sampling.n
+    n = call.req.sampling.n
     lps: dict[tuple[int, int], Any] = {key: None for key in call.choices}
-    try:
-        async for p, out in collect(request, srv, call.streams):
-            for co in out.outputs:
-                if co.index < n:
-                    _, lp, _, _ = call.absorb(p, out, co)
-                    lps[(p, co.index)] = lpmod.merge(lps[(p, co.index)], lp)
-    except Exception as e:
-        count(request, "completions", 500)
-        raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
-    call.finish_metrics()
-    finished = all(c.finish_reason for c in call.choices.values())
-    if not finished and srv.draining:
-        count(request, "completions", 503)
-        raise APIError("The server shut down before the request finished; retry", status=503,
-                       type="server_error", code="shutting_down")
-    count(request, "completions", 200 if finished else 499)
+
+    def absorb(p: int, out: Any) -> None:
+        for co in out.outputs:
+            if co.index < n:
+                _, lp, _, _ = call.absorb(p, out, co)
+                lps[(p, co.index)] = lpmod.merge(lps[(p, co.index)], lp)
+
+    await gather(request, "completions", call, call.streams, absorb,
+                 lambda: all(c.finish_reason for c in call.choices.values()))
     ordered = sorted(call.choices.items(), key=lambda kv: kv[1].index)
     return {"id": call.base_id, "object": "text_completion", "created": int(time.time()), "model": call.model,
             "choices": [_choice_body(call, c, lps[key], key[0]) for key, c in ordered],

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .engine_loop import RequestStream
+from .http import count
+from .protocol import APIError
 from .tool_parser import ChatOutputParser
+
+log = logging.getLogger("flashserve.server")
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -131,3 +136,48 @@ async def collect(request: Request, srv: Any, streams: list[RequestStream]) -> A
     finally:
         watcher.cancel()
         srv.abort_unfinished(streams)
+
+
+async def guarded_events(chunks: AsyncIterator[str], request: Request, endpoint: str, call: Any,
+                         streams: list[RequestStream], error_event: Callable[[Exception], str],
+                         done: str | None = DONE) -> AsyncIterator[str]:
+    """``chunks`` as a streamed body: an engine failure mid-stream becomes ``error_event`` (in-band: the status
+    is already sent), then ``done``; however it ends, unfinished requests are aborted, the outcome is counted
+    (499: the client left) and ``call.finish_metrics()`` runs."""
+    status = 200
+    try:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except Exception as e:
+            status = 500
+            log.exception("%s stream %s failed", endpoint, ", ".join(s.request_id for s in streams))
+            yield error_event(e)
+        if done:
+            yield done
+    except BaseException:  # the client went away (GeneratorExit / CancelledError)
+        status = 499
+        raise
+    finally:
+        call.srv.abort_unfinished(streams)
+        count(request, endpoint, status)
+        call.finish_metrics()
+
+
+async def gather(request: Request, endpoint: str, call: Any, streams: list[RequestStream],
+                 absorb: Callable[[int, Any], None], finished: Callable[[], bool]) -> None:
+    """Feed every output of a non-streaming call to ``absorb``; count the outcome. An engine failure is a 500,
+    a shutdown that cut the call a 503 (retry elsewhere); a client that left counts as 499."""
+    try:
+        async for p, out in collect(request, call.srv, streams):
+            absorb(p, out)
+    except Exception as e:
+        count(request, endpoint, 500)
+        raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
+    call.finish_metrics()
+    done = finished()
+    if not done and call.srv.draining:
+        count(request, endpoint, 503)
+        raise APIError("The server shut down before the request finished; retry", status=503,
+                       type="server_error", code="shutting_down")
+    count(request, endpoint, 200 if done else 499)
