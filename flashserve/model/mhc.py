@@ -26,7 +26,7 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
     logits = (m[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = torch.softmax(logits, dim=-1).add_(hc_eps)
+    comb = torch.softmax(logits, dim=-1) + hc_eps
     return HyperMix(pre, post, sinkhorn(comb, iters, hc_eps))
 
 
@@ -43,6 +43,12 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     ones_row = c.new_ones(1, 1, n).expand(c.shape[0], 1, n)
     eps_col = c.new_full((1, n, 1), eps).expand(c.shape[0], n, 1)
     eps_row = c.new_full((1, 1, n), eps).expand(c.shape[0], 1, n)
+    if torch.is_grad_enabled() and c.requires_grad:  # training: the same arithmetic out of place
+        c = c / torch.baddbmm(eps_row, ones_row, c)
+        for _ in range(iters - 1):
+            c = c / torch.baddbmm(eps_col, c, ones_col)
+            c = c / torch.baddbmm(eps_row, ones_row, c)
+        return c.view_as(comb)
     c.div_(torch.baddbmm(eps_row, ones_row, c))  # eps + column sums [.., 1, n]
     for _ in range(iters - 1):
         c.div_(torch.baddbmm(eps_col, c, ones_col))  # eps + row sums [.., n, 1]
