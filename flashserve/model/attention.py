@@ -225,6 +225,7 @@ class Attention(nn.Module):
         D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         self.cfg, self.layer, self.ratio, self.role = cfg, layer, ratio, role
         self.n_heads, self.head_dim, self.window = H, hd, cfg.sliding_window
+        self.o_groups = cfg.o_groups  # heads and output groups of this rank (tensor parallel: a slice of each)
         self.v41 = cfg.is_v41
         self.rope_kind = "compress" if ratio > 0 else "main"
         self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
@@ -383,7 +384,7 @@ class Attention(nn.Module):
                                          None if comp_logits is None else comp_logits[:, :, a:b], vals, False))
             out = torch.cat(outs, dim=1)
         out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
-        G = self.cfg.o_groups
+        G = self.o_groups
         grouped = out.reshape(B, S, G, -1)
         wa = self.wo_a.weight.view(G, -1, grouped.shape[-1])
         u = torch.einsum("bsgi,goi->bsgo", grouped, wa)
