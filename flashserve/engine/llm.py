@@ -13,7 +13,9 @@ from .sequence import RequestOutput
 
 class LLM:
     def __init__(self, model: str, **engine_options):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        from ..parallel import create_engine
+
+        self.engine = create_engine(EngineConfig(model=model, **engine_options))  # LLMEngine unless sharded
         self._ids = itertools.count()
 
     @classmethod

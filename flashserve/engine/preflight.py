@@ -65,6 +65,7 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
     if c.tokenizer is not None and not (Path(c.tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(f"tokenizer: {c.tokenizer!r} is not a folder holding a tokenizer.json")
     cfg = model_config or load_config(c.model)
+    _check_layout(c, cfg)
     limit = cfg.max_position_embeddings
     if c.max_model_len is not None and not 2 <= c.max_model_len <= limit:
         raise ConfigError(f"max_model_len: {c.max_model_len} is outside [2, {limit}], {limit} being the model's "
@@ -76,6 +77,15 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
     if c.num_pages is None:  # an explicit page count is a test's deliberately small cache
         _check_fits(pre)
     return pre
+
+
+def _check_layout(c: EngineConfig, cfg: ModelConfig) -> None:
+    """The parallel layout's sizes divide what they split (flashserve.parallel.layout)."""
+    from ..parallel.layout import layout_of
+
+    layout_of(c).check(cfg)
+    if not (isinstance(c.worker_timeout, (int, float)) and c.worker_timeout > 0):
+        raise ConfigError(f"worker_timeout: must be a number of seconds > 0, got {c.worker_timeout!r}")
 
 
 def _check_scalars(c: EngineConfig) -> None:

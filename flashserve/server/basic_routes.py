@@ -14,7 +14,9 @@ from .protocol import APIError, invalid, parse_chat_request
 async def health(request: Request):
     srv = server_of(request)
     if not srv.loop.alive:
-        return JSONResponse({"status": "error", "detail": "engine loop not running"}, status_code=503)
+        fatal = getattr(srv.loop, "fatal", None)
+        detail = "engine loop not running" + (f": {fatal}" if fatal is not None else "")
+        return JSONResponse({"status": "error", "detail": detail}, status_code=503)
     if srv.draining:
         return JSONResponse({"status": "draining"}, status_code=503)
     return {"status": "ok"}

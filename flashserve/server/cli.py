@@ -138,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         log.warning("listening on %s without an API key: anyone who can reach this address can use the "
                     "server (set --api-key or $%s)", args.host, API_KEY_ENV)
     preflight.check(engine_config(args))  # every engine flag, before loading
+    worker = _torchrun_worker(args)
+    if worker is not None:  # a torchrun process of rank > 0: a worker of rank 0's engine, no HTTP
+        return worker
     sock = bind_socket(args.host, args.port)
     try:
         code = serve(build_engine(args), args, sock)
@@ -154,9 +157,24 @@ def build_engine(args: argparse.Namespace):
     from ..interrupts import deferred_interrupt
 
     with deferred_interrupt():
-        from ..engine.llm_engine import LLMEngine
+        from ..parallel import create_engine
 
-    return LLMEngine(engine_config(args))
+    engine = create_engine(engine_config(args))  # LLMEngine, or rank 0 of a sharded engine
+    if hasattr(engine, "exit_on_failure"):
+        engine.exit_on_failure = True  # a dead worker: /health turns 503, then the server exits with status 1
+    return engine
+
+
+def _torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun, ranks other than 0 run the worker loop (exit status returned); None on rank 0."""
+    from ..parallel.layout import layout_of
+
+    config = engine_config(args)
+    if not layout_of(config).sharded or os.environ.get("RANK", "0") == "0":
+        return None
+    from ..parallel.executor import run_torchrun_worker
+
+    return run_torchrun_worker(config)
 
 
 def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
@@ -176,4 +194,11 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
              engine.max_model_len)
     serve_app(app, sock, log_level=args.log_level, access_log=args.access_log,
               shutdown_timeout=args.shutdown_timeout)
+    failure = getattr(engine, "failure", None)
+    if failure is not None and getattr(engine, "exit_on_failure", False):
+        log.error("exiting: %s", failure)
+        return 1
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
     return 0

@@ -149,6 +149,8 @@ class EngineLoop:
                     self.engine.add_request(rid, prompt, params, images=imgs)
                 except BaseException as e:  # RequestError / QueueFullError / anything: back to the handler
                     fut.set_exception(e)
+                    if getattr(e, "fatal", False):  # a sharded engine lost a worker: the loop ends
+                        raise
                 else:
                     self._streams[rid] = stream
                     fut.set_result(None)
@@ -196,6 +198,8 @@ class EngineLoop:
                     try:
                         outputs = engine.step()
                     except Exception as e:  # an engine bug: fail the requests in flight, keep serving
+                        if getattr(e, "fatal", False):  # a sharded engine lost a worker: the loop ends
+                            raise
                         log.exception("engine.step() failed")
                         self._fail_all(RuntimeError(f"engine step failed: {type(e).__name__}: {e}"))
                         outputs = []

@@ -1,0 +1,175 @@
+"""Process groups of one sharded engine and the collectives its model runs, with the bytes each moves.
+
+No global state: three process-group objects built over one ``TCPStore`` (gloo on the CPU, NCCL for the data
+group on CUDA), held by a :class:`Comm` that is passed to the modules that use it. ``torch.distributed``'s
+default group is never initialised, so several engines (or tests) can live in one process.
+
+* ``data``: the model's collectives (TP all-reduce, vocab all-gather, MoE dispatch/combine); bounded timeout.
+* ``ctl``: rank 0's commands to the workers; waits as long as the engine is idle (no timeout to speak of).
+* ``reply``: the workers' answers to rank 0 (gloo, bounded timeout): a worker that dies or hangs is found
+  within ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout
+
+IDLE = -1  # layer id a rank sends in the DP MoE header when it has no forward to run
+
+
+@dataclass
+class Counter:
+    calls: int = 0
+    payload_bytes: int = 0  # bytes of the tensors handed to the collective, this rank
+    link_bytes: float = 0.0  # bytes this rank sends over its links (ring algorithms)
+
+    def as_dict(self) -> dict:
+        return {"calls": self.calls, "payload_bytes": self.payload_bytes, "link_bytes": self.link_bytes}
+
+
+@dataclass
+class Comm:
+    layout: Layout
+    rank: int
+    data: object  # ProcessGroup
+    ctl: object
+    reply: object
+    timeout: float
+    device: torch.device
+    counters: dict[str, Counter] = field(default_factory=dict)
+    moe_layers: dict[int, object] = field(default_factory=dict)  # layer -> ParallelMoE (DP idle participation)
+
+    @property
+    def world(self) -> int:
+        return self.layout.world
+
+    # ------------------------------------------------------------------ accounting
+    def _count(self, name: str, payload: int, link: float) -> None:
+        c = self.counters.setdefault(name, Counter())
+        c.calls += 1
+        c.payload_bytes += payload
+        c.link_bytes += link
+
+    def reset_counters(self) -> dict[str, dict]:
+        out = {k: v.as_dict() for k, v in self.counters.items()}
+        self.counters.clear()
+        return out
+
+    def _wait(self, work) -> None:
+        work.wait(datetime.timedelta(seconds=self.timeout))
+
+    # ------------------------------------------------------------------ model collectives (data group)
+    def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """Sum ``t`` over every rank, in place; ring link bytes 2·(w−1)/w · size."""
+        n = t.numel() * t.element_size()
+        self._count(name, n, 2 * (self.world - 1) / self.world * n)
+        t = t.contiguous()
+        self._wait(self.data.allreduce([t]))
+        return t
+
+    def all_gather(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
+        """Every rank's ``t`` (equal shapes), in rank order; link bytes (w−1) · size."""
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        self._count(name, n, (self.world - 1) * n)
+        outs = [torch.empty_like(t) for _ in range(self.world)]
+        self._wait(self.data.allgather([outs], [t]))
+        return outs
+
+    def all_to_all(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """Chunk ``j`` of ``t`` (split on dim 0 in ``world`` equal parts) goes to rank ``j``; link bytes
+        (w−1)/w · size."""
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        self._count(name, n, (self.world - 1) / self.world * n)
+        out = torch.empty_like(t)
+        self._wait(self.data.alltoall_base(out, t, [], []))
+        return out
+
+    # ------------------------------------------------------------------ DP: MoE in lock step
+    def moe_header(self, tokens: int, layer: int) -> list[tuple[int, int]]:
+        """(tokens, layer) of every rank for the next MoE collective (layer ``IDLE``: nothing to run)."""
+        h = torch.tensor([tokens, layer], dtype=torch.long, device=self.device)
+        return [tuple(int(v) for v in x.tolist()) for x in self.all_gather(h, "moe_dp_header")]
+
+    def sync_idle(self) -> int:
+        """After a rank's forwards of one step: serve the MoE of the ranks still running theirs, until every
+        rank is idle. Returns the MoE collectives served."""
+        served = 0
+        while True:
+            header = self.moe_header(0, IDLE)
+            if all(layer == IDLE for _, layer in header):
+                return served
+            any_moe = next(iter(self.moe_layers.values()))
+            any_moe.dp_exchange(None, None, None, header)
+            served += 1
+
+    # ------------------------------------------------------------------ control (objects)
+    def send_command(self, obj) -> None:
+        """Rank 0: one pickled object to every worker (``ctl`` group)."""
+        self._broadcast_object(self.ctl, obj, wait=True)
+
+    def recv_command(self):
+        """A worker: the next command from rank 0 (waits however long the engine is idle)."""
+        return self._broadcast_object(self.ctl, None, wait=False)
+
+    def _broadcast_object(self, pg, obj, wait: bool):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            size = torch.tensor([data.numel()], dtype=torch.long)
+        else:
+            size = torch.zeros(1, dtype=torch.long)
+        w = pg.broadcast([size], opts)
+        self._wait(w) if wait else w.wait()
+        if self.rank != 0:
+            data = torch.empty(int(size), dtype=torch.uint8)
+        w = pg.broadcast([data], opts)
+        self._wait(w) if wait else w.wait()
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def send_reply(self, obj) -> None:
+        """A worker: its answer to the last command, to rank 0."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self._wait(self.reply.send([torch.tensor([data.numel()], dtype=torch.long)], 0, 1))
+        self._wait(self.reply.send([data], 0, 2))
+
+    def recv_reply(self, src: int):
+        size = torch.zeros(1, dtype=torch.long)
+        self._wait(self.reply.recv([size], src, 1))
+        data = torch.empty(int(size), dtype=torch.uint8)
+        self._wait(self.reply.recv([data], src, 2))
+        return pickle.loads(data.numpy().tobytes())
+
+
+LONG_WAIT = datetime.timedelta(days=365)
+
+
+def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.device, timeout: float,
+            host_store: bool = True) -> Comm:
+    """Join the engine's process groups. Rank 0 hosts the store at ``addr:port`` unless torchrun's agent already
+    does (``host_store`` False)."""
+    t = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(addr, port, layout.world, rank == 0 and host_store,
+                          timeout=datetime.timedelta(seconds=max(timeout, 300)), wait_for_workers=False)
+
+    def gloo(prefix: str, wait: datetime.timedelta):
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, layout.world, wait)
+
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = t
+        data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, layout.world, opts)
+    else:
+        data = gloo("data", t)
+    comm = Comm(layout, rank, data, gloo("ctl", LONG_WAIT), gloo("reply", t), timeout, device)
+    comm.store = store  # kept alive with the groups
+    return comm

@@ -1,0 +1,517 @@
+"""The sharded engine: one process per rank, rank 0 driving.
+
+Every rank holds a whole :class:`~flashserve.engine.llm_engine.LLMEngine` over its shard of the model, so the
+lead's engine code (scheduler, cache, sampler, speculative decoding) runs unchanged on every rank:
+
+* TP / EP (one DP group): the engines are replicas. Rank 0 validates each API call (``add_request``,
+  ``abort_request``, ``step``, an attribute the server sets) on its own engine and sends it, with its
+  arguments, to every worker, which applies it to its replica: the same inputs in the same order give the same
+  schedule, the same cache writes and (with the same seeds and all-reduced logits) the same sampled tokens.
+  This is the step's metadata: the requests that arrived and the order to step, not the derived schedule.
+  Each step the workers answer with a digest of the tokens they produced; a digest that differs from rank
+  0's ends the engine ("rank r diverged").
+* Attention DP (with EP): each rank's engine holds its own requests and cache. Rank 0 balances new requests
+  over the ranks (fewest unfinished), sends each step to every rank, and merges the outputs; the ranks meet
+  only in the MoE, kept in lock step by :meth:`~.comm.Comm.sync_idle`.
+
+Processes: on one node rank 0 spawns ``world - 1`` workers (``torch.multiprocessing``, spawn, as vLLM's
+multiprocessing executor); under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set)
+every process is started by torchrun and ranks other than 0 serve as workers.
+
+Failure: a worker that dies is seen at once (its sockets close); one that hangs, after ``worker_timeout``
+seconds (every wait of rank 0 on a worker and every model collective is bounded by it). Either way the engine
+raises :class:`WorkerFailure` naming the rank, kills the workers it spawned and refuses further calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import os
+import socket
+import threading
+import time
+
+import torch
+
+from ..config import ConfigError
+from .comm import Comm, connect
+from .layout import Layout, layout_of
+from .shard import shard_model
+
+log = logging.getLogger("flashserve.parallel")
+
+STARTUP_WAIT_S = 3600.0  # a worker loading its shard of a large checkpoint
+
+
+class WorkerFailure(RuntimeError):
+    """A worker died, hung or diverged: the sharded engine cannot go on."""
+
+    fatal = True  # the server's engine loop stops (and /health turns unhealthy) instead of serving on
+
+
+def torchrun_env() -> dict | None:
+    """Rank, world size, local rank and rendezvous of a process started by ``torchrun``; None otherwise."""
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(k in os.environ for k in keys):
+        return None
+    return {"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]),
+            "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "addr": os.environ["MASTER_ADDR"],
+            "port": int(os.environ["MASTER_PORT"]),
+            "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _device(config, local_rank: int) -> torch.device:
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} asked but CUDA is not available")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
+    """One rank's engine: the model built whole on the host (a preset's seeded weights are equal on every
+    rank), this rank's slices kept, then moved to its device."""
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.threads import set_threads
+    from ..model.loader import load_model, resolve_dtype
+
+    set_threads(config.threads)
+    device = comm.device
+    dtype = torch.float64 if config.dtype in ("float64", "fp64") else resolve_dtype(config.dtype)
+    model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant, with_mtp=False,
+                       quantization=config.quantization)
+    shard_model(model, layout, rank, comm)
+    model.to(device)
+    # collectives run eagerly: the compiled decode step does not trace this module's process-group calls
+    cfg = dataclasses.replace(config, device=str(device), enforce_eager=True)
+    return LLMEngine(cfg, model=model)
+
+
+def _digest(outputs) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for o in outputs:
+        h.update(repr((o.request_id, o.finished, [(c.index, list(c.token_ids), c.finish_reason)
+                                                   for c in o.outputs])).encode())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- workers
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:  # the engine process is gone: no orphan worker
+            os._exit(3)
+
+
+def worker_main(config, rank: int, local_rank: int, addr: str, port: int, parent_pid: int | None,
+                agent_store: bool = False) -> int:
+    """A worker's life: join the groups, build its engine, then apply rank 0's commands until ``stop``."""
+    layout = layout_of(config)
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    comm = connect(layout, rank, addr, port, _device(config, local_rank), config.worker_timeout,
+                   host_store=not agent_store)
+    try:
+        engine = build_rank_engine(config, layout, rank, comm)
+    except Exception as e:
+        comm.send_reply(("error", f"rank {rank} failed to start: {type(e).__name__}: {e}"))
+        return 1
+    comm.send_reply(("ready", None))
+    dp = layout.dp > 1
+    while True:
+        cmd = comm.recv_command()
+        op = cmd[0]
+        if op == "stop":
+            comm.send_reply(("ok", None))
+            return 0
+        try:
+            if op == "step":
+                outs = engine.step()
+                if dp:
+                    comm.sync_idle()
+                    reply = (outs, engine.stats())
+                else:
+                    reply = _digest(outs)
+            elif op == "add":
+                target, args = cmd[1], cmd[2:]
+                if target is None or target == layout.dp_rank(rank):
+                    engine.add_request(*args[:3], images=args[3])
+                reply = None
+            elif op == "abort":
+                target, rid = cmd[1], cmd[2]
+                if target is None or target == layout.dp_rank(rank):
+                    engine.abort_request(rid)
+                reply = None
+            elif op == "setattr":
+                setattr(engine, cmd[1], cmd[2])
+                reply = None
+            elif op == "counters":
+                reply = comm.reset_counters()
+            else:
+                raise RuntimeError(f"unknown command {op!r}")
+        except Exception as e:  # a request error (DP target) or a bug: rank 0 decides
+            comm.send_reply(("error", e if _picklable(e) else RuntimeError(f"{type(e).__name__}: {e}")))
+            continue
+        comm.send_reply(("ok", reply))
+
+
+def _picklable(e: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:
+        return False
+
+
+def _spawned_worker(config, rank: int, addr: str, port: int, parent_pid: int) -> None:
+    import sys
+
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        code = worker_main(config, rank, rank, addr, port, parent_pid)
+    except Exception as e:  # rank 0 gone or the groups broken: nothing to answer to
+        print(f"flashserve worker rank {rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# ---------------------------------------------------------------------------------------------- rank 0
+class ShardedEngine:
+    """Rank 0's engine over ``world`` ranks, with :class:`LLMEngine`'s interface (unknown attributes are read
+    from rank 0's own engine; attributes set on it are set on every rank's)."""
+
+    _OWN = frozenset({"layout", "comm", "local", "procs", "failure", "owner", "load", "timeout", "_stats",
+                      "exit_on_failure", "_env"})
+
+    def __init__(self, config):
+        o = object.__setattr__
+        layout = layout_of(config)
+        o(self, "layout", layout)
+        o(self, "timeout", float(config.worker_timeout))
+        o(self, "failure", None)
+        o(self, "procs", [])
+        o(self, "owner", {})  # DP: request id -> DP rank
+        o(self, "load", [0] * layout.dp)  # DP: unfinished sequences per rank
+        o(self, "_stats", {})
+        o(self, "exit_on_failure", False)
+        env = torchrun_env()
+        o(self, "_env", env)
+        device = _device(config, env["local_rank"] if env else 0)
+        if env is not None:
+            if env["world"] != layout.world:
+                raise ConfigError(f"torchrun started {env['world']} processes but {layout.describe()} needs "
+                                  f"{layout.world}")
+            addr, port, agent = env["addr"], env["port"], env["agent_store"]
+        else:
+            addr, port, agent = "127.0.0.1", _free_port(), False
+            ctx = torch.multiprocessing.get_context("spawn")
+            for r in range(1, layout.world):
+                p = ctx.Process(target=_spawned_worker, args=(config, r, addr, port, os.getpid()),
+                                name=f"flashserve-rank{r}", daemon=True)
+                p.start()
+                self.procs.append(p)
+        try:
+            comm = self._connect(layout, addr, port, device, agent)
+            o(self, "comm", comm)
+            o(self, "local", build_rank_engine(config, layout, 0, comm))
+            for r in range(1, layout.world):
+                status, msg = self._recv(r, STARTUP_WAIT_S)
+                if status != "ready":
+                    raise WorkerFailure(msg)
+        except BaseException as e:
+            self._kill_workers()
+            if isinstance(e, (WorkerFailure, ConfigError)):
+                raise
+            raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._who(e)}") from e
+        self._log_startup()
+
+    # ------------------------------------------------------------------ start-up
+    def _connect(self, layout, addr, port, device, agent) -> Comm:
+        """Join the groups while watching the spawned workers: one that dies while starting ends the wait."""
+        box: dict = {}
+
+        def run():
+            try:
+                box["comm"] = connect(layout, 0, addr, port, device, self.timeout, host_store=not agent)
+            except BaseException as e:
+                box["error"] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                raise WorkerFailure(f"{layout.describe()}: worker rank {self.procs.index(dead[0]) + 1} "
+                                    f"(pid {dead[0].pid}) exited with code {dead[0].exitcode} while starting")
+        if "error" in box:
+            raise box["error"]
+        return box["comm"]
+
+    def _log_startup(self) -> None:
+        lay, cache = self.layout, self.local.cache
+        log.info("sharded engine: %s; per rank: %s B of weights", lay.describe(),
+                 f"{sum(p.numel() * p.element_size() for p in self.local.model.parameters()):,}")
+        if lay.tp > 1:
+            per_rank = cache.num_pages * cache.page_bytes
+            log.info("tensor parallel: the KV cache is replicated on each of the %d TP ranks (V4.1's single shared "
+                     "KV head cannot be split by head): %s B per rank (%.2f B/token), %s B over the TP group",
+                     lay.tp, f"{per_rank:,}", cache.bytes_per_token, f"{per_rank * lay.tp:,}")
+
+    # ------------------------------------------------------------------ failure
+    def _who(self, exc: BaseException) -> str:
+        """Which worker failed and how, as best known: a spawned worker's exit code, else the error."""
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and self.procs and all(p.exitcode is None for p in self.procs):
+            time.sleep(0.05)  # a killed worker's exit is seen a moment after its sockets close
+        dead = [f"worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}"
+                for r, p in enumerate(self.procs, start=1) if p.exitcode is not None]
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if dead:
+            return "; ".join(dead) + f" ({text})"
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            return f"a worker did not answer within the {self.timeout:g} s worker timeout ({text})"
+        return text
+
+    def _fail(self, exc: BaseException, what: str | None = None) -> WorkerFailure:
+        msg = what or self._who(exc)
+        failure = WorkerFailure(f"sharded engine ({self.layout.describe()}) stopped: {msg}")
+        object.__setattr__(self, "failure", failure)
+        log.error("%s", failure)
+        self._kill_workers()
+        if self.exit_on_failure:
+            self._exit_later()
+        return failure
+
+    def _exit_later(self) -> None:
+        """Server mode: after a grace period (so /health can say why), stop the server with status 1."""
+        import signal
+
+        def later():
+            time.sleep(2.0)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=later, daemon=True).start()
+
+    def _kill_workers(self) -> None:
+        for p in self.procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self.procs:
+            p.join(10)
+
+    def shutdown(self) -> None:
+        """Stop the workers (a clean ``stop`` if they answer, else killed)."""
+        if self.failure is None and self.procs and any(p.exitcode is None for p in self.procs):
+            try:
+                self.comm.send_command(("stop",))
+                for r in range(1, self.layout.world):
+                    self._recv(r, min(self.timeout, 10.0))
+            except Exception:
+                pass
+        object.__setattr__(self, "failure", self.failure or WorkerFailure("the sharded engine was shut down"))
+        self._kill_workers()
+
+    def __del__(self):  # pragma: no cover - interpreter teardown
+        try:
+            self._kill_workers()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ commands
+    def _recv(self, src: int, wait: float | None = None):
+        saved = self.comm.timeout
+        if wait is not None:
+            self.comm.timeout = wait
+        try:
+            return self.comm.recv_reply(src)
+        finally:
+            self.comm.timeout = saved
+
+    def _command(self, cmd: tuple, local=None):
+        """Send ``cmd`` to every worker, run ``local`` (rank 0's part) meanwhile, collect every worker's reply.
+        Returns (rank 0's result or the exception it raised, [worker replies])."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            self.comm.send_command(cmd)
+            mine: object = None
+            try:
+                mine = local() if local is not None else None
+            except Exception as e:
+                if cmd[0] == "step":  # rank 0's forward failed mid-collective: the ranks are out of step
+                    raise
+                mine = e
+            replies = [self._recv(r) for r in range(1, self.layout.world)]
+        except WorkerFailure:
+            raise
+        except Exception as e:
+            raise self._fail(e) from e
+        return mine, replies
+
+    # ------------------------------------------------------------------ the engine interface
+    def __getattr__(self, name):
+        return getattr(object.__getattribute__(self, "local"), name)
+
+    def __setattr__(self, name, value):
+        if name in self._OWN:
+            object.__setattr__(self, name, value)
+            return
+        with self.local.lock:
+            setattr(self.local, name, value)
+            _, replies = self._command(("setattr", name, value))
+            self._check(replies, f"setting {name}")
+
+    def _check(self, replies, what: str) -> list:
+        out = []
+        for r, (status, value) in enumerate(replies, start=1):
+            if status != "ok":
+                raise self._fail(value if isinstance(value, BaseException) else RuntimeError(str(value)),
+                                 f"rank {r} failed {what}: {type(value).__name__}: {value}")
+            out.append(value)
+        return out
+
+    def add_request(self, request_id, prompt, params=None, images=None) -> None:
+        images = images or []
+        with self.local.lock:
+            if self.layout.dp == 1:
+                import copy
+
+                args = (request_id, copy.deepcopy(prompt), copy.deepcopy(params), images)
+                self.local.add_request(request_id, prompt, params, images=images)  # errors: the caller's, sent nowhere
+                _, replies = self._command(("add", None) + args)
+                self._check(replies, f"add_request({request_id!r})")
+                return
+            from ..engine.sampling_params import RequestError
+
+            if request_id in self.owner:
+                raise RequestError(f"request_id: {request_id!r} is already running")
+            target = min(range(self.layout.dp), key=lambda r: (self.load[r], r))
+            cmd = ("add", target, request_id, prompt, params, images)
+            mine, replies = self._command(cmd, (lambda: self.local.add_request(request_id, prompt, params,
+                                                                               images=images))
+                                          if target == 0 else None)
+            err = mine if target == 0 else (replies[target - 1][1] if replies[target - 1][0] == "error" else None)
+            others = [rep for r, rep in enumerate(replies, start=1) if r != target]
+            self._check(others, f"add_request({request_id!r}) (for rank {target})")
+            if isinstance(err, BaseException):
+                raise err
+            self.owner[request_id] = target
+            self.load[target] += (params.n if params is not None else 1)
+
+    def abort_request(self, request_id) -> None:
+        with self.local.lock:
+            if self.layout.dp == 1:
+                self.local.abort_request(request_id)
+                _, replies = self._command(("abort", None, request_id))
+                self._check(replies, f"abort_request({request_id!r})")
+                return
+            target = self.owner.pop(request_id, None)
+            if target is None:
+                return
+            mine, replies = self._command(("abort", target, request_id),
+                                          (lambda: self.local.abort_request(request_id)) if target == 0 else None)
+            self._check(replies, f"abort_request({request_id!r})")
+            self._recount()
+
+    def has_unfinished_requests(self) -> bool:
+        if self.layout.dp == 1:
+            return self.local.has_unfinished_requests()
+        return bool(self.owner)
+
+    def step(self):
+        with self.local.lock:
+            if self.layout.dp == 1:
+                mine, replies = self._command(("step",), self.local.step)
+                digests = self._check(replies, "step")
+                d0 = _digest(mine)
+                for r, d in enumerate(digests, start=1):
+                    if d != d0:
+                        raise self._fail(RuntimeError("diverged"), f"rank {r} diverged from rank 0 at step "
+                                                                  f"{self.local.num_steps} (different tokens)")
+                return mine
+
+            def local():
+                outs = self.local.step()
+                self.comm.sync_idle()
+                return outs
+
+            mine, replies = self._command(("step",), local)
+            outs = list(mine)
+            stats = {0: self.local.stats()}
+            for r, (o, s) in enumerate(self._check(replies, "step"), start=1):
+                outs.extend(o)
+                stats[r] = s
+            self._stats.update(stats)
+            for o in outs:
+                if o.finished:
+                    self.owner.pop(o.request_id, None)
+            self._recount()
+            return outs
+
+    def _recount(self) -> None:
+        load = [0] * self.layout.dp
+        for rid, r in self.owner.items():
+            load[r] += 1
+        object.__setattr__(self, "load", load)
+
+    def stats(self) -> dict:
+        mine = self.local.stats()
+        if self.layout.dp == 1 or not self._stats:
+            return mine
+        out = dict(mine)
+        summed = ("num_running", "num_waiting", "kv_pages_used", "kv_pages_total", "prompt_tokens_total",
+                  "generation_tokens_total", "num_preemptions")
+        for k in summed:
+            out[k] = sum(s.get(k, 0) for s in self._stats.values())
+        return out
+
+    def collective_counters(self) -> list[dict]:
+        """Every rank's collective counters since the last call (calls, payload and link bytes per collective),
+        reset."""
+        with self.local.lock:
+            mine, replies = self._command(("counters",), self.comm.reset_counters)
+            return [mine] + self._check(replies, "counters")
+
+
+def create_engine(config):
+    """The engine ``config`` describes: :class:`LLMEngine` for one rank, :class:`ShardedEngine` on rank 0 of a
+    sharded layout. A torchrun process of rank > 0 serves as a worker and exits when rank 0 stops it."""
+    layout = layout_of(config)
+    if not layout.sharded:
+        from ..engine.llm_engine import LLMEngine
+
+        return LLMEngine(config)
+    env = torchrun_env()
+    if env is not None and env["rank"] != 0:
+        raise SystemExit(run_torchrun_worker(config))
+    return ShardedEngine(config)
+
+
+def run_torchrun_worker(config) -> int:
+    """A torchrun process of rank > 0: serve rank 0's commands; returns its exit status."""
+    env = torchrun_env()
+    layout = layout_of(config)
+    if env["world"] != layout.world:
+        raise ConfigError(f"torchrun started {env['world']} processes but {layout.describe()} needs {layout.world}")
+    try:
+        return worker_main(config, env["rank"], env["local_rank"], env["addr"], env["port"], None,
+                           agent_store=env["agent_store"])
+    except Exception as e:
+        log.error("worker rank %d: %s: %s", env["rank"], type(e).__name__, e)
+        return 1

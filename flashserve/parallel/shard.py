@@ -1,0 +1,229 @@
+"""Shard a built :class:`~flashserve.model.transformer.Transformer` for one rank of a :class:`Layout`.
+
+The model is built whole (a preset's seeded weights, or a checkpoint) and each rank keeps its slices:
+
+* attention: ``wq_b`` rows and ``attn_sink`` of the rank's query heads, ``wo_a`` rows of its output groups
+  (column / group parallel), ``wo_b`` columns of those groups (row parallel: one all-reduce per layer);
+* the shared expert's intermediate width (w1/w3 rows, w2 columns), summed in the MoE's one all-reduce;
+* routed experts: whole experts per rank with EP, else each expert's intermediate width (TP-MoE);
+* embedding and LM head: a slice of the vocabulary (masked lookup + all-reduce; logits all-gathered);
+* everything else (mHC, router, norms, compressors, indexer, ``wq_a``, ``wkv``, engram, drafters, vision)
+  is left whole: replicated.
+
+Modules are replaced by subclasses that hold the :class:`~.comm.Comm` they talk through (no global state);
+parameter names are unchanged, shapes are the rank's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError
+from ..model.moe import Experts, MoE, SharedExpert
+from ..model.norms import fp32
+from .comm import IDLE, Comm
+from .layout import Layout, split
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().clone(), requires_grad=False)
+
+
+def _linear(weight: torch.Tensor, cls=nn.Linear, **kw) -> nn.Linear:
+    """A bias-free linear layer holding ``weight`` [out, in]."""
+    out_f, in_f = weight.shape
+    lin = cls(in_f, out_f, bias=False, device="meta", dtype=weight.dtype, **kw)
+    lin.weight = _param(weight)
+    return lin
+
+
+def _plain(module: nn.Module, cls: type, what: str) -> None:
+    if type(module) is not cls or not isinstance(getattr(module, "weight", None), (nn.Parameter, type(None))):
+        raise ConfigError(f"sharding needs float weights: {what} is {type(module).__name__} (packed); load it "
+                          "with quantization='float' or run unsharded")
+
+
+class RowParallelLinear(nn.Linear):
+    """``wo_b`` of one rank: its input columns; the partial products are summed over the ranks."""
+
+    def __init__(self, in_f: int, out_f: int, bias: bool = False, device=None, dtype=None, comm: Comm = None):
+        super().__init__(in_f, out_f, bias=bias, device=device, dtype=dtype)
+        self.comm = comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(super().forward(x), "attn_wo_b_allreduce")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``embed`` of one rank: rows [v0, v1) of the vocabulary; other ids look up zeros, summed over ranks."""
+
+    def __init__(self, weight: torch.Tensor, v0: int, comm: Comm):
+        super().__init__()
+        self.weight = _param(weight)
+        self.v0, self.comm = v0, comm
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.v0
+        mine = (local >= 0) & (local < self.num_embeddings)
+        e = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        e = e.masked_fill(~mine[..., None], 0)
+        return self.comm.all_reduce(e, "embed_allreduce")
+
+
+class ParallelHead(nn.Module):
+    """``head`` of one rank: logits of its vocabulary slice, all-gathered to the whole vocabulary."""
+
+    def __init__(self, weight: torch.Tensor, comm: Comm):
+        super().__init__()
+        self.weight = _param(weight)
+        self.comm = comm
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        part = F.linear(h, self.weight)
+        return torch.cat(self.comm.all_gather(part, "head_allgather"), dim=-1)
+
+
+class ParallelMoE(nn.Module):
+    """``ffn`` of one rank. Modes: ``tp`` (each expert's width split, one all-reduce), ``ep`` (whole experts
+    per rank, tokens replicated by TP attention: one all-reduce), ``ep_dp`` (attention data parallel: each
+    rank's tokens all-gathered, every rank runs its experts on them, the partial outputs sent back with one
+    all-to-all and summed)."""
+
+    def __init__(self, moe: MoE, layer: int, mode: str, experts: tuple[int, int], comm: Comm):
+        super().__init__()
+        self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
+        self.layer, self.mode, self.comm = layer, mode, comm
+        self.e0, self.e1 = experts
+        self.top_k = moe.gate.top_k
+
+    def _local(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Σ over the pairs routed to this rank's experts (others contribute nothing), fp32 [T, D]."""
+        out = torch.zeros(x.shape, dtype=fp32(x[:0]).dtype, device=x.device)
+        mine = (idx >= self.e0) & (idx < self.e1)
+        t, k = mine.nonzero(as_tuple=True)
+        if t.numel():
+            y = self.experts(x[t], (idx[t, k] - self.e0)[:, None], w[t, k][:, None])
+            out.index_add_(0, t, fp32(y))
+        return out
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, w = self.gate(flat, ids.reshape(-1), None if image is None else image.reshape(-1))
+        if self.mode == "tp":
+            y = self.experts(flat, idx, w)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(flat)
+            return self.comm.all_reduce(y, "moe_tp_allreduce").view(shape)
+        if self.mode == "ep":
+            y = self._local(flat, idx, w).to(x.dtype)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(flat)
+            return self.comm.all_reduce(y, "moe_ep_allreduce").view(shape)
+        header = self.comm.moe_header(flat.shape[0], self.layer)
+        y = self.dp_exchange(flat, idx, w, header)[:flat.shape[0]].to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(shape)
+
+    def dp_exchange(self, flat, idx, w, header: list[tuple[int, int]]) -> torch.Tensor:
+        """One DP MoE collective: gather every rank's tokens (padded to the most any rank sends), run this
+        rank's experts of the layer each rank asked for, return each rank's partial sums to it. ``flat`` None:
+        this rank is idle and only serves. Returns this rank's rows, fp32 [max tokens, D]."""
+        comm, W, k = self.comm, self.comm.world, self.top_k
+        tmax = max(t for t, _ in header)
+        D = self.experts.dim
+        dtype = self.experts.w1.dtype
+        dev = self.experts.w1.device
+        xs = torch.zeros(tmax, D, dtype=dtype, device=dev)
+        meta = torch.full((tmax, 2 * k), -1.0, dtype=torch.float64, device=dev)  # expert ids, then weights
+        if flat is not None:
+            T = flat.shape[0]
+            xs[:T] = flat
+            meta[:T, :k] = idx.to(torch.float64)
+            meta[:T, k:] = w.to(torch.float64)
+        x_all = torch.cat(comm.all_gather(xs, "moe_dp_dispatch_x"))
+        m_all = torch.cat(comm.all_gather(meta, "moe_dp_dispatch_route"))
+        acc = fp32(xs[:0]).dtype
+        y_all = torch.zeros(W * tmax, D, dtype=acc, device=dev)
+        for j, (tj, layer) in enumerate(header):
+            if tj == 0 or layer == IDLE:
+                continue
+            rows = slice(j * tmax, j * tmax + tj)
+            y_all[rows] = comm.moe_layers[layer]._local(x_all[rows], m_all[rows, :k].long(), m_all[rows, k:].to(acc))
+        back = comm.all_to_all(y_all.to(dtype), "moe_dp_combine")
+        return fp32(back.view(W, tmax, D)).sum(0)
+
+
+def _shard_experts(experts: Experts, layout: Layout, rank: int) -> tuple[str, tuple[int, int]]:
+    _plain(experts, Experts, "the routed experts")
+    E, I = experts.n_experts, experts.inter
+    if layout.ep:
+        e0, e1 = split(E, layout.ep_size, rank)
+        for name in ("w1", "w2", "w3"):
+            setattr(experts, name, _param(getattr(experts, name)[e0:e1]))
+        experts.n_experts = e1 - e0
+        return ("ep" if layout.dp == 1 else "ep_dp"), (e0, e1)
+    i0, i1 = split(I, layout.tp, layout.tp_rank(rank))
+    experts.w1 = _param(experts.w1[:, i0:i1])
+    experts.w3 = _param(experts.w3[:, i0:i1])
+    experts.w2 = _param(experts.w2[:, :, i0:i1])
+    experts.inter = i1 - i0
+    return "tp", (0, E)
+
+
+def _shard_shared(shared: SharedExpert, layout: Layout, rank: int) -> None:
+    if layout.tp == 1:
+        return
+    for name in ("w1", "w2", "w3"):
+        _plain(getattr(shared, name), nn.Linear, f"the shared expert's {name}")
+    i0, i1 = split(shared.w1.out_features, layout.tp, layout.tp_rank(rank))
+    shared.w1 = _linear(shared.w1.weight[i0:i1])
+    shared.w3 = _linear(shared.w3.weight[i0:i1])
+    shared.w2 = _linear(shared.w2.weight[:, i0:i1])
+
+
+def _shard_attention(attn, layout: Layout, rank: int, comm: Comm) -> None:
+    tp, r = layout.tp, layout.tp_rank(rank)
+    if tp == 1:
+        return
+    for name in ("wq_b", "wo_a", "wo_b"):
+        _plain(getattr(attn, name), nn.Linear, f"layer {attn.layer} attn.{name}")
+    H, G, hd = attn.n_heads, attn.o_groups, attn.head_dim
+    h0, h1 = split(H, tp, r)
+    g0, g1 = split(G, tp, r)
+    rank_o = attn.wo_a.out_features // G  # o_lora_rank
+    attn.wq_b = _linear(attn.wq_b.weight[h0 * hd:h1 * hd])
+    attn.attn_sink = _param(attn.attn_sink[h0:h1])
+    attn.wo_a = _linear(attn.wo_a.weight[g0 * rank_o:g1 * rank_o])
+    attn.wo_b = _linear(attn.wo_b.weight[:, g0 * rank_o:g1 * rank_o], cls=RowParallelLinear, comm=comm)
+    attn.n_heads, attn.o_groups = h1 - h0, g1 - g0
+
+
+def shard_model(model, layout: Layout, rank: int, comm: Comm):
+    """Keep ``rank``'s slices of ``model`` (in place) and wire its collectives through ``comm``."""
+    layout.check(model.cfg)
+    if not layout.sharded:
+        return model
+    tp, r = layout.tp, layout.tp_rank(rank)
+    with torch.no_grad():
+        for i, block in enumerate(model.layers):
+            _shard_attention(block.attn, layout, rank, comm)
+            moe = block.ffn
+            mode, experts = _shard_experts(moe.experts, layout, rank)
+            if moe.shared_experts is not None:
+                _shard_shared(moe.shared_experts, layout, rank)
+            block.ffn = ParallelMoE(moe, i, mode, experts, comm)
+            comm.moe_layers[i] = block.ffn
+        if tp > 1:
+            _plain(model.embed, nn.Embedding, "embed")
+            _plain(model.head, nn.Linear, "head")
+            v0, v1 = split(model.cfg.vocab_size, tp, r)
+            model.embed = VocabParallelEmbedding(model.embed.weight[v0:v1], v0, comm)
+            model.head = ParallelHead(model.head.weight[v0:v1], comm)
+    model.parallel = (layout, rank)
+    return model
