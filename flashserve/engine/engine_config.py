@@ -42,3 +42,9 @@ class EngineConfig:
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "fp8" | "mxfp4"
     # pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
     quantization: str | None = None
+    # Parallel layout (flashserve.parallel), vLLM's names: ranks = tensor_parallel_size x data_parallel_size
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
+    # Seconds a sharded engine waits on a worker (a reply, a collective) before it declares it hung and stops
+    worker_timeout: float = 60.0

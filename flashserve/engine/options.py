@@ -47,6 +47,13 @@ HELP = {
                      "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
     "cuda_graphs": "on CUDA, replay the compiled decode step as CUDA graphs (no effect on the CPU or with "
                    "--enforce-eager)",
+    "tensor_parallel_size": "ranks that split attention heads, the shared expert and the vocabulary (one process "
+                            "each; torchrun for several nodes)",
+    "enable_expert_parallel": "partition the routed experts over the ranks (otherwise each expert is split by "
+                              "width over the TP ranks)",
+    "data_parallel_size": "attention data-parallel ranks, each holding whole requests and its own cache "
+                          "(needs --enable-expert-parallel)",
+    "worker_timeout": "seconds a sharded engine waits on a worker before it stops with an error",
     "quantization": "pack float weights at load (int8, fp8, mxfp4) or unpack a packed checkpoint (float); "
                     "default: as the checkpoint stores them",
 }
