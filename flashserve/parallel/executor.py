@@ -26,6 +26,7 @@ raises :class:`WorkerFailure` naming the rank, kills the workers it spawned and 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import logging
 import os
@@ -66,6 +67,23 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _start_method() -> str:
+    """As vLLM's multiprocessing executor: fork (the workers start in a moment, torch already imported) unless
+    CUDA is initialised in this process, which a forked child cannot use; ``FLASHSERVE_WORKER_START`` overrides."""
+    method = os.environ.get("FLASHSERVE_WORKER_START")
+    if method:
+        return method
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _build_on_meta(config) -> None:
+    from ..config import load_config
+    from ..model.transformer import Transformer
+
+    with torch.device("meta"):
+        Transformer(load_config(config.model), with_mtp=False)
 
 
 def _device(config, local_rank: int) -> torch.device:
@@ -179,6 +197,8 @@ def _picklable(e: BaseException) -> bool:
 def _spawned_worker(config, rank: int, addr: str, port: int, parent_pid: int) -> None:
     import sys
 
+    gc.freeze()  # forked: never collect (and finalise) the parent's objects, e.g. an earlier engine's groups
+
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         code = worker_main(config, rank, rank, addr, port, parent_pid)
@@ -220,7 +240,11 @@ class ShardedEngine:
             addr, port, agent = env["addr"], env["port"], env["agent_store"]
         else:
             addr, port, agent = "127.0.0.1", _free_port(), False
-            ctx = torch.multiprocessing.get_context("spawn")
+            method = _start_method()
+            if method == "fork":  # torch's lazy imports for building a model (seconds), paid once, before the fork
+                _build_on_meta(config)
+                gc.collect()  # no garbage for a child to collect: its finalisers belong to this process
+            ctx = torch.multiprocessing.get_context(method)
             for r in range(1, layout.world):
                 p = ctx.Process(target=_spawned_worker, args=(config, r, addr, port, os.getpid()),
                                 name=f"flashserve-rank{r}", daemon=True)

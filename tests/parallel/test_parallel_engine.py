@@ -1,0 +1,95 @@
+"""Sharded engines (gloo, 2 ranks on the CPU) compute the same tokens as one process: TP=2, EP=2 and
+attention-DP=2 with EP, on tiny-v4 and tiny-v41 (float64; V4.1's encoder-only prefill, prefix-cache hits and
+seeded sampling included); a killed or hung worker ends the engine with a clear error within its timeout and
+leaves no process behind."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from flashserve.engine.llm import LLM
+from flashserve.engine.sampling_params import SamplingParams
+from flashserve.parallel.executor import WorkerFailure
+
+OPTS = dict(dtype="float64", kv_memory="16MiB", max_num_seqs=8, block_size=16, threads=1)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+SEEDED = [SamplingParams(max_tokens=4, temperature=1.0, top_k=50, seed=7 + i, ignore_eos=True) for i in range(2)]
+PREFIX = {"tiny-v4": list(range(3, 133)), "tiny-v41": list(range(3, 43))}  # a whole page to share (128, 16 tokens)
+
+
+def _run(llm: LLM, model: str) -> dict:
+    """One request alone, then 11 at once (8 greedy, a prefix-cache hit on the first request's pages, 2
+    seeded samples; max_num_seqs 8, so some wait for a slot)."""
+    prefix = PREFIX[model]
+    alone = llm.generate([prefix + [400, 401]], GREEDY)[0].outputs[0].token_ids
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(8)]
+    prompts += [prefix + [402, 403, 404], [11, 12, 13], [21, 22]]
+    outs = llm.generate(prompts, [GREEDY] * 9 + SEEDED)
+    return {"alone": alone, "batch": [o.outputs[0].token_ids for o in outs],
+            "prefix_hit": llm.engine.stats()["prefix_cache_hit_rate"] > 0}
+
+
+_REF: dict = {}
+
+
+def _reference(model: str) -> dict:
+    if model not in _REF:
+        _REF[model] = _run(LLM(model, **OPTS), model)
+    return _REF[model]
+
+
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+           "dp2": dict(data_parallel_size=2, enable_expert_parallel=True)}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("model", ["tiny-v41", "tiny-v4"])
+def test_sharded_tokens_equal_one_process(model, layout):
+    ref = _reference(model)
+    assert ref["prefix_hit"]  # the prefix pair did hit the cache
+    llm = LLM(model, **OPTS, **LAYOUTS[layout])
+    try:
+        got = _run(llm, model)
+        counters = llm.engine.collective_counters()
+    finally:
+        llm.engine.shutdown()
+    assert got == ref
+    assert counters[0] == counters[1]  # both ranks ran the same collectives
+    assert all(c["calls"] > 0 for c in counters[0].values())
+    assert all(p.exitcode is not None for p in llm.engine.procs)
+
+
+def _engine(**kw):
+    return LLM("tiny-v41", **OPTS, tensor_parallel_size=2, worker_timeout=4.0, **kw)
+
+
+def test_killed_worker_ends_engine_within_timeout():
+    llm = _engine()
+    proc = llm.engine.procs[0]
+    llm.generate([[1, 2, 3]], GREEDY)
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"worker rank 1 \(pid \d+\) died with exit code -9"):
+        llm.generate([[1, 2, 3]], GREEDY)
+    assert time.monotonic() - t0 < 4.0 + 2.0
+    with pytest.raises(WorkerFailure):  # the engine stays stopped
+        llm.generate([[1, 2, 3]], GREEDY)
+    assert all(p.exitcode is not None for p in llm.engine.procs)
+
+
+def test_hung_worker_ends_engine_within_timeout():
+    llm = _engine()
+    proc = llm.engine.procs[0]
+    os.kill(proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerFailure, match="did not answer within the 4 s worker timeout"):
+            llm.generate([[1, 2, 3]], GREEDY)
+        assert time.monotonic() - t0 < 4.0 + 3.0
+    finally:
+        if proc.exitcode is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    proc.join(5)
+    assert proc.exitcode is not None  # killed, not left behind
