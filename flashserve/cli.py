@@ -18,6 +18,8 @@ def _info(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.memory or args.tensor_parallel_size != 1 or args.enable_expert_parallel or args.data_parallel_size != 1:
+        return _info_memory(args)
     a = model_arithmetic(cfg)
     data = {
         "model": args.model,
@@ -51,6 +53,30 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info_memory(args: argparse.Namespace) -> int:
+    """``info MODEL --memory [--tensor-parallel-size N --enable-expert-parallel --data-parallel-size M]``."""
+    from .parallel.layout import Layout
+    from .parallel.memory import rank_memory
+
+    layout = Layout.from_options(args.tensor_parallel_size, args.enable_expert_parallel, args.data_parallel_size)
+    m = rank_memory(args.model, layout, dtype=args.dtype, quantization=args.quantization,
+                    cache_dtype=args.cache_dtype, block_size=args.block_size)
+    data = {"model": args.model, **m.as_dict()}
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    gib = 2 ** 30
+    print(f"{args.model}: {m.layout}, weights {m.weight_format}; per rank:")
+    print(f"  weights            {m.weight_bytes:>20,} B  ({m.weight_bytes / gib:,.2f} GiB)")
+    print(f"    routed experts   {m.routed_expert_bytes:>20,} B")
+    print(f"    split (1/TP)     {m.split_dense_bytes:>20,} B  (heads, output groups, shared expert, vocabulary)")
+    print(f"    replicated       {m.replicated_dense_bytes:>20,} B  (mHC, router, norms, compressors, indexer, ...)")
+    print(f"  kv cache / token   {m.kv_bytes_per_token:>20,.2f} B  (replicated on {m.kv_replicas} TP rank(s))")
+    print(f"  bounded / sequence {m.bounded_bytes_per_sequence:>20,} B  (window rings, compressor groups, look-back)")
+    print(f"  host (per node)    {m.host_table_bytes:>20,} B  (engram tables, memory-mapped, not per rank)")
+    return 0
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -67,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="parameter and KV-cache arithmetic of a preset or checkpoint")
     info.add_argument("model", help="preset name or checkpoint folder")
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument("--memory", action="store_true",
+                      help="per-rank resident bytes of the layout (weights, cache per token, bounded state)")
+    info.add_argument("--tensor-parallel-size", type=int, default=1, help="TP ranks (with --memory)")
+    info.add_argument("--enable-expert-parallel", action="store_true", help="experts partitioned over the ranks")
+    info.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
+    info.add_argument("--dtype", default="bfloat16", help="compute dtype of float weights (with --memory)")
+    info.add_argument("--quantization", default=None, choices=("int8", "fp8", "mxfp4", "float"),
+                      help="weight format (default: the release's, mxfp4, for real-dimension presets; float for "
+                           "the tiny ones; a checkpoint as stored)")
+    info.add_argument("--cache-dtype", default=None, choices=("packed", "float"), help="KV cache layout")
+    info.add_argument("--block-size", type=int, default=64, help="tokens per KV page")
     info.set_defaults(func=_info)
     from .bench import cli as bench_cli
     from .engine import cli as engine_cli

@@ -218,7 +218,8 @@ def shard_model(model, layout: Layout, rank: int, comm: Comm):
             if moe.shared_experts is not None:
                 _shard_shared(moe.shared_experts, layout, rank)
             block.ffn = ParallelMoE(moe, i, mode, experts, comm)
-            comm.moe_layers[i] = block.ffn
+            if comm is not None:  # None: sizing only (flashserve.parallel.memory), never run
+                comm.moe_layers[i] = block.ffn
         if tp > 1:
             _plain(model.embed, nn.Embedding, "embed")
             _plain(model.head, nn.Linear, "head")

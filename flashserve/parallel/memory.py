@@ -1,0 +1,112 @@
+"""Per-rank resident bytes of a layout, without the hardware: the model is built on the ``meta`` device by the
+same constructors that allocate it, sharded by :func:`~.shard.shard_model` (rank 0's slices; every rank holds
+the same sizes), and each parameter counted in the format it is held in (packed formats through
+:func:`flashserve.model.packed.packed_shapes`). The cache's sizes come from the engine's own allocation code
+(:func:`flashserve.engine.cache.page_size`, :meth:`CacheStorage.allocate` on ``meta``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..config import load_config
+from .layout import Layout
+
+# Parameters a TP rank holds a slice of (the rest of the dense model is replicated)
+_SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".attn.attn_sink", ".shared_experts.")
+
+
+def is_split(name: str) -> bool:
+    """Whether a backbone parameter is split over the TP ranks (routed experts aside)."""
+    return name in ("embed.weight", "head.weight") or (name.startswith("layers.") and any(k in name for k in _SPLIT))
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    layout: str
+    ranks: int
+    weight_format: str
+    routed_expert_bytes: int  # this rank's experts (EP: E / ranks whole experts; TP: every expert's width / TP)
+    split_dense_bytes: int  # heads, output groups, shared expert, vocabulary: 1 / TP each
+    replicated_dense_bytes: int  # mHC, router, norms, compressors, indexer, wq_a, wkv: whole on every rank
+    weight_bytes: int  # the three above: this rank's resident weights
+    host_table_bytes: int  # engram tables, host memory, one copy per node (not per rank)
+    kv_bytes_per_token: float  # global cache per token on a rank holding the sequence
+    kv_replicas: int  # ranks holding each sequence's cache (TP: every rank of the group; V4.1 has one KV head)
+    bounded_bytes_per_sequence: int  # window rings, compressor partial groups, engram look-back
+    page_tokens: int
+    page_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _formats(model: str, cfg, quantization: str | None) -> tuple[str, dict]:
+    from pathlib import Path
+
+    from ..config.presets import PRESET_JSON, RUNNABLE_PRESETS
+    from ..model import packed
+
+    if quantization is None:
+        if model in PRESET_JSON:  # runnable presets are float; the real-dimension ones describe the release
+            quantization = "float" if model in RUNNABLE_PRESETS else "mxfp4"
+        else:
+            from ..model.checkpoint import packed_dtypes
+
+            return "as stored", packed.plan_as_stored(cfg, packed_dtypes(Path(model)))
+    return quantization, packed.plan(cfg, quantization)
+
+
+def _bytes(shape: tuple[int, ...], element: int, fmt) -> int:
+    from math import prod
+
+    from ..model.packed import packed_shapes
+
+    if fmt is None:
+        return prod(shape) * element
+    q, s = packed_shapes(shape, fmt)
+    scale = 4 if fmt.name == "int8" else 1
+    return prod(q) + prod(s) * scale
+
+
+def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantization: str | None = None,
+                cache_dtype: str | None = None, block_size: int = 64) -> RankMemory:
+    from ..engine.cache import page_size
+    from ..engine.storage import CacheStorage
+    from ..model.loader import keep_fp32, resolve_dtype
+    from ..model.transformer import Transformer
+    from .shard import shard_model
+
+    cfg = load_config(model)
+    layout.check(cfg)
+    fmt_name, formats = _formats(model, cfg, quantization)
+    torch_dtype = torch.float64 if dtype in ("float64", "fp64") else resolve_dtype(dtype)
+    with torch.device("meta"):
+        net = Transformer(cfg, with_mtp=False, with_vision=False)
+    net.to(torch_dtype)
+    keep_fp32(net)
+    shard_model(net, layout, 0, comm=None)
+    routed = split_d = repl = host = 0
+    for name, p in list(net.named_parameters()) + list(net.named_buffers()):
+        if name.startswith(("rope.", "engram_hasher.")):
+            continue
+        path = name.rsplit(".", 1)[0]
+        n = _bytes(tuple(p.shape), p.element_size(), formats.get(path))
+        if ".experts.w" in name:
+            routed += n
+        elif ".engram.embed." in name:
+            host += n
+        elif is_split(name) and layout.tp > 1:
+            split_d += n
+        else:
+            repl += n
+    packed = (cache_dtype or ("packed" if cfg.is_v41 else "float")) == "packed"
+    tokens, pbytes = page_size(cfg, block_size, packed, torch.empty((), dtype=torch_dtype).element_size())
+    probe = CacheStorage.allocate(cfg, slots=1, num_pages=0, page_tokens=tokens, packed=packed, dtype=torch_dtype,
+                                  device=torch.device("meta"))
+    return RankMemory(layout=layout.describe(), ranks=layout.world, weight_format=fmt_name,
+                      routed_expert_bytes=routed, split_dense_bytes=split_d, replicated_dense_bytes=repl,
+                      weight_bytes=routed + split_d + repl, host_table_bytes=host,
+                      kv_bytes_per_token=pbytes / tokens, kv_replicas=layout.tp,
+                      bounded_bytes_per_sequence=probe.bounded_bytes(), page_tokens=tokens, page_bytes=pbytes)

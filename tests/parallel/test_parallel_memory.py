@@ -1,0 +1,86 @@
+"""Per-rank parameter bytes follow the layout's arithmetic (experts split, split parts 1/TP, replicated parts
+whole), ``flashserve info --memory`` counts the same bytes on the meta device, and for V4.1-Flash it agrees
+with ``flashserve plan``'s memory terms for the same layout. Layout validation names what does not divide."""
+
+import pytest
+import torch
+
+from flashserve.config import ConfigError, load_config
+from flashserve.model.loader import load_model
+from flashserve.parallel.layout import Layout
+from flashserve.parallel.memory import is_split, rank_memory
+from flashserve.parallel.shard import shard_model
+
+LAYOUTS = {"tp2": Layout(2, False, 1), "ep2": Layout(2, True, 1), "dp2": Layout(1, True, 2)}
+
+
+def _parts(model) -> dict[str, int]:
+    out = {"experts": 0, "split": 0, "replicated": 0}
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith(("rope.", "engram_hasher.", "vision.", "aligner.", "image_")):
+            continue  # computed tables; the vision tower (replicated, left out of the text model's report)
+        n = p.numel() * p.element_size()
+        if ".experts.w" in name:
+            out["experts"] += n
+        elif is_split(name):
+            out["split"] += n
+        else:
+            out["replicated"] += n
+    return out
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("name", ["tiny-v41", "tiny-v4"])
+def test_rank_bytes_follow_the_layout(name, layout):
+    lay = LAYOUTS[layout]
+    whole = _parts(load_model(name, dtype=torch.float64, with_mtp=False))
+    for rank in range(lay.world):
+        part = _parts(shard_model(load_model(name, dtype=torch.float64, with_mtp=False), lay, rank, comm=None))
+        assert part["experts"] * lay.world == whole["experts"]  # EP: E/2 whole experts; TP: every expert's width/2
+        assert part["split"] * lay.tp == whole["split"]
+        assert part["replicated"] == whole["replicated"]
+    meta = rank_memory(name, lay, dtype="float64")
+    assert meta.routed_expert_bytes == part["experts"]
+    assert meta.split_dense_bytes + meta.replicated_dense_bytes + meta.host_table_bytes == (
+        part["split"] + part["replicated"])
+
+
+def test_v41_flash_memory_agrees_with_plan():
+    from flashserve.plan.capacity import capacity
+    from flashserve.plan.inputs import PlanInputs
+    from flashserve.plan.models import resolve_model
+    from flashserve.plan.planner import build_deployment
+
+    cfg = load_config("deepseek-v41-flash")
+    m = rank_memory("deepseek-v41-flash", Layout(4, True, 1))  # released formats: FP8 dense, MXFP4 experts
+    dep = build_deployment(PlanInputs(model="deepseek-v41-flash", hardware="b200", gpus=4, tp=4, ep=4,
+                                      attention_dp=1))
+    terms = resolve_model("deepseek-v41-flash")
+    cap = capacity(dep, 8192)
+    # routed experts: the same bytes to the byte (MXFP4: half a byte plus one scale byte per 32 per weight)
+    routed_plan = terms.routed_params_total * (0.5 + 1 / 32) / dep.gpus
+    assert m.routed_expert_bytes == routed_plan
+    # every weight: the plan splits all dense weights by TP at one byte each; the engine keeps norms, mHC and
+    # router biases in fp32, the vocabulary in bf16 and replicates the small parts: 1.6% more per rank
+    assert abs(m.weight_bytes - cap.weight_bytes_per_gpu) / cap.weight_bytes_per_gpu < 0.02
+    # the global cache per token: equal; bounded state: the plan adds the drafter's stage windows and counts
+    # W window rows where the ring keeps W - 1 (the newest row is the step's own), the engine adds the
+    # compressors' partial groups and the engram look-back
+    assert m.kv_bytes_per_token == terms.kv_bytes_per_token
+    window_row = terms.state_bytes_per_sequence / ((cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+                                                   * cfg.sliding_window)
+    rings = m.bounded_bytes_per_sequence - cfg.num_hidden_layers * (cfg.sliding_window - 1) * window_row
+    assert 0 < rings < 0.01 * m.bounded_bytes_per_sequence
+    assert m.host_table_bytes == pytest.approx(cap.host_table_bytes, rel=1e-9)
+
+
+def test_layout_errors_name_the_sizes():
+    cfg = load_config("tiny-v41")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size 3 must divide num_attention_heads \(4\)"):
+        Layout(3, False, 1).check(cfg)
+    with pytest.raises(ConfigError, match=r"expert-parallel size 3 must divide n_routed_experts \(8\)"):
+        Layout(1, True, 3).check(cfg)
+    with pytest.raises(ConfigError, match="needs enable_expert_parallel"):
+        Layout.from_options(1, False, 2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1"):
+        Layout.from_options(0)
