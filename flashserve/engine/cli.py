@@ -1,4 +1,5 @@
-"""``flashserve generate MODEL "prompt"``: stream a completion and a tokens/s progress line."""
+"""``flashserve generate [MODEL] "prompt"``: stream a completion and a tokens/s progress line (no MODEL: the
+embedded default, see :mod:`flashserve.models`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C'd command
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate a completion for one prompt",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("model", help="preset name (tiny-v4, tiny-v41) or checkpoint folder")
+    p.add_argument("model", nargs="?", default=None,
+                   help="preset name (tiny-v4, tiny-v41) or checkpoint folder (default: the embedded model, "
+                        "a small V4.1 trained on the Python standard library)")
     p.add_argument("prompt")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
@@ -50,6 +53,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from ..models import resolve_model
+
+    args.model = resolve_model(args.model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.request_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos, output_kind="delta")
