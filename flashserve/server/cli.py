@@ -26,7 +26,9 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="preset name (e.g. tiny-v41) or checkpoint folder")
+    p.add_argument("model", nargs="?", default=None,
+                   help="preset name (e.g. tiny-v41) or checkpoint folder (default: the embedded model, served "
+                        "as 'flashserve-default')")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="TCP port")
@@ -132,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
     from ..engine import preflight
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.model is None:  # the embedded default, under a short name
+        from ..models import DEFAULT_SERVED_NAME, default_model
+
+        args.model = default_model()
+        args.served_model_name = args.served_model_name or [DEFAULT_SERVED_NAME]
     args.api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_server_args(args)
     if not args.api_key and not _is_loopback(args.host):
