@@ -12,10 +12,12 @@ from .sequence import RequestOutput
 
 
 class LLM:
-    def __init__(self, model: str, **engine_options):
+    def __init__(self, model: str | None = None, **engine_options):
+        """``model``: a preset, a checkpoint folder, or None for the embedded default (:mod:`flashserve.models`)."""
+        from ..models import resolve_model
         from ..parallel import create_engine
 
-        self.engine = create_engine(EngineConfig(model=model, **engine_options))  # LLMEngine unless sharded
+        self.engine = create_engine(EngineConfig(model=resolve_model(model), **engine_options))  # LLMEngine unless sharded
         self._ids = itertools.count()
 
     @classmethod
