@@ -17,7 +17,8 @@ class LLM:
         from ..models import resolve_model
         from ..parallel import create_engine
 
-        self.engine = create_engine(EngineConfig(model=resolve_model(model), **engine_options))  # LLMEngine unless sharded
+        # LLMEngine unless sharded
+        self.engine = create_engine(EngineConfig(model=resolve_model(model), **engine_options))
         self._ids = itertools.count()
 
     @classmethod
