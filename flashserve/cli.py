@@ -1,4 +1,5 @@
-"""The ``flashserve`` command: ``info``, ``generate``, ``serve``, ``plan`` (each part registers its own)."""
+"""The ``flashserve`` command: ``info``, ``generate``, ``serve``, ``plan``, ``bench``, ``train`` (each part registers
+its own)."""
 
 from __future__ import annotations
 
@@ -109,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .engine import cli as engine_cli
     from .plan import cli as plan_cli
     from .server import cli as server_cli
+    from .train import cli as train_cli
 
-    for mod in (engine_cli, server_cli, plan_cli, bench_cli):
+    for mod in (engine_cli, server_cli, plan_cli, bench_cli, train_cli):
         mod.register(sub)
     return parser
 

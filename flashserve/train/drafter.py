@@ -1,0 +1,97 @@
+"""DSpark drafter training (spec §5.1-5.2): the stages trained with the backbone frozen.
+
+:func:`draft_logits` is :meth:`flashserve.model.draft.DSparkStages.draft` with the Markov head's previous
+tokens given (teacher forcing) instead of taken from its own argmax; fed the draft's own greedy tokens it
+computes exactly what ``draft`` computes (tests/test_train_recipe.py checks this). Training targets are the
+frozen backbone's own next-token distributions at the block's positions (KL), and for the confidence head
+whether the drafted argmax equals the backbone's argmax (BCE).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model import draft as draft_mod
+from ..model.context import ForwardContext
+from ..model.mhc import collapse
+from ..model.norms import fp32
+from ..model.rope import apply_rope
+
+
+def draft_logits(model, features: dict[int, torch.Tensor], positions: torch.Tensor, first_token: torch.Tensor,
+                 prev_tokens: torch.Tensor, *, fake_quant: bool | None = None, detach_confidence: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits [B,k,V], confidence logits [B,k] (before the sigmoid) and the block rows' collapsed states
+    [B,k,D] of one DSpark block per row.
+
+    ``features``/``positions``/``first_token`` as for ``DSparkStages.draft``; ``prev_tokens`` [B,k] the token
+    the Markov head conditions on at each block row (``draft`` uses ``first_token`` then its own argmaxes).
+    """
+    stages = model.mtp
+    cfg = stages.cfg
+    fake_quant = model.fake_quant if fake_quant is None else fake_quant
+    W, k = cfg.sliding_window, cfg.dspark_block_size
+    feats = torch.cat([features[L][:, -W:] for L in cfg.dspark_target_layer_ids], dim=-1)
+    ctx_pos = positions[:, -W:]
+    first = stages[0]
+    main_x = first.main_norm(first.main_proj(feats.to(first.main_proj.weight.dtype)))
+    cos, sin = model.rope.angles("main", ctx_pos)
+    context = {}
+    for stage in stages:
+        att = stage.attn
+        kv = apply_rope(att.kv_norm(att.wkv(main_x)), cos, sin)
+        context[stage.layer] = draft_mod.fake_quant_fp8(kv, block=32) if fake_quant else kv
+    B = first_token.shape[0]
+    block_pos = ctx_pos[:, -1:] + 1 + torch.arange(k, device=ctx_pos.device)
+    tokens = torch.full((B, k), cfg.dspark_noise_token_id, dtype=torch.long, device=first_token.device)
+    tokens[:, 0] = first_token
+    state = draft_mod._DraftWindow(context, ctx_pos, block_pos)
+    ctx = ForwardContext(state=state, positions=block_pos, input_ids=tokens, rope=model.rope,
+                         fake_quant=fake_quant, noncausal=True)
+    x = model.embed(tokens)[..., None, :].expand(B, k, cfg.hc_mult, cfg.hidden_size).contiguous()
+    pre = torch.zeros(B, k, cfg.hc_mult, device=x.device)
+    pre[..., 0] = 1.0
+    for stage in stages:
+        x, pre = stage(x, pre, ctx)
+    last = stages[-1]
+    h = collapse(x, pre)
+    base = fp32(model.head(last.norm(h)))
+    m = last.markov_head.embed(prev_tokens)  # [B,k,r]
+    logits = base + fp32(last.markov_head.head(m))
+    hc, mc = (h.detach(), m.detach()) if detach_confidence else (h, m)  # the confidence loss trains proj only
+    conf = last.confidence_head.proj(torch.cat([hc, mc.to(h.dtype)], dim=-1)).squeeze(-1)
+    return logits, fp32(conf), h
+
+
+def anchor_batch(features: dict[int, torch.Tensor], ids: torch.Tensor, anchors: torch.Tensor, window: int, k: int):
+    """Rows for drafting at ``anchors`` [B,M] (last context position p, p >= window - 1, p + k + 1 < S):
+    features of positions p-window+1..p, their positions, the first token ids[p+1] and teacher-forced
+    previous tokens ids[p+1..p+k]. Returns (features, positions, first, prev, target_rows [B*M,k]) where
+    target_rows index the flattened [B*S] rows whose backbone logits predict the block's tokens."""
+    B, S = ids.shape
+    M = anchors.shape[1]
+    offs = torch.arange(-window + 1, 1, device=ids.device)
+    pos = anchors[..., None] + offs  # [B,M,W]
+    b = torch.arange(B, device=ids.device)[:, None, None]
+    feats = {L: f[b, pos].flatten(0, 1) for L, f in features.items()}
+    rows = anchors[..., None] + 1 + torch.arange(k, device=ids.device)  # [B,M,k] positions p+1..p+k
+    first = ids[b[..., 0], anchors + 1].flatten()
+    prev = ids[b, rows].flatten(0, 1)
+    target_rows = (b * S + rows).flatten(0, 1)
+    return feats, pos.flatten(0, 1), first, prev, target_rows
+
+
+def drafter_loss(model, features, ids, target_logits, anchors):
+    """KL(backbone ‖ drafter) over the block rows plus the confidence head's BCE; returns (loss, stats)."""
+    cfg = model.cfg
+    feats, pos, first, prev, rows = anchor_batch(features, ids, anchors, cfg.sliding_window, cfg.dspark_block_size)
+    logits, conf, _ = draft_logits(model, feats, pos, first, prev)
+    tgt = target_logits.flatten(0, 1)[rows]  # [N,k,V]
+    logp_t = F.log_softmax(tgt, -1)
+    logp_d = F.log_softmax(logits, -1)
+    kl = (logp_t.exp() * (logp_t - logp_d)).sum(-1).mean()
+    hit = (logits.argmax(-1) == tgt.argmax(-1)).float()
+    bce = F.binary_cross_entropy_with_logits(conf, hit)
+    return kl + 0.1 * bce, {"kl": kl.item(), "bce": bce.item(), "top1": hit.mean().item(),
+                            "top1_by_row": hit.mean(0).tolist()}

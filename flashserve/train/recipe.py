@@ -1,0 +1,446 @@
+"""The training recipe of the embedded default model (``flashserve train``).
+
+Stages, each resumable from the work folder's files:
+
+1. ``tokenizer``: a byte-level BPE (``tokenizers``) trained on the interpreter's ``Lib/`` sources (the train
+   split), the V4.1 special and chat tokens at the ids the config names; both splits encoded once.
+2. ``backbone``: a V4.1 model with every layer role (see :mod:`flashserve.train.config`), AdamW with warmup
+   and cosine decay on random windows of the train stream, QAT quantisation points on (straight-through),
+   the routed experts' FP4 rounding on for the last part (``qat_from``), auxiliary-loss-free router balancing.
+3. ``drafter``: the DSpark stages with the backbone frozen (:mod:`flashserve.train.drafter`).
+4. ``export``: the released safetensors layout (FP8 dense, MXFP4 experts) with tokenizer and config; the model
+   is loaded back as the engine loads it and its held-out perplexity measured, through the reference forward
+   on the held-out split and through the engine (prompt logprobs) on a stored held-out sample; ``report.json``.
+
+Deterministic for a seed and a thread count: batches come from per-step seeded generators and every count is
+fixed (steps, not time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .settings import REPORT, SAMPLE, STAGES, Recipe  # noqa: F401 (re-exported)
+
+
+# ============================================================================ helpers
+
+
+def _log(r: Recipe, record: dict) -> None:
+    r.work.mkdir(parents=True, exist_ok=True)
+    with open(r.work / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _progress(description: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn(f"[bold]{description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
+                    TimeElapsedColumn(), TimeRemainingColumn())
+
+
+def _gen(seed: int, *salt: int) -> torch.Generator:
+    s = seed
+    for x in salt:
+        s = (s * 1_000_003 + x) % (2 ** 62)
+    return torch.Generator().manual_seed(s)
+
+
+def _lr(r: Recipe, step: int, base: float, steps: int) -> float:
+    warm = min(r.warmup, max(steps // 5, 1))
+    if step < warm:
+        return base * (step + 1) / warm
+    t = (step - warm) / max(steps - warm, 1)
+    return base * (r.min_lr_ratio + (1 - r.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def _tokenizer(r: Recipe):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(r.work / "tokenizer" / "tokenizer.json"))
+
+
+def _model_config(r: Recipe):
+    from ..config.model_config import config_from_dict
+    from ..model.engram import compressed_token_map
+    from .config import default_config_json
+
+    tok = _tokenizer(r)
+    classes = compressed_token_map(tok)[1]
+    return config_from_dict(default_config_json(tok.get_vocab_size(with_added_tokens=True), classes,
+                                                hidden=r.hidden, window=r.window))
+
+
+def _build(r: Recipe):
+    """The float training model (backbone + DSpark stages, no vision), seeded, engram map set."""
+    from ..model.engram import compressed_token_map
+    from ..model.init import random_init
+    from ..model.transformer import Transformer
+
+    cfg = _model_config(r)
+    model = Transformer(cfg, with_mtp=True, with_vision=False)
+    random_init(model, r.seed)
+    with torch.no_grad():  # a trainable start: unit norms, balanced routers
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith(".weight"):
+                p.fill_(1.0)
+            if name.endswith(("gate.bias", "gate.bias_vl")):
+                p.zero_()
+                p.requires_grad_(False)
+    model.engram_hasher.set_token_map(*compressed_token_map(_tokenizer(r)))
+    model.fake_quant = True
+    return model
+
+
+def _windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, stream.numel() - length, (n,), generator=gen)
+    return torch.stack([stream[s:s + length] for s in starts.tolist()])
+
+
+# ============================================================================ stage 1: tokenizer
+
+
+def stage_tokenizer(r: Recipe) -> dict:
+    from .data import split_files, stdlib_files
+    from .tokenizer import train_tokenizer, write_tokenizer_files
+
+    t0 = time.time()
+    files = stdlib_files(limit=r.file_limit)
+    train, held = split_files(files, r.heldout_fraction)
+    tok = train_tokenizer([t for _, t in train], r.vocab_size)
+    write_tokenizer_files(tok, r.work / "tokenizer")
+    eos = 1
+
+    def encode(part):
+        ids: list[int] = []
+        for enc in tok.encode_batch([t for _, t in part], add_special_tokens=False):
+            ids.extend(enc.ids)
+            ids.append(eos)
+        return torch.tensor(ids, dtype=torch.int32)
+
+    data = {"train": encode(train), "heldout": encode(held),
+            "train_files": [p for p, _ in train], "heldout_files": [p for p, _ in held]}
+    torch.save(data, r.work / "data.pt")
+    info = {"stage": "tokenizer", "files": len(files), "train_files": len(train), "heldout_files": len(held),
+            "train_tokens": int(data["train"].numel()), "heldout_tokens": int(data["heldout"].numel()),
+            "vocab": tok.get_vocab_size(with_added_tokens=True),
+            "train_bytes": sum(len(t.encode()) for _, t in train), "seconds": round(time.time() - t0, 1)}
+    _log(r, info)
+    return info
+
+
+# ============================================================================ stage 2: backbone
+
+
+def _backbone_params(model):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad or name.startswith("mtp."):
+            continue
+        (decay if p.dim() >= 2 and "norm" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": None}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def stage_backbone(r: Recipe, progress: bool = True) -> dict:
+    from .qat import RouterBalancer, training_patches
+
+    torch.manual_seed(r.seed)
+    data = torch.load(r.work / "data.pt")
+    stream = data["train"].long()
+    model = _build(r)
+    for name, p in model.named_parameters():
+        if name.startswith("mtp."):
+            p.requires_grad_(False)
+    groups = _backbone_params(model)
+    groups[0]["weight_decay"] = r.weight_decay
+    opt = torch.optim.AdamW(groups, lr=r.lr, betas=(0.9, 0.95), eps=1e-8)
+    balancer = RouterBalancer(model)
+    model.train()
+    tokens_per_step = r.batch * r.seq_len
+    qat_step = int(r.qat_from * r.steps)
+    losses: list[float] = []
+    t_start = time.time()
+    bar = _progress("backbone") if progress else None
+    task = bar.add_task("backbone", total=r.steps, loss=float("nan"), tps=0.0) if bar else None
+    if bar:
+        bar.start()
+    try:
+        for step in range(r.steps):
+            for g in opt.param_groups:
+                g["lr"] = _lr(r, step, r.lr, r.steps)
+            batch = _windows(stream, r.batch, r.seq_len + 1, _gen(r.seed, 1, step))
+            with training_patches(fp4_experts=step >= qat_step):
+                out = model(batch[:, :-1])
+                loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            balancer.step()
+            losses.append(loss.item())
+            elapsed = time.time() - t_start
+            tps = tokens_per_step * (step + 1) / elapsed
+            if bar:
+                bar.update(task, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]), tps=tps)
+            if step % r.log_every == 0 or step == r.steps - 1:
+                _log(r, {"stage": "backbone", "step": step, "loss": round(losses[-1], 4),
+                         "lr": opt.param_groups[0]["lr"], "tok_s": round(tps, 1), "elapsed": round(elapsed, 1)})
+    finally:
+        if bar:
+            bar.stop()
+        balancer.remove()
+    torch.save(model.state_dict(), r.work / "model.pt")
+    wall = time.time() - t_start
+    info = {"stage": "backbone", "steps": r.steps, "tokens": tokens_per_step * r.steps, "seconds": round(wall, 1),
+            "tok_s": round(tokens_per_step * r.steps / wall, 1),
+            "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4), "first_loss": round(losses[0], 4),
+            "losses": [round(x, 4) for x in losses]}
+    _log(r, {k: v for k, v in info.items() if k != "losses"})
+    return info
+
+
+# ============================================================================ stage 3: drafter
+
+
+def _load_float(r: Recipe):
+    model = _build(r)
+    model.load_state_dict(torch.load(r.work / "model.pt"))
+    return model
+
+
+@torch.no_grad()
+def _targets(model, batch: torch.Tensor):
+    out = model(batch, capture=model.cfg.dspark_target_layer_ids)
+    return out.features, out.logits.float()
+
+
+def stage_drafter(r: Recipe, progress: bool = True) -> dict:
+    from .drafter import drafter_loss
+    from .qat import training_patches
+
+    torch.manual_seed(r.seed)
+    data = torch.load(r.work / "data.pt")
+    stream = data["train"].long()
+    model = _load_float(r)
+    model.eval()  # no dropout anywhere; eval only documents that the backbone is frozen
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("mtp.") and not name.endswith(("gate.bias", "gate.bias_vl")))
+    params = [p for p in model.mtp.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=r.drafter_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    from .qat import RouterBalancer
+
+    balancer = RouterBalancer(model.mtp)
+    cfg = model.cfg
+    W, k = cfg.sliding_window, cfg.dspark_block_size
+    lo, hi = W - 1, r.seq_len - k - 1
+    losses, top1 = [], []
+    t_start = time.time()
+    bar = _progress("drafter") if progress else None
+    task = bar.add_task("drafter", total=r.drafter_steps, loss=float("nan"), tps=0.0) if bar else None
+    if bar:
+        bar.start()
+    try:
+        for step in range(r.drafter_steps):
+            for g in opt.param_groups:
+                g["lr"] = _lr(r, step, r.drafter_lr, r.drafter_steps)
+            gen = _gen(r.seed, 2, step)
+            batch = _windows(stream, r.drafter_batch, r.seq_len, gen)
+            anchors = torch.randint(lo, hi + 1, (r.drafter_batch, r.drafter_anchors), generator=gen)
+            feats, tlogits = _targets(model, batch)
+            with training_patches():
+                loss, stats = drafter_loss(model, feats, batch, tlogits, anchors)
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            balancer.step()
+            losses.append(loss.item())
+            top1.append(stats["top1"])
+            elapsed = time.time() - t_start
+            tps = r.drafter_batch * r.seq_len * (step + 1) / elapsed
+            if bar:
+                bar.update(task, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]), tps=tps)
+            if step % r.log_every == 0 or step == r.drafter_steps - 1:
+                _log(r, {"stage": "drafter", "step": step, "loss": round(losses[-1], 4), **stats,
+                         "elapsed": round(elapsed, 1)})
+    finally:
+        if bar:
+            bar.stop()
+        balancer.remove()
+    torch.save(model.state_dict(), r.work / "model.pt")
+    n = min(20, len(losses))
+    info = {"stage": "drafter", "steps": r.drafter_steps, "seconds": round(time.time() - t_start, 1),
+            "final_loss": round(sum(losses[-n:]) / n, 4), "final_top1": round(sum(top1[-n:]) / n, 4),
+            "losses": [round(x, 4) for x in losses]}
+    _log(r, {k: v for k, v in info.items() if k != "losses"})
+    return info
+
+
+# ============================================================================ stage 4: export and evaluation
+
+
+@torch.no_grad()
+def heldout_nll(model, stream: torch.Tensor, seq_len: int, max_tokens: int, batch: int = 8) -> tuple[float, int]:
+    """Mean next-token NLL of the reference forward over non-overlapping ``seq_len + 1`` windows of ``stream``
+    (at most ``max_tokens`` predicted tokens)."""
+    n = min(max_tokens // seq_len, (stream.numel() - 1) // seq_len)
+    n = max(n, 1)
+    wins = torch.stack([stream[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)]).long()
+    total, count = 0.0, 0
+    for i in range(0, n, batch):
+        w = wins[i:i + batch]
+        logits = model(w[:, :-1]).logits.float()
+        total += float(F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten(), reduction="sum"))
+        count += w[:, 1:].numel()
+    return total / count, count
+
+
+def heldout_sample(r: Recipe, stream: torch.Tensor) -> list[list[int]]:
+    """``sample_chunks`` token chunks of ``sample_len`` from the held-out stream, evenly spaced, none holding EOS."""
+    L, out = r.sample_len, []
+    n = stream.numel()
+    for c in range(r.sample_chunks):
+        s = (c * n) // max(r.sample_chunks, 1)
+        while s + L < n and bool((stream[s:s + L] == 1).any()):
+            s += L // 4
+        out.append(stream[s:s + L].tolist())
+    return out
+
+
+def engine_nll(model_dir: str | Path, chunks: list[list[int]], **engine_options) -> tuple[float, int]:
+    """Mean NLL of the chunks' tokens after their first, from the engine's prompt logprobs."""
+    from ..engine.llm import LLM
+    from ..engine.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), **engine_options)
+    outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
+                        SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0))
+    total, count = 0.0, 0
+    for c, o in zip(chunks, outs):
+        for tok, lp in zip(c[1:], o.prompt_logprobs[1:]):
+            total -= lp[tok]
+            count += 1
+    return total / count, count
+
+
+@torch.no_grad()
+def greedy_acceptance(model, stream: torch.Tensor, r: Recipe) -> dict:
+    """Mean accepted length of greedy DSpark drafting against the backbone's greedy tokens, on held-out text.
+
+    At each anchor p (context = the true text up to p), t0 is the backbone's argmax; the block [t0, N, N, N, N]
+    is drafted; the backbone then reads text + t0 + drafts and the drafts are accepted while they equal its
+    argmax (spec §5.3). Returns the mean accepted drafts per block and per-position acceptance rates."""
+    cfg = model.cfg
+    W, k = cfg.sliding_window, cfg.dspark_block_size
+    L = min(r.seq_len, stream.numel() - 1)
+    g = _gen(r.seed, 3)
+    n = r.acceptance_anchors
+    starts = torch.randint(0, stream.numel() - L, (n,), generator=g)
+    ends = torch.randint(W, L + 1, (n,), generator=g)  # context lengths
+    accepted, per_pos = [], torch.zeros(k)
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        ctx = stream[s:s + e].long()[None]
+        out = model(ctx, capture=cfg.dspark_target_layer_ids)
+        t0 = out.logits[:, -1].argmax(-1)
+        positions = torch.arange(e)[None]
+        d = model.mtp.draft(model, out.features, positions, t0)
+        full = torch.cat([ctx, t0[:, None], d.tokens], dim=1)
+        ref = model(full).logits[0, e:e + k].argmax(-1)  # backbone's argmax after t0, d1, ..., d_{k-1}
+        ok = (d.tokens[0] == ref).long()
+        a = int(ok.cumprod(0).sum())
+        accepted.append(a)
+        per_pos[:a] += 1
+    return {"anchors": n, "mean_accepted": round(sum(accepted) / n, 3),
+            "per_position": [round(float(x) / n, 3) for x in per_pos]}
+
+
+def stage_export(r: Recipe, engine: bool = True) -> dict:
+    from ..model.checkpoint import save_checkpoint
+    from ..model.loader import load_model
+    from .tokenizer import write_tokenizer_files
+
+    t0 = time.time()
+    model = _load_float(r)
+    cfg = model.cfg
+    out = Path(r.out)
+    if out.exists():
+        for p in out.iterdir():
+            if p.is_file():
+                p.unlink()
+    save_checkpoint(model.checkpoint_tensors(), out, cfg)
+    write_tokenizer_files(_tokenizer(r), out)
+    data = torch.load(r.work / "data.pt")
+    held = data["heldout"].long()
+    float_nll, n_eval = heldout_nll(model, held, r.seq_len, r.eval_tokens)
+    served = load_model(out)
+    served_nll, _ = heldout_nll(served, held, r.seq_len, r.eval_tokens)
+    acc = greedy_acceptance(served, held, r)
+    chunks = heldout_sample(r, held)
+    (out / SAMPLE).write_text(json.dumps({"chunks": chunks}) + "\n")
+    report = {
+        "recipe": {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(r).items()},
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "heldout": {"files": len(data["heldout_files"]), "tokens_evaluated": n_eval, "window": r.seq_len,
+                    "float_ppl": round(math.exp(float_nll), 4), "served_ppl": round(math.exp(served_nll), 4)},
+        "drafter_acceptance": acc,
+        "params": _param_counts(served),
+        "size_bytes": sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
+    }
+    if engine:
+        nll, count = engine_nll(out, chunks)
+        report["heldout_sample"] = {"file": SAMPLE, "tokens_scored": count, "engine_ppl": round(math.exp(nll), 4)}
+    for name in ("tokenizer", "backbone", "drafter"):
+        rec = _last_record(r, name)
+        if rec:
+            report[name] = rec
+    report["export_seconds"] = round(time.time() - t0, 1)
+    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    _log(r, {"stage": "export", "served_ppl": report["heldout"]["served_ppl"],
+             "float_ppl": report["heldout"]["float_ppl"], **report.get("heldout_sample", {})})
+    return report
+
+
+def _param_counts(model) -> dict:
+    total = sum(p.numel() for p in model.parameters())
+    mtp = sum(p.numel() for p in model.mtp.parameters()) if model.mtp is not None else 0
+    experts = sum(p.numel() for n, p in model.named_parameters() if "ffn.experts." in n and not n.startswith("mtp."))
+    return {"total": total, "backbone": total - mtp, "drafter": mtp, "backbone_routed_experts": experts}
+
+
+def _last_record(r: Recipe, stage: str) -> dict | None:
+    path = r.work / "log.jsonl"
+    if not path.exists():
+        return None
+    found = None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("stage") == stage and "step" not in rec:
+            found = rec
+    return found
+
+
+
+def run(r: Recipe, stages=STAGES, progress: bool = True) -> dict:
+    torch.set_num_threads(r.threads)
+    r.work.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for s in stages:
+        if s == "tokenizer":
+            results[s] = stage_tokenizer(r)
+        elif s == "backbone":
+            results[s] = stage_backbone(r, progress)
+        elif s == "drafter":
+            results[s] = stage_drafter(r, progress)
+        elif s == "export":
+            results[s] = stage_export(r)
+        else:
+            raise ValueError(f"unknown stage {s!r}; stages: {', '.join(STAGES)}")
+    return results

@@ -1,0 +1,63 @@
+"""The embedded default model: it loads from the package with no network, serves through the engine with the
+held-out perplexity its training reported (within 2%), and is what LLM() and `flashserve generate PROMPT` use."""
+
+import io
+import json
+import math
+from contextlib import redirect_stdout
+
+import pytest
+
+from flashserve.models import DEFAULT_MODEL_DIR, default_model, resolve_model
+
+REPORT = DEFAULT_MODEL_DIR / "report.json"
+
+
+@pytest.fixture(scope="module")
+def report():
+    return json.loads(REPORT.read_text())
+
+
+def test_folder_is_complete_and_small():
+    names = {p.name for p in DEFAULT_MODEL_DIR.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "report.json",
+            "heldout_sample.json"} <= names
+    assert sum(p.stat().st_size for p in DEFAULT_MODEL_DIR.iterdir()) <= 40 * 2**20
+    assert resolve_model(None) == default_model() == str(DEFAULT_MODEL_DIR)
+    assert resolve_model("tiny-v41") == "tiny-v41"
+
+
+def test_engine_perplexity_is_the_reported_one(report, monkeypatch):
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the default model must load without the network")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    from flashserve.train.recipe import engine_nll
+
+    chunks = json.loads((DEFAULT_MODEL_DIR / report["heldout_sample"]["file"]).read_text())["chunks"]
+    nll, count = engine_nll(DEFAULT_MODEL_DIR, chunks)
+    assert count == report["heldout_sample"]["tokens_scored"]
+    ppl = math.exp(nll)
+    assert ppl == pytest.approx(report["heldout_sample"]["engine_ppl"], rel=0.02)
+    # the sample's perplexity is of the held-out split's order (the split's own number is in the report)
+    assert ppl < 3 * report["heldout"]["served_ppl"]
+
+
+def test_llm_without_a_model_is_the_default():
+    from flashserve import LLM, SamplingParams
+
+    llm = LLM()
+    assert llm.engine.config.model == default_model()
+    out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert len(out.token_ids) == 12 or out.finish_reason == "stop"
+    assert out.text.strip()
+
+
+def test_generate_command_without_a_model(capsys):
+    from flashserve.cli import main
+
+    assert main(["generate", "def fibonacci(n):", "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.strip()
