@@ -28,6 +28,7 @@ BOUNDS: dict[str, tuple[float, float, bool]] = {
     "eta_comm": (0.05, 1.0, True),
     "layer_overhead_us": (0.0, 5000.0, False),
     "pass_overhead_us": (0.0, 1e5, False),
+    "spec_step_overhead_us": (0.0, 1e5, False),
     "comm_overlap": (0.0, 1.0, False),
 }
 DEFAULT_FIT = ("eta_mem", "eta_flop", "layer_overhead_us")
@@ -252,6 +253,33 @@ def fit_decode_term(points: Sequence[Any], term: str) -> float:
         return math.log(res.accept_length / res.step.t_step / p.tokens_per_s_per_agent)
 
     return _fit_term(points, term, error)
+
+
+def fit_speculative_step(absolute: Any, speedup: Any) -> dict[str, float]:
+    """``layer_overhead_us`` and ``spec_step_overhead_us`` from two published points: ``absolute`` (a
+    :class:`~flashserve.plan.scenarios.PublishedPoint` with a speculative decode speed per agent) and
+    ``speedup`` (a :class:`~flashserve.plan.scenarios.PublishedSpeedup`: speed with the drafter over speed
+    without it). Both step times are linear in the two terms (they only add fixed time), so three plans per
+    point give the coefficients and a 2×2 solve gives the values."""
+    def steps(inputs: PlanInputs, o: float, f: float) -> tuple[float, float]:
+        res = plan(_with(inputs, {"layer_overhead_us": o, "spec_step_overhead_us": f}))
+        return res.step.t_step, res.speculation.step_without_s
+
+    def linear(inputs: PlanInputs) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        (s0, n0), (s1, n1), (s2, n2) = steps(inputs, 0, 0), steps(inputs, 1, 0), steps(inputs, 0, 1)
+        return (s0, s1 - s0, s2 - s0), (n0, n1 - n0, n2 - n0)  # (value at 0, per µs of o, per µs of F)
+
+    (sa, _) = linear(absolute.inputs)
+    target = absolute.inputs.accept_length / absolute.tokens_per_s_per_agent  # step time published
+    (ss, sn) = linear(speedup.inputs)
+    k = speedup.inputs.accept_length / speedup.speedup  # published step_with / step_without
+    # rows: sa0 + sa1·o + sa2·F = target ; (ss0 − k·sn0) + (ss1 − k·sn1)·o + (ss2 − k·sn2)·F = 0
+    a11, a12, b1 = sa[1], sa[2], target - sa[0]
+    a21, a22, b2 = ss[1] - k * sn[1], ss[2] - k * sn[2], k * sn[0] - ss[0]
+    det = a11 * a22 - a12 * a21
+    if abs(det) < 1e-18:
+        raise PlanError("fit", "the two points do not separate the per-layer and per-step terms")
+    return {"layer_overhead_us": (b1 * a22 - a12 * b2) / det, "spec_step_overhead_us": (a11 * b2 - a21 * b1) / det}
 
 
 def split_held_out(n: int) -> list[bool]:

@@ -19,7 +19,8 @@ from .errors import PlanError
 from .inputs import PlanInputs
 
 ACTIONS = ("run", "sweep", "published", "seed", "verdict")
-OVERRIDE_FLAGS = ("eta_mem", "eta_flop", "eta_flop_prefill", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap")
+OVERRIDE_FLAGS = ("eta_mem", "eta_flop", "eta_flop_prefill", "eta_comm", "layer_overhead_us", "pass_overhead_us",
+                  "spec_step_overhead_us", "comm_overlap")
 DESCRIPTION = ("Predict per-agent decode speed, throughput per GPU, TTFT, sessions that fit and cost per "
                "million tokens for a DeepSeek-V3/V4/V4.1 deployment, from a roofline with every term visible.")
 
@@ -87,6 +88,21 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _summary(d: dict[str, object]) -> str:
+    return _summary_core(d) + _speculation_summary(d.get("speculation"))
+
+
+def _speculation_summary(s: dict[str, object] | None) -> str:
+    """Both curves' point at this concurrency and where drafting stops paying."""
+    if not s:
+        return ""
+    stop = (f"from concurrency {s['crossover_concurrency']:,}" if s["crossover_concurrency"]
+            else f"never up to the {s['checked_up_to']:,} sessions that fit")
+    return (f"\n  without drafting          {s['decode_tokens_per_s_per_agent_without']:,.1f} tokens/s per agent "
+            f"(decode); drafting {s['speedup']:.2f}x\n"
+            f"  drafting stops paying     {stop}")
+
+
+def _summary_core(d: dict[str, object]) -> str:
     return (f"{d['model']} on {d['gpus']}× {d['hardware']} (TP{d['tp']} EP{d['ep']} DP{d['attention_dp']}), "
             f"concurrency {d['concurrency']}, context {d['context']:,.0f}\n"
             f"  tokens/s per agent        {d['tokens_per_s_per_agent']:,.1f}\n"
@@ -175,11 +191,11 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 
 def _published(a: argparse.Namespace) -> int:
-    from .validation import compare_published, compare_published_prefill
+    from .validation import compare_published, compare_published_prefill, compare_published_speedups
 
-    rows, prefill = compare_published(), compare_published_prefill()
+    rows, prefill, speedups = compare_published(), compare_published_prefill(), compare_published_speedups()
     if a.json:
-        print(json.dumps({"decode": rows, "prefill": prefill}, indent=1))
+        print(json.dumps({"decode": rows, "prefill": prefill, "speculation": speedups}, indent=1))
         return 0
     for r in rows:
         gpu = f" | per GPU {r['predicted_gpu']:,.0f} vs {r['published_gpu']:,.0f} ({r['gpu_error']:+.0%})" if r["published_gpu"] else ""
@@ -188,6 +204,9 @@ def _published(a: argparse.Namespace) -> int:
     for r in prefill:
         print(f"{r['name']:32} [{r['role']:8}] prefill tokens/s per GPU {r['predicted_gpu']:6,.0f} vs "
               f"{r['published_gpu']:6,.0f} ({r['gpu_error']:+.0%})")
+    for r in speedups:
+        print(f"{r['name']:32} [{r['role']:8}] speed-up of drafting {r['predicted_speedup']:.2f}x vs "
+              f"{r['published_speedup']:.2f}x ({r['speedup_error']:+.0%})")
     return 0
 
 

@@ -48,10 +48,13 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
     if r.deployment.stack is not None:
         stack = get_stack(r.deployment.stack, r.deployment.model.family)
         stack_src = {k: f"stack {stack.name}: {v}" for k, v in stack.sources.items()}
-    for term in ("eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap",
-                 "workspace_fraction"):
+    terms = ["eta_mem", "eta_flop", "eta_comm", "layer_overhead_us", "pass_overhead_us", "comm_overlap",
+             "workspace_fraction"]
+    if r.speculation is not None or eff.spec_step_overhead_us:
+        terms.insert(5, "spec_step_overhead_us")
+    for term in terms:
         note = "override" if term in r.inputs.overrides else stack_src.get(
-            term, src.get(f"efficiency.{eff.name}.{term}", ""))
+            term, src.get(f"efficiency.{eff.name}.{term}", "not measured for this stack: 0 (prior)"))
         yield "efficiency", term, f"{getattr(eff, term):.4g}", note
     if eff.eta_flop_prefill is not None or "eta_flop_prefill" in r.inputs.overrides:
         note = "override" if "eta_flop_prefill" in r.inputs.overrides else src.get(
@@ -70,7 +73,8 @@ def _stack_row(r: PlanResult) -> Row:
     n = len(stack.fitted_on)
     count = "one published point" if n == 1 else f"{n} published points"
     return ("efficiency", "serving stack", name,
-            f"{how}. {stack.description}. Its {', '.join(stack.terms)} was fitted on {count} only "
+            f"{how}. {stack.description}. Its {' and '.join(stack.terms)} "
+            f"{'was' if len(stack.terms) == 1 else 'were'} fitted on {count} only "
             f"({', '.join(stack.fitted_on)}); held out: {', '.join(stack.held_out) or 'none'} "
             "(docs/plan.md section 3)")
 
@@ -88,8 +92,25 @@ def _step_rows(r: PlanResult) -> Iterator[Row]:
     yield "step", "FLOPs dense / experts / attention / drafter", " / ".join(_g(x) for x in (s.flops_dense, s.flops_experts, s.flops_attention, s.flops_draft)), "per GPU"
     yield "step", "link bytes EP / TP / host", " / ".join(_g(x, "B") for x in (s.comm_bytes_ep, s.comm_bytes_tp, s.comm_bytes_host)), f"EP over {s.comm_link}"
     yield "step", "t_mem / t_flop / t_comm", " / ".join(f"{x * 1e3:.3f} ms" for x in (s.t_mem, s.t_flop, s.t_comm)), "roofline terms"
-    yield "step", "t_overhead", f"{s.t_overhead * 1e3:.3f} ms", "layers × layer overhead + passes × pass overhead"
+    yield "step", "t_overhead", f"{s.t_overhead * 1e3:.3f} ms", "layers × layer overhead + passes × pass overhead" + (
+        " + the fixed speculative-step cost" if s.t_spec_fixed else "")
     yield "step", "step time", f"{s.t_step * 1e3:.3f} ms", f"{s.bound}-bound; cycle with prefill share {r.cycle_time_s * 1e3:.3f} ms"
+
+
+def _speculation_rows(r: PlanResult) -> Iterator[Row]:
+    s = r.speculation
+    if s is None:
+        return
+    ms = lambda x: f"{x * 1e3:.3f} ms"  # noqa: E731
+    yield "speculation", "step without drafting", ms(s.step_without_s), "the target over one row per sequence"
+    yield "speculation", "+ verification rows", ms(s.verification_rows_s), f"the target over {1 + s.draft_tokens} rows per sequence instead of 1"
+    yield "speculation", "+ draft stages", ms(s.draft_stages_s), "the drafter's passes: weights, rows, traffic, layer overheads"
+    yield "speculation", "+ fixed per step", ms(s.fixed_s), "spec_step_overhead_us: once per step whatever the batch"
+    yield "speculation", "step with drafting", ms(s.step_with_s), f"acceptance length {s.accept_length:g}"
+    yield "speculation", "speed-up over no drafting", f"{s.speedup:.2f}x", "AL × step without / step with (per agent and per GPU)"
+    where = (f"from concurrency {s.crossover_concurrency:,} (step without × AL <= step with)"
+             if s.crossover_concurrency else f"pays at every concurrency up to the {s.checked_up_to:,} sessions that fit")
+    yield "speculation", "drafting stops paying", f"{s.crossover_concurrency:,}" if s.crossover_concurrency else "never", where
 
 
 def _output_rows(r: PlanResult) -> Iterator[Row]:
@@ -105,7 +126,7 @@ def _output_rows(r: PlanResult) -> Iterator[Row]:
 
 def explain_rows(r: PlanResult) -> list[Row]:
     """All rows, inputs first, outputs last."""
-    return [*_model_rows(r), *_hardware_rows(r), *_step_rows(r), *_output_rows(r)]
+    return [*_model_rows(r), *_hardware_rows(r), *_step_rows(r), *_speculation_rows(r), *_output_rows(r)]
 
 
 def explain_lines(r: PlanResult, width: int = 80) -> list[str]:

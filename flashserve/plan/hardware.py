@@ -15,7 +15,8 @@ from typing import Any
 from .errors import PlanError
 
 HARDWARE_JSON = Path(__file__).with_name("hardware.json")
-OPTIONAL_TERMS = ("eta_flop_prefill",)  # profile terms that may be absent (see Efficiency)
+OPTIONAL_TERMS = ("eta_flop_prefill", "spec_step_overhead_us")  # profile terms that may be absent (see Efficiency)
+FRACTIONS = ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction", "eta_flop_prefill")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Efficiency:
     comm_overlap: float  # fraction of communication hidden behind compute (two-batch overlap)
     workspace_fraction: float  # HBM kept for activations, graphs and allocator slack
     eta_flop_prefill: float | None = None  # tensor-core peak reached by prefill (None: eta_flop)
+    # fixed time of one speculative step beyond its layers (rejection sampling, draft/verify metadata, the
+    # drafter's heads and the draft-to-verify hand-off): paid once per step whatever the batch; 0 = not known
+    spec_step_overhead_us: float = 0.0
     name: str = ""
     fitted_on: tuple[str, ...] = ()
 
@@ -91,7 +95,7 @@ def _efficiency(name: str, raw: dict[str, Any], sources: dict[str, str]) -> Effi
         if f.name not in raw:
             raise PlanError(f"efficiency.{name}.{f.name}", "missing")
         vals[f.name] = _number(raw[f.name], f"efficiency.{name}.{f.name}", sources)
-    for key in ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction", *OPTIONAL_TERMS):
+    for key in FRACTIONS:
         if key not in vals:
             continue
         if not (0 < vals[key] <= 1 or (key == "comm_overlap" and vals[key] == 0)):

@@ -7,18 +7,99 @@ output rate when it cannot keep up. Throughput per GPU always divides by every G
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .capacity import Capacity, capacity
 from .dtypes import dense_dtype_for
 from .errors import PlanError
 from .hardware import Hardware, get_hardware
 from .inputs import PlanInputs, validate
-from .model_terms import ModelTerms
+from .model_terms import NO_DRAFT, ModelTerms
 from .models import resolve_model
 from .prefill import Prefill, prefill_terms
 from .roofline import DecodeStep, Deployment, decode_step
 from .stacks import resolve_stack
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What the drafter buys at this concurrency, and where it stops paying.
+
+    The speculative step is the plain step plus three parts: the drafter's stages (their weights, rows and
+    layer overheads), the extra verification rows the target runs (1 + drafted per sequence instead of 1),
+    and the fixed per-step cost of speculation (``spec_step_overhead_us``). Speculation pays while
+    AL / step_with > 1 / step_without; with a prefill share in the cycle the condition is the same, since
+    both cycles carry the prompts of the same output tokens."""
+
+    accept_length: float
+    draft_tokens: int
+    step_with_s: float
+    step_without_s: float
+    draft_stages_s: float  # the drafter's passes: bytes, FLOPs, traffic and layer overheads
+    verification_rows_s: float  # the target over 1 + drafted rows instead of 1
+    fixed_s: float  # spec_step_overhead_us: once per speculative step
+    crossover_concurrency: int | None  # smallest concurrency where it no longer pays; None: pays up to checked_up_to
+    checked_up_to: int  # the highest concurrency examined (sessions that fit)
+
+    @property
+    def speedup(self) -> float:
+        """Per-agent (and per-GPU) speed with the drafter over speed without it, at the same concurrency."""
+        return self.accept_length * self.step_without_s / self.step_with_s
+
+    @property
+    def pays(self) -> bool:
+        return self.speedup > 1.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {"accept_length": self.accept_length, "draft_tokens": self.draft_tokens,
+                "step_with_ms": self.step_with_s * 1e3, "step_without_ms": self.step_without_s * 1e3,
+                "draft_stages_ms": self.draft_stages_s * 1e3, "verification_rows_ms": self.verification_rows_s * 1e3,
+                "fixed_ms": self.fixed_s * 1e3, "speedup": self.speedup, "pays": self.pays,
+                "decode_tokens_per_s_per_agent_without": 1.0 / self.step_without_s,
+                "crossover_concurrency": self.crossover_concurrency, "checked_up_to": self.checked_up_to}
+
+
+def _speedup(dep: Deployment, al: float, concurrency: float, ctx: float) -> float:
+    plain = decode_step(replace(dep, draft_tokens=0), concurrency, ctx).t_step
+    return al * plain / decode_step(dep, concurrency, ctx).t_step
+
+
+def crossover_concurrency(dep: Deployment, al: float, ctx: float, up_to: int) -> int | None:
+    """Smallest concurrency (1..up_to) at which drafting no longer pays (speed-up <= 1): powers of two
+    bracket it, bisection pins it; None when it pays at every power of two up to ``up_to`` and at up_to."""
+    if dep.draft_tokens <= 0:
+        return None
+    lo, c = 0, 1
+    while True:
+        c = min(c, up_to)
+        if _speedup(dep, al, c, ctx) <= 1.0:
+            break
+        if c == up_to:
+            return None
+        lo, c = c, c * 2
+    hi = c
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _speedup(dep, al, mid, ctx) <= 1.0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def speculation_terms(dep: Deployment, al: float, concurrency: float, ctx: float, up_to: int) -> Speculation | None:
+    """The speculative step split into its parts against the plain step (None without a drafter)."""
+    if dep.draft_tokens <= 0 or dep.model.draft.kind == "none":
+        return None
+    with_ = decode_step(dep, concurrency, ctx)
+    without = decode_step(replace(dep, draft_tokens=0), concurrency, ctx)
+    # the target alone over 1 + drafted rows: the drafter removed, its rows kept
+    verify = decode_step(replace(dep, model=replace(dep.model, draft=NO_DRAFT)), concurrency, ctx)
+    return Speculation(
+        accept_length=al, draft_tokens=dep.draft_tokens, step_with_s=with_.t_step, step_without_s=without.t_step,
+        draft_stages_s=with_.t_step - verify.t_step - with_.t_spec_fixed,
+        verification_rows_s=verify.t_step - without.t_step, fixed_s=with_.t_spec_fixed,
+        crossover_concurrency=crossover_concurrency(dep, al, ctx, max(up_to, 1)), checked_up_to=max(up_to, 1))
 
 
 def cost_per_million(price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:
@@ -45,6 +126,7 @@ class PlanResult:
     total_gpus: int
     prefill_limited: bool
     price_per_gpu_hour: float
+    speculation: Speculation | None = None  # with a drafter: the step without it, the parts, the crossover
 
     @property
     def output_tokens_per_s_per_gpu(self) -> float:
@@ -60,6 +142,15 @@ class PlanResult:
         """Prompt (cached or not) plus output tokens per GPU: InferenceX's ``tput_per_gpu``."""
         ratio = 1.0 + self.inputs.prompt_len / self.inputs.output_len
         return self.output_tokens_per_s_per_gpu * ratio
+
+    @property
+    def tokens_per_s_per_agent_without_speculation(self) -> float | None:
+        """The same deployment and concurrency without the drafter: its step plus the same prefill share per
+        output token (None without a drafter)."""
+        if self.speculation is None:
+            return None
+        share = (self.cycle_time_s - self.step.t_step) / self.accept_length  # prefill time per output token
+        return 1.0 / (self.speculation.step_without_s + share)
 
     @property
     def cost_per_million_output_tokens(self) -> float:
@@ -112,6 +203,7 @@ class PlanResult:
             "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
             "cost_per_million_total_tokens": self.cost_per_million_total_tokens,
             "efficiency_profile": dep.eff.name, "stack": dep.stack,
+            "speculation": self.speculation.as_dict() if self.speculation else None,
             "step": self.step.as_dict(), "prefill": self.prefill.as_dict(), "capacity": self.capacity.as_dict(),
         }
 
@@ -157,8 +249,10 @@ def plan(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None =
         cycle = step.t_step + finished * uncached * pre.gpu_seconds_per_token / inp.gpus
         out, limited = inp.concurrency * al / cycle, False
     price = inp.cost_per_gpu_hour if inp.cost_per_gpu_hour is not None else dep.hw.cost_per_gpu_hour
+    cap = capacity(dep, ctx)
     return PlanResult(
-        inputs=inp, deployment=dep, step=step, prefill=pre, capacity=capacity(dep, ctx), context=ctx,
+        inputs=inp, deployment=dep, step=step, prefill=pre, capacity=cap, context=ctx,
         accept_length=al, cycle_time_s=cycle, tokens_per_s_per_agent=al / cycle, output_tokens_per_s=out,
         total_gpus=inp.gpus + inp.prefill_gpus, prefill_limited=limited, price_per_gpu_hour=price,
+        speculation=speculation_terms(dep, al, inp.concurrency, ctx, cap.sessions_fit),
     )

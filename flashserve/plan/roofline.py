@@ -1,7 +1,7 @@
 """One decode step on one GPU: bytes moved, FLOPs, link traffic, overheads, and the step time.
 
 step time = max(t_mem, t_flop) combined with t_comm (a fraction ``comm_overlap`` hidden, the rest added)
-            + layers × layer overhead + passes × pass overhead.
+            + layers × layer overhead + passes × pass overhead (+ one fixed speculative-step cost when drafting).
 All terms are per GPU of the busiest attention-DP rank (sequences are dealt round-robin; every MoE layer
 synchronises all ranks); experts are spread evenly over EP ranks.
 """
@@ -63,9 +63,10 @@ class DecodeStep:
     t_mem: float
     t_flop: float
     t_comm: float
-    t_overhead: float
+    t_overhead: float  # all fixed time, t_spec_fixed included
     t_step: float
     bound: str
+    t_spec_fixed: float = 0.0  # the speculative step's fixed cost (part of t_overhead)
 
     @property
     def bytes_total(self) -> float:
@@ -136,7 +137,8 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     t_roof = max(t_mem, t_flop)
     t_body = max(t_roof, t_comm) + (1.0 - eff.comm_overlap) * min(t_roof, t_comm)
     layers = m.n_layers + passes * d.layers
-    t_over = (layers * eff.layer_overhead_us + (1 + passes) * eff.pass_overhead_us) * 1e-6
+    t_spec = eff.spec_step_overhead_us * 1e-6 if passes else 0.0  # fixed cost of a speculative step
+    t_over = (layers * eff.layer_overhead_us + (1 + passes) * eff.pass_overhead_us) * 1e-6 + t_spec
     terms = {"memory": t_mem, "compute": t_flop, "communication": t_comm, "overhead": t_over}
     return DecodeStep(
         sequences_per_rank=b, rows_per_sequence=rows, distinct_experts_per_layer=distinct,
@@ -145,5 +147,5 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
         flops_draft=flops_draft_dense + flops_draft_exp + flops_draft_attn,
         comm_bytes_ep=comm_ep, comm_bytes_tp=comm_tp, comm_bytes_host=comm_host, comm_link=link,
         t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_body + t_over,
-        bound=max(terms, key=terms.get),
+        bound=max(terms, key=terms.get), t_spec_fixed=t_spec,
     )

@@ -173,3 +173,56 @@ PUBLISHED_PREFILL: tuple[PublishedPrefill, ...] = (
         f"prefill units of 4 nodes with EP32 / DP32; mean prompt {DEEPSEEK_PROMPT} tokens derived from the day's "
         "token counts; a daily average of a production service, so prefill nodes are not always saturated"),
 )
+
+
+# --------------------------------------------------------------------------- speculation: with against without
+SGLANG_DSPARK_PR = "https://github.com/sgl-project/sglang/pull/29538"
+SGLANG_DSPARK_AL = ("https://github.com/sgl-project/sglang/issues/29488 (the PR's author: accept length "
+                    "around 3.2 to 3.6 on 8xB200, greedy)")
+DSPARK_AL = 3.4  # midpoint of the 3.2-3.6 the PR's author states for its greedy benchmarks
+
+
+@dataclass(frozen=True)
+class PublishedSpeedup:
+    """A published speed-up of speculative decoding over the same server without it (same session, same
+    workload, same concurrency), and the deployment the planner assumes for it."""
+
+    name: str
+    source: str
+    inputs: PlanInputs
+    speedup: float  # speed with the drafter / speed without, per agent (TPOT ratio)
+    role: str  # fit, held_out, or not_reproduced (documented miss: a limit, not a check)
+    assumptions: str
+
+
+def _dspark_pair(concurrency: int, prompt_len: int, output_len: int) -> PlanInputs:
+    """SGLang's DSpark pair ran DeepSeek-V4-Flash-DSpark on 8xB200 (TP8, EP8, FP4 experts). The planner has no
+    V4-Flash DSpark drafter, so V4.1-Flash stands in on the same layout: its DSpark is the same design (three
+    window-only stages drafting a 5-token block in one pass); what is transferred is the ratio of the
+    speculative step to the plain step, not the absolute speed."""
+    return PlanInputs(model="deepseek-v41-flash", hardware="b200", gpus=8, tp=8, ep=8, weight_dtype="fp4",
+                      concurrency=concurrency, prompt_len=prompt_len, output_len=output_len,
+                      accept_length=DSPARK_AL, draft_tokens=5, stack=V41_STACK)
+
+
+def _pair(name: str, row: str, concurrency: int, prompt: int, output: int, speedup: float, role: str,
+          note: str = "") -> PublishedSpeedup:
+    return PublishedSpeedup(
+        name, f"{SGLANG_DSPARK_PR} (DeepSeek-V4-Flash-DSpark on 8xB200, TP8/EP8, DSpark over no spec in the same "
+        f"session: {row}); acceptance length {SGLANG_DSPARK_AL}",
+        _dspark_pair(concurrency, prompt, output), speedup, role,
+        f"V4.1-Flash on the same layout stands in for V4-Flash; acceptance length {DSPARK_AL} (midpoint of the "
+        f"stated 3.2-3.6); context = prompt + output/2{note}")
+
+
+PUBLISHED_SPEEDUP: tuple[PublishedSpeedup, ...] = (
+    _pair("b200-dspark-speedup-random-c1", "random 256/512, concurrency 1, 2.08x", 1, 256, 512, 2.08, "fit"),
+    _pair("b200-dspark-speedup-single-1k", "single stream 1024/1024, 2.31x", 1, 1024, 1024, 2.31, "held_out"),
+    _pair("b200-dspark-speedup-single-512", "single stream 512/256, 1.97x", 1, 512, 256, 1.97, "held_out"),
+    _pair("b200-dspark-speedup-sharegpt-c1", "ShareGPT, concurrency 1, 1.84x", 1, 512, 512, 1.84, "held_out",
+          "; ShareGPT lengths not stated, 512/512 assumed"),
+    _pair("b200-dspark-speedup-random-c32", "random 256/512, concurrency 32, 1.28x", 32, 256, 512, 1.28,
+          "not_reproduced"),
+    _pair("b200-dspark-speedup-sharegpt-c32", "ShareGPT, concurrency 32, 1.35x", 32, 512, 512, 1.35,
+          "not_reproduced", "; ShareGPT lengths not stated, 512/512 assumed"),
+)

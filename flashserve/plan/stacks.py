@@ -18,7 +18,7 @@ from .errors import PlanError
 from .hardware import HARDWARE_JSON
 
 NO_STACK = "none"
-STACK_TERMS = ("layer_overhead_us", "pass_overhead_us", "eta_mem", "eta_flop", "eta_comm")
+STACK_TERMS = ("layer_overhead_us", "pass_overhead_us", "spec_step_overhead_us", "eta_mem", "eta_flop", "eta_comm")
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,24 @@ def sweep(base: PlanInputs, levels: Sequence[int] = DEFAULT_LEVELS) -> list[Plan
 
 def sweep_points(results: Sequence[PlanResult]) -> list[dict[str, float | int | bool]]:
     """The curve in ``bench sweep``'s point format, plus the planner's bound and fit flag."""
-    return [{
-        "concurrency": r.inputs.concurrency,
-        "tokens_per_s_per_agent": r.tokens_per_s_per_agent,
-        "output_tokens_per_s_per_gpu": r.output_tokens_per_s_per_gpu,
-        "step_time_ms": r.step.t_step * 1e3,
-        "bound": r.step.bound,
-        "fits": not r.misfit(),
-    } for r in results]
+    points: list[dict[str, float | int | bool]] = []
+    for r in results:
+        point: dict[str, float | int | bool] = {
+            "concurrency": r.inputs.concurrency,
+            "tokens_per_s_per_agent": r.tokens_per_s_per_agent,
+            "output_tokens_per_s_per_gpu": r.output_tokens_per_s_per_gpu,
+            "step_time_ms": r.step.t_step * 1e3,
+            "bound": r.step.bound,
+            "fits": not r.misfit(),
+        }
+        without = r.tokens_per_s_per_agent_without_speculation
+        if without is not None:  # the second curve: the same deployment with the drafter off
+            point["tokens_per_s_per_agent_without_speculation"] = without
+            point["output_tokens_per_s_per_gpu_without_speculation"] = (
+                r.output_tokens_per_s_per_gpu * without / r.tokens_per_s_per_agent)
+            point["speculation_speedup"] = r.speculation.speedup
+        points.append(point)
+    return points
 
 
 def write_sweep(results: Sequence[PlanResult], json_path: Path, png_path: Path) -> None:
@@ -44,6 +54,9 @@ def write_sweep(results: Sequence[PlanResult], json_path: Path, png_path: Path) 
     first = results[0].as_dict()
     meta = {k: first[k] for k in ("model", "hardware", "gpus", "tp", "ep", "attention_dp", "weight_dtype",
                                   "kv_dtype", "context", "accept_length", "efficiency_profile")}
+    spec = results[0].speculation
+    if spec is not None:  # where drafting stops paying (the same for every level of this deployment)
+        meta["speculation_crossover_concurrency"] = spec.crossover_concurrency
     json_path.write_text(json.dumps({"source": "flashserve plan sweep", **meta, "points": points}, indent=1))
     import matplotlib
 
@@ -60,6 +73,11 @@ def write_sweep(results: Sequence[PlanResult], json_path: Path, png_path: Path) 
     if over:
         ax.plot([p["tokens_per_s_per_agent"] for p in over], [p["output_tokens_per_s_per_gpu"] for p in over],
                 "x", color="tab:red", label="predicted (exceeds HBM)")
+    plain = [p for p in points if "tokens_per_s_per_agent_without_speculation" in p]
+    if plain:
+        ax.plot([p["tokens_per_s_per_agent_without_speculation"] for p in plain],
+                [p["output_tokens_per_s_per_gpu_without_speculation"] for p in plain], "s--", color="tab:gray",
+                markersize=3, label="predicted without drafting")
     for p in points:
         ax.annotate(str(p["concurrency"]), (p["tokens_per_s_per_agent"], p["output_tokens_per_s_per_gpu"]),
                     fontsize=7, xytext=(3, 3), textcoords="offset points")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .planner import PlanResult, plan
-from .scenarios import PUBLISHED, PUBLISHED_PREFILL, PublishedPoint, PublishedPrefill
+from .scenarios import PUBLISHED, PUBLISHED_PREFILL, PUBLISHED_SPEEDUP, PublishedPoint, PublishedPrefill, PublishedSpeedup
 
 
 def predicted_per_gpu(point: PublishedPoint, res: PlanResult) -> float | None:
@@ -45,5 +45,21 @@ def compare_published_prefill(points: tuple[PublishedPrefill, ...] = PUBLISHED_P
             "prefix_hit_rate": p.inputs.prefix_hit_rate,
             "predicted_gpu": pre.tokens_per_s_per_gpu, "published_gpu": p.uncached_tokens_per_s_per_gpu,
             "gpu_error": pre.tokens_per_s_per_gpu / p.uncached_tokens_per_s_per_gpu - 1.0, "bound": pre.bound,
+        })
+    return rows
+
+
+def compare_published_speedups(points: tuple[PublishedSpeedup, ...] = PUBLISHED_SPEEDUP) -> list[dict[str, object]]:
+    """One row per with/without pair: predicted and published speed-up of speculation and the error."""
+    rows: list[dict[str, object]] = []
+    for p in points:
+        res = plan(p.inputs)
+        spec = res.speculation
+        rows.append({
+            "name": p.name, "role": p.role, "source": p.source, "assumptions": p.assumptions,
+            "hardware": p.inputs.hardware, "concurrency": p.inputs.concurrency,
+            "predicted_speedup": spec.speedup, "published_speedup": p.speedup,
+            "speedup_error": spec.speedup / p.speedup - 1.0,
+            "predicted_crossover": spec.crossover_concurrency,
         })
     return rows

@@ -155,7 +155,10 @@ def _sources() -> list[str]:
 
     found = [s for hw in load_catalog().values() for s in hw.sources.values()]
     found += [s for stack in load_stacks().values() for s in stack.sources.values()]
-    return found + [p.source for p in PUBLISHED] + [p.source for p in PUBLISHED_PREFILL]
+    from flashserve.plan.scenarios import PUBLISHED_SPEEDUP
+
+    return (found + [p.source for p in PUBLISHED] + [p.source for p in PUBLISHED_PREFILL]
+            + [p.source for p in PUBLISHED_SPEEDUP])
 
 
 def test_every_cited_source_is_a_repository_file_or_a_public_url() -> None:
@@ -171,17 +174,21 @@ def test_every_cited_source_is_a_repository_file_or_a_public_url() -> None:
 
 
 def test_v41_stack_is_the_documented_fit_and_is_checked_elsewhere() -> None:
-    from flashserve.plan.calibrate import fit_decode_term
+    from flashserve.plan.calibrate import fit_speculative_step
+    from flashserve.plan.scenarios import PUBLISHED_SPEEDUP
     from flashserve.plan.stacks import load_stacks
 
     stack = load_stacks()["v41-vllm-sglang-2026-09"]
-    names = {p.name: p for p in PUBLISHED}
+    names = {p.name: p for p in (*PUBLISHED, *PUBLISHED_SPEEDUP)}
     fitted = [names[n] for n in stack.fitted_on]
     held = [names[n] for n in stack.held_out]
-    assert [p.role for p in fitted] == ["fit"] and {p.role for p in held} == {"held_out"}
-    assert {p.inputs.hardware for p in held} - {p.inputs.hardware for p in fitted}  # another GPU held out
+    assert [p.role for p in fitted] == ["fit", "fit"] and {p.role for p in held} == {"held_out"}
+    assert {p.inputs.hardware for p in held} - {p.inputs.hardware for p in fitted[:1]}  # another GPU held out
     assert all(p.inputs.stack == stack.name for p in fitted + held)
-    assert fit_decode_term(fitted, "layer_overhead_us") == pytest.approx(stack.terms["layer_overhead_us"], rel=0.01)
+    absolute, speedup = fitted  # one published speed, one published speed-up over no speculation
+    values = fit_speculative_step(absolute, speedup)
+    for term in ("layer_overhead_us", "spec_step_overhead_us"):
+        assert values[term] == pytest.approx(stack.terms[term], rel=0.01), term
 
 
 def test_stack_is_refused_for_other_models_and_unknown_names(capsys) -> None:
@@ -201,7 +208,8 @@ def test_stack_terms_replace_the_hardware_profile_and_cite_their_source(capsys) 
     assert main(V41_GB300_C1 + ["--stack", "v41-vllm-sglang-2026-09", "--json"]) == 0
     stacked = json.loads(capsys.readouterr().out)
     assert plain["stack"] is None and stacked["stack"] == "v41-vllm-sglang-2026-09"
-    assert stacked["step"]["t_overhead"] > plain["step"]["t_overhead"]  # 148 µs per layer instead of 66.8
+    # 101.8 µs per layer and 1.98 ms per DSpark step instead of 66.8 µs per layer
+    assert stacked["step"]["t_overhead"] > plain["step"]["t_overhead"]
     assert stacked["tokens_per_s_per_agent"] < plain["tokens_per_s_per_agent"]
     assert main(V41_GB300_C1 + ["--stack", "v41-vllm-sglang-2026-09", "--explain"]) == 0
     assert "stack v41-vllm-sglang-2026-09: fitted" in capsys.readouterr().out
@@ -227,11 +235,12 @@ def test_default_stack_only_where_it_was_measured(capsys) -> None:
         assert json.loads(capsys.readouterr().out)["stack"] is None, (model, hw)
 
 
-def test_explain_says_which_stack_and_that_it_rests_on_one_point(capsys) -> None:
+def test_explain_says_which_stack_and_the_points_it_rests_on(capsys) -> None:
     assert main(V41_GB300_C1 + ["--explain"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "serving stack v41-vllm-sglang-2026-09" in text
     assert "default for deepseek_v41; --stack none: off" in text
-    assert "fitted on one published point only (gb300-v41-dspark-vllm-c1)" in text
+    assert ("layer_overhead_us and spec_step_overhead_us were fitted on 2 published points only "
+            "(gb300-v41-dspark-vllm-c1, b200-dspark-speedup-random-c1)") in text
     assert main(V41_GB300_C1 + ["--stack", "none", "--explain"]) == 0
     assert "--stack none given: hardware profile gb300-nvl72 only" in " ".join(capsys.readouterr().out.split())
