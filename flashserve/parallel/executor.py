@@ -174,6 +174,8 @@ def worker_main(config, rank: int, local_rank: int, addr: str, port: int, parent
             elif op == "setattr":
                 setattr(engine, cmd[1], cmd[2])
                 reply = None
+            elif op == "ping":
+                reply = None
             elif op == "counters":
                 reply = comm.reset_counters()
             else:
@@ -264,6 +266,7 @@ class ShardedEngine:
                 raise
             raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._who(e)}") from e
         self._log_startup()
+        threading.Thread(target=self._heartbeat, name="flashserve-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
     def _connect(self, layout, addr, port, device, agent) -> Comm:
@@ -297,6 +300,24 @@ class ShardedEngine:
             log.info("tensor parallel: the KV cache is replicated on each of the %d TP ranks (V4.1's single shared "
                      "KV head cannot be split by head): %s B per rank (%.2f B/token), %s B over the TP group",
                      lay.tp, f"{per_rank:,}", cache.bytes_per_token, f"{per_rank * lay.tp:,}")
+
+    def _heartbeat(self) -> None:
+        """While the engine is idle, ping the workers every ``min(timeout / 2, 5)`` seconds, so a worker that
+        dies or hangs between requests is found (and the server's /health turns unhealthy) within
+        ``timeout`` plus that interval; steps and requests find it themselves."""
+        interval = max(0.2, min(self.timeout / 2, 5.0))
+        while self.failure is None:
+            time.sleep(interval)
+            if self.failure is not None or not self.local.lock.acquire(blocking=False):
+                continue
+            try:
+                if self.failure is None:
+                    _, replies = self._command(("ping",))
+                    self._check(replies, "ping")
+            except Exception:  # recorded in self.failure by _command / _check
+                pass
+            finally:
+                self.local.lock.release()
 
     # ------------------------------------------------------------------ failure
     def _who(self, exc: BaseException) -> str:
@@ -341,15 +362,16 @@ class ShardedEngine:
 
     def shutdown(self) -> None:
         """Stop the workers (a clean ``stop`` if they answer, else killed)."""
-        if self.failure is None and self.procs and any(p.exitcode is None for p in self.procs):
-            try:
-                self.comm.send_command(("stop",))
-                for r in range(1, self.layout.world):
-                    self._recv(r, min(self.timeout, 10.0))
-            except Exception:
-                pass
-        object.__setattr__(self, "failure", self.failure or WorkerFailure("the sharded engine was shut down"))
-        self._kill_workers()
+        with self.local.lock:
+            if self.failure is None:
+                try:
+                    self.comm.send_command(("stop",))
+                    for r in range(1, self.layout.world):
+                        self._recv(r, min(self.timeout, 10.0))
+                except Exception:
+                    pass
+            object.__setattr__(self, "failure", self.failure or WorkerFailure("the sharded engine was shut down"))
+            self._kill_workers()
 
     def __del__(self):  # pragma: no cover - interpreter teardown
         try:

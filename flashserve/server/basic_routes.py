@@ -13,6 +13,9 @@ from .protocol import APIError, invalid, parse_chat_request
 
 async def health(request: Request):
     srv = server_of(request)
+    failure = getattr(srv.loop.engine, "failure", None)  # a sharded engine that lost a worker
+    if failure is not None:
+        return JSONResponse({"status": "error", "detail": str(failure)}, status_code=503)
     if not srv.loop.alive:
         fatal = getattr(srv.loop, "fatal", None)
         detail = "engine loop not running" + (f": {fatal}" if fatal is not None else "")
