@@ -25,6 +25,7 @@ raises :class:`WorkerFailure` naming the rank, kills the workers it spawned and 
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import hashlib
@@ -267,6 +268,7 @@ class ShardedEngine:
             raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._who(e)}") from e
         self._log_startup()
         threading.Thread(target=self._heartbeat, name="flashserve-heartbeat", daemon=True).start()
+        atexit.register(self.shutdown)  # workers told to stop (torchrun sees them exit 0), not left waiting
 
     # ------------------------------------------------------------------ start-up
     def _connect(self, layout, addr, port, device, agent) -> Comm:
