@@ -81,7 +81,7 @@ def check_logits_and_sync() -> None:
     try:
         inp = eng.runner.decode_step.inputs([[s.tokens[s.num_computed]] for s in seqs_c],
                                             [s.num_computed for s in seqs_c], [s.slot for s in seqs_c],
-                                            max(len(s.pages) for s in seqs_c))
+                                            [len(s.pages) for s in seqs_c])
         eng.runner.decode_step(inp)
         check("no host sync inside the decode step", True)
     except RuntimeError as e:

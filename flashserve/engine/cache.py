@@ -47,7 +47,11 @@ class KVCache:
     """Device storage of a model's cache, allocated at start-up, and the page table of every slot."""
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, packed: bool,
-                 kv_memory: int, max_num_seqs: int, block_size: int = 64, num_pages: int | None = None):
+                 kv_memory: int, max_num_seqs: int, block_size: int = 64, num_pages: int | None = None,
+                 spare_rows: int = 0, draft_stages: int = 0):
+        """``spare_rows``: the most draft tokens one verification checks (speculative decoding), kept as spare
+        ring rows so a rejected draft can be rolled back (:meth:`rollback`); ``draft_stages``: DSpark stage
+        windows to keep."""
         self.cfg, self.dtype, self.device, self.packed = cfg, dtype, torch.device(device), packed
         self.window_size = cfg.sliding_window
         self.page_tokens = page_tokens_for(cfg, block_size)
@@ -62,7 +66,7 @@ class KVCache:
         self.rows = max_num_seqs + 1
         self.storage = CacheStorage.allocate(cfg, slots=self.rows, num_pages=self.num_pages,
                                              page_tokens=self.page_tokens, packed=packed, dtype=dtype,
-                                             device=self.device)
+                                             device=self.device, spare=spare_rows, draft_stages=draft_stages)
         # each slot's page ids, written once per new page, so a step's page table is one gather instead of
         # a list of every page of every row (55 us per row at 50k tokens); width doubles on demand
         self.page_table = torch.zeros(self.rows, 16, dtype=torch.long, device=self.device)
@@ -111,6 +115,12 @@ class KVCache:
             row.zero_()
         if pages:
             row[start:end] = torch.tensor(pages, dtype=torch.long) if len(pages) > 1 else pages[0]
+
+    def rollback(self, slots: list[int], ends: list[int], histories: list[list[int]]) -> None:
+        """Forget what rejected draft rows wrote: each slot returns to the state of a run that computed exactly
+        positions ``[0, ends[i])`` (see :meth:`CacheStorage.rollback`)."""
+        if slots:
+            self.storage.rollback(slots, ends, histories)
 
     def drop_stash(self, slot: int) -> None:
         """The decoder-replay rows are only needed until a sequence's prefill ends."""

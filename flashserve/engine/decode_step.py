@@ -51,8 +51,10 @@ class DecodeStep:
     """Runs padded decode forwards: ``torch.compile`` per bucket, or eager with ``enforce_eager``."""
 
     def __init__(self, model, cache: KVCache, *, max_num_seqs: int, enforce_eager: bool,
-                 backend: str = "inductor", cuda_graphs: bool = True):
+                 backend: str = "inductor", cuda_graphs: bool = True, capture: tuple[int, ...] = ()):
+        """``capture``: layers whose input features (mean over streams) the step also returns (DSpark)."""
         self.model, self.cache = model, cache
+        self.capture = capture
         self.buckets = decode_buckets(max_num_seqs)
         self.enforce_eager = enforce_eager
         cfg = model.cfg
@@ -83,37 +85,47 @@ class DecodeStep:
         raise ValueError(f"{n} requests exceed the largest decode bucket ({self.buckets[-1]})")
 
     @torch.inference_mode()  # inputs made as inference tensors always, so the compiled guards always match
-    def inputs(self, ids: list[list[int]], start: list[int], slots: list[int], pages: int) -> StepInputs:
-        """Pad one step's rows to their bucket; ``pages``: the widest page table among the requests."""
+    def inputs(self, ids: list[list[int]], start: list[int], slots: list[int], pages: list[int]) -> StepInputs:
+        """Pad one step's rows to their bucket; ``pages``: how many pages each request holds (table columns
+        past them name the scratch page, so padding rows past a request's pages write nowhere that is read)."""
         cache, dev = self.cache, self.cache.device
         B, Bp = len(ids), self.bucket(len(ids))
         R = len(ids[0])
-        P = pages if self.enforce_eager else max(pages, self.min_pages)
+        P = max(pages) if self.enforce_eager else max(max(pages), self.min_pages)
         pad = Bp - B
         slot_t = torch.tensor(slots + [cache.scratch_slot] * pad, dtype=torch.long, device=dev)
         table = torch.full((Bp, P), cache.scratch_page, dtype=torch.long, device=dev)
         width = min(P, cache.page_table.shape[1])
         table[:B, :width] = cache.page_table[slot_t[:B], :width]
+        if min(pages) < width:
+            held = torch.tensor(pages, dtype=torch.long, device=dev)[:, None]
+            cols = torch.arange(width, device=dev)[None, :]
+            table[:B, :width] = torch.where(cols < held, table[:B, :width], cache.scratch_page)
         return StepInputs(
             ids=torch.tensor(ids + [[0] * R] * pad, dtype=torch.long, device=dev),
             start=torch.tensor(start + [0] * pad, dtype=torch.long, device=dev),
             slots=slot_t, table=table)
 
     @torch.inference_mode()
-    def __call__(self, inp: StepInputs) -> torch.Tensor:
-        """Logits [Bp, R, V] of every row (padding rows included: the caller keeps its own)."""
+    def __call__(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [Bp, R, V] of every row (padding rows included: the caller keeps its own), and the captured
+        features [Bp, R, len(capture), D] (None without ``capture``)."""
         if not self.enforce_eager:  # one graph for every batch size from 2 and every context length
             if inp.ids.shape[0] > 1:
                 for t in (inp.ids, inp.start, inp.slots, inp.table):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(inp.table, 1)
-        out = self._forward(inp.ids, inp.start, inp.slots, inp.table)
-        return out.clone() if self.cuda_graphs else out  # a graph's output buffer is rewritten by the next replay
+        logits, feats = self._forward(inp.ids, inp.start, inp.slots, inp.table)
+        if self.cuda_graphs:  # a graph's output buffers are rewritten by the next replay
+            logits, feats = logits.clone(), (None if feats is None else feats.clone())
+        return logits, feats
 
     def _eager(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
-               table: torch.Tensor) -> torch.Tensor:
+               table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = FixedBatchState(self.cache, slots, table)
-        return self.model(ids, state, start=start, logits_rows=ids.shape[1]).logits
+        out = self.model(ids, state, start=start, logits_rows=ids.shape[1], capture=self.capture)
+        feats = torch.stack([out.features[L] for L in self.capture], dim=2) if self.capture else None
+        return out.logits, feats
 
     @torch.inference_mode()
     def warm_up(self, rows: int = 1) -> float:

@@ -42,6 +42,9 @@ class EngineConfig:
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "fp8" | "mxfp4"
     # pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
     quantization: str | None = None
+    # Speculative decoding, as vLLM's ``speculative_config``: {"method": "ngram" | "mtp" | "dspark",
+    # "num_speculative_tokens": k, ...} (dict or its JSON text; see flashserve.engine.spec_config). None: off.
+    speculative_config: dict | str | None = None
     # Parallel layout (flashserve.parallel), vLLM's names: ranks = tensor_parallel_size x data_parallel_size
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False

@@ -22,6 +22,8 @@ from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sampling_params import QueueFullError, RequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestGroup, RequestOutput, Sequence
+from .spec_config import SpeculativeConfig
+from .speculative import SpecStats, accept, make_drafter, speculation_allowed
 from .threads import set_threads
 from .tokenizer import load_tokenizer, set_engram_token_map
 
@@ -42,9 +44,11 @@ class LLMEngine:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} asked but CUDA is not available")
+        self.spec = spec = SpeculativeConfig.parse(c.speculative_config)
         self.dtype = torch.float64 if c.dtype in ("float64", "fp64", torch.float64) else resolve_dtype(c.dtype)
+        with_mtp = spec is not None and spec.method in ("mtp", "dspark")
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
-                                                                fake_quant=c.fake_quant, with_mtp=False,
+                                                                fake_quant=c.fake_quant, with_mtp=with_mtp,
                                                                 quantization=c.quantization)
         self.dtype = self.model.dtype
         self.model_config = cfg = self.model.cfg
@@ -56,7 +60,14 @@ class LLMEngine:
             raise ValueError(f"cache_dtype must be 'packed' or 'float', got {cache_dtype!r}")
         self.cache = KVCache(cfg, dtype=self.dtype, device=self.model.embed.weight.device,
                              packed=cache_dtype == "packed", kv_memory=pre.kv_bytes,
-                             max_num_seqs=c.max_num_seqs, block_size=c.block_size, num_pages=c.num_pages)
+                             max_num_seqs=c.max_num_seqs, block_size=c.block_size, num_pages=c.num_pages,
+                             spare_rows=spec.num_speculative_tokens if spec else 0,
+                             draft_stages=cfg.num_nextn_predict_layers if spec and spec.method == "dspark" else 0)
+        try:
+            self.drafter = make_drafter(spec, self.model, self.cache) if spec else None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.spec_stats = SpecStats()
         log.info(self.cache.describe(self.max_model_len))
         self.scheduler = Scheduler(self.cache, max_num_seqs=c.max_num_seqs,
                                    max_num_batched_tokens=c.max_num_batched_tokens, prefill_chunk=c.prefill_chunk,
@@ -65,7 +76,8 @@ class LLMEngine:
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
-                          backend=c.compile_backend, cuda_graphs=c.cuda_graphs)
+                          backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
+                          capture=self.drafter.capture if self.drafter else ())
         step.warm_up()
         self.runner = ModelRunner(self.model, self.cache, step)
         self.encoder_only = cfg.is_v41 and not c.exact_prefill
@@ -170,23 +182,87 @@ class LLMEngine:
         if sched.empty:
             return []
         self.num_steps += 1
-        if not sched.chunks:
-            return self._postprocess(sched, [], [])
-        decode = [s for s, n in sched.chunks if s.prefill_done]
+        touched: dict[str, RequestGroup] = {}
+        for seq in sched.failed:
+            seq.finish_reason = "length"
+            seq.detok.finish()
+            self.scheduler.finish(seq)
+            touched[seq.group.request_id] = seq.group
+        decode = [s for s, _ in sched.chunks if s.prefill_done]
         prefills = [(s, n) for s, n in sched.chunks if not s.prefill_done]
-        to_sample: list[Sequence] = []
-        logits_rows: list[torch.Tensor] = []
         if decode:
-            logits_rows.append(self.runner.decode(decode))
-            to_sample.extend(decode)
+            self._decode(decode, touched)
+        if prefills:
+            self._prefill(prefills, touched)
+        self._propose()
+        return self._outputs(touched)
+
+    def _decode(self, seqs: list[Sequence], touched: dict[str, RequestGroup]) -> None:
+        """One forward over every decoding sequence's pending token and drafts; then each sequence takes the
+        tokens verification emits (just the sampled one without drafts), and what rejected rows wrote to the
+        cache is rolled back."""
+        rows = [[s.tokens[s.num_computed]] + s.draft for s in seqs]
+        R = max(len(r) for r in rows)
+        if R == 1 and self.drafter is None:
+            logits, feats = self.runner.decode(seqs)[:, None], None
+        else:
+            logits, feats = self.runner.verify(seqs, rows)
+        plain = [i for i, s in enumerate(seqs) if not s.draft]
+        emitted: dict[int, list[int]] = {}
+        lps: dict[int, list] = {}
+        if plain:
+            sub = [seqs[i] for i in plain]
+            lg = logits[plain, 0] if len(plain) < len(seqs) else logits[:, 0]
+            result = sample(lg, [self._sample_row(s, lg) for s in sub], self.generator)
+            for i, tid, lp in zip(plain, result.token_ids, result.logprobs):
+                emitted[i], lps[i] = [tid], [lp]
+        for i, s in enumerate(seqs):
+            if s.draft:
+                emitted[i] = accept(logits[i], s.draft, s.params, s.generator or self.generator)
+                lps[i] = [None] * len(emitted[i])
+        kept_seqs, starts, counts, rollback = [], [], [], []
+        for i, s in enumerate(seqs):
+            start, drafted = s.num_computed, len(s.draft)
+            s.draft = []
+            out = emitted[i]
+            s.spec.record(drafted, len(out) - 1)
+            self.spec_stats.record(drafted, len(out) - 1)
+            for tid, lp in zip(out, lps[i]):
+                self._append(s, tid, lp)
+                if s.finished:
+                    break
+            touched[s.group.request_id] = s.group
+            if s.finished:
+                continue
+            s.num_computed = start + len(out)  # the pending token and the accepted drafts
+            kept_seqs.append(s)
+            starts.append(start)
+            counts.append(len(out))
+            if len(out) < R:
+                rollback.append(s)
+            self.scheduler.register(s)
+            self.scheduler.trim_pages(s)
+        n_hist = self.cache.storage.history.shape[1]
+        self.cache.rollback([s.slot for s in rollback], [s.num_computed for s in rollback],
+                            [s.tokens[max(0, s.num_computed - n_hist):s.num_computed] for s in rollback])
+        if self.drafter is not None and kept_seqs:
+            idx = [seqs.index(s) for s in kept_seqs]
+            self.drafter.observe(kept_seqs, starts, counts, None if feats is None else feats[idx])
+
+    def _prefill(self, prefills: list[tuple[Sequence, int]], touched: dict[str, RequestGroup]) -> None:
         groups: dict[tuple, list[Sequence]] = {}
         for seq, n in prefills:  # equal-shape chunks run as one forward
             want_plp = seq.group.prompt_logprobs is not None and seq.index == 0
             key = self.runner.prefill_key(seq, n, want_plp)
             groups.setdefault(key if not want_plp else key + (seq.seq_id,), []).append(seq)
+        to_sample: list[Sequence] = []
+        logits_rows: list[torch.Tensor] = []
         for key, seqs in groups.items():
             chunk, want_plp = key[0], key[4]
-            lg = self.runner.prefill(seqs, chunk, all_logits=want_plp)
+            lg, feats = self.runner.prefill(seqs, chunk, all_logits=want_plp)
+            if feats and self.drafter is not None:
+                F, f = feats
+                self.drafter.observe(seqs, [s.num_computed + chunk - F for s in seqs], [F] * len(seqs), f)
             if want_plp:
                 seq, group = seqs[0], seqs[0].group
                 a = seq.num_computed
@@ -199,22 +275,12 @@ class LLMEngine:
             if lg is not None:
                 logits_rows.append(lg)
                 to_sample.extend(seqs)
-        for seq, n in sched.chunks:
+        for seq, n in prefills:
             seq.num_computed += n
             if seq.num_computed == seq.num_tokens:
-                if not seq.prefill_done:
-                    self.cache.drop_stash(seq.slot)
+                self.cache.drop_stash(seq.slot)
                 seq.prefill_done = True
             self.scheduler.register(seq)
-        return self._postprocess(sched, to_sample, logits_rows)
-
-    def _postprocess(self, sched, to_sample: list[Sequence], logits_rows: list[torch.Tensor]) -> list[RequestOutput]:
-        touched: dict[str, RequestGroup] = {}
-        for seq in sched.failed:
-            seq.finish_reason = "length"
-            seq.detok.finish()
-            self.scheduler.finish(seq)
-            touched[seq.group.request_id] = seq.group
         if to_sample:
             logits = torch.cat(logits_rows, dim=0)
             rows = [self._sample_row(s, logits) for s in to_sample]
@@ -222,6 +288,29 @@ class LLMEngine:
             for seq, tid, lp in zip(to_sample, result.token_ids, result.logprobs):
                 self._append(seq, tid, lp)
                 touched[seq.group.request_id] = seq.group
+
+    def _propose(self) -> None:
+        """Draft the next step's tokens for every decoding sequence that may speculate (none while more
+        sequences decode than ``disable_by_batch_size``)."""
+        if self.drafter is None:
+            return
+        decoding = [s for s in self.scheduler.running if s.prefill_done]
+        limit = self.spec.disable_by_batch_size
+        if limit is not None and len(decoding) > limit:
+            for s in decoding:
+                s.draft = []
+            return
+        room = self.max_model_len - 1
+        want = [s for s in decoding if not s.draft and speculation_allowed(s.params) and s.num_tokens < room]
+        if not want:
+            return
+        k = self.spec.num_speculative_tokens
+        for s, d in zip(want, self.drafter.propose(want, k)):
+            # never past the length limit or max_tokens: the last emitted token is the target's own
+            n = min(len(d), room - s.num_tokens, s.params.max_tokens - s.num_output - 1)
+            s.draft = list(d[:max(n, 0)])
+
+    def _outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         outputs = []
         for rid, group in touched.items():
             if group.finished:
@@ -281,4 +370,5 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
+            "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None,
         }

@@ -1,5 +1,6 @@
 """Runs the scheduled chunks of one step through the model: one decode forward for every decoding sequence
-(B rows × 1 token), one forward per prefill chunk (V4.1 default: encoder-only with decoder bounded replay)."""
+(B rows × 1 token, or × R rows when drafts are verified), one forward per prefill chunk (V4.1 default:
+encoder-only with decoder bounded replay)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from .sequence import Sequence
 class ModelRunner:
     def __init__(self, model, cache: KVCache, decode_step: DecodeStep):
         self.model = model
+        self.capture = decode_step.capture  # layers whose features every forward returns (a drafter's input)
         self.cache = cache
         self.cfg = model.cfg
         self.device = model.embed.weight.device
@@ -26,10 +28,17 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Logits [B, V] of the next token of each sequence (each has exactly one token to compute), through
         the fixed-shape step."""
+        return self.verify(seqs, [[s.tokens[s.num_computed]] for s in seqs])[0][:, -1]
+
+    def verify(self, seqs: list[Sequence], rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, R, V] of ``rows`` (each sequence's pending token, then its drafts; shorter lists padded to
+        the longest) from each sequence's ``num_computed``, and the captured features [B, R, layers, D]."""
         step = self.decode_step
-        inp = step.inputs([[s.tokens[s.num_computed]] for s in seqs], [s.num_computed for s in seqs],
-                          [s.slot for s in seqs], max(len(s.pages) for s in seqs))
-        return step(inp)[:len(seqs), -1]
+        R = max(len(r) for r in rows)
+        ids = [r + [r[-1]] * (R - len(r)) for r in rows]
+        inp = step.inputs(ids, [s.num_computed for s in seqs], [s.slot for s in seqs], [len(s.pages) for s in seqs])
+        logits, feats = step(inp)
+        return logits[:len(seqs)], (None if feats is None else feats[:len(seqs)])
 
     @torch.inference_mode()
     def decode_dynamic(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -62,10 +71,11 @@ class ModelRunner:
         return (n, encoder_only, a + n == seq.num_tokens, replay_end, all_logits)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], n: int, *, all_logits: bool = False) -> torch.Tensor | None:
+    def prefill(self, seqs: list[Sequence], n: int, *, all_logits: bool = False) -> tuple[torch.Tensor | None, tuple]:
         """Compute ``n`` tokens of each of ``seqs`` (equal :meth:`prefill_key`) from their ``num_computed``;
         logits [B, V] of the last row when the chunk completes the sequences ([B, n, V] with ``all_logits``),
-        else None."""
+        else None; and ``(F, features [B, F, layers, D])`` of the chunk's last F rows, whose captured features
+        the forward returned (``()`` when none)."""
         seq = seqs[0]
         a = seq.num_computed
         last = a + n == seq.num_tokens
@@ -75,9 +85,14 @@ class ModelRunner:
         encoder_only = self.encoder_only(seq, n)
         out = self.model(ids, self._state(seqs), start=start, encoder_only=encoder_only,
                          run_decoder=not encoder_only or a + n == seq.num_prompt,
-                         logits_rows=None if all_logits else 1, image_embeds=self._image_embeds(seqs, n))
+                         logits_rows=None if all_logits else 1, image_embeds=self._image_embeds(seqs, n),
+                         capture=self.capture)
+        feats = ()
+        if self.capture and all(L in out.features for L in self.capture):
+            F = min(out.features[L].shape[1] for L in self.capture)  # encoder-only: the decoder's replayed rows
+            feats = (F, torch.stack([out.features[L][:, -F:] for L in self.capture], dim=2))
         if out.logits is None:
-            return None
+            return None, feats
         if all_logits:
-            return out.logits
-        return out.logits[:, -1] if last else None
+            return out.logits, feats
+        return (out.logits[:, -1] if last else None), feats

@@ -56,6 +56,8 @@ HELP = {
     "worker_timeout": "seconds a sharded engine waits on a worker before it stops with an error",
     "quantization": "pack float weights at load (int8, fp8, mxfp4) or unpack a packed checkpoint (float); "
                     "default: as the checkpoint stores them",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
+                          "(methods: ngram, mtp, dspark; see docs/speculative.md)",
 }
 
 
@@ -67,6 +69,20 @@ def parse_size(text: str) -> int:
         return parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_speculative(text: str) -> dict:
+    """``--speculative-config`` JSON -> the dict, checked now so a bad value is reported by name."""
+    from ..config import ConfigError
+    from .spec_config import SpeculativeConfig
+
+    try:
+        SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    import json
+
+    return json.loads(text)
 
 
 def _base_type(hint: Any) -> type:
@@ -90,6 +106,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset[str] = f
             kw["action"] = argparse.BooleanOptionalAction
         elif f.name == "kv_memory":
             kw["type"] = parse_size
+        elif f.name == "speculative_config":
+            kw["type"], kw["metavar"] = parse_speculative, "JSON"
         else:
             kw["type"] = typ
             if f.name in CHOICES:

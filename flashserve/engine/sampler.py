@@ -90,6 +90,34 @@ def _apply_bias_and_masks(logits: torch.Tensor, rows: list[SampleRow]) -> torch.
     return logits
 
 
+def sampling_probs(lg: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row [N, V] of (penalised, masked) logits is sampled from: temperature, then
+    top-k, top-p and min-p (greedy rows: temperature 1, as if sampled; their caller takes the argmax)."""
+    N, V = lg.shape
+    dev = lg.device
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev, dtype=lg.dtype)
+    scaled = lg / temps[:, None]
+    top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    top_p = [p.top_p for p in params]
+    min_p = [p.min_p for p in params]
+    if any(top_k) or any(p < 1.0 for p in top_p):
+        srt, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(V, device=dev)[None, :]
+        k = torch.tensor([k or V for k in top_k], device=dev)[:, None]
+        drop = rank >= k
+        probs_sorted = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
+        cum = probs_sorted.cumsum(-1)
+        p = torch.tensor(top_p, device=dev, dtype=cum.dtype)[:, None]
+        drop = drop | ((cum - probs_sorted) >= p) & (rank > 0)
+        srt = srt.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, srt)
+    probs = torch.softmax(scaled, dim=-1)
+    if any(m > 0 for m in min_p):
+        mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
+        probs = probs.masked_fill(probs < mp * probs.amax(-1, keepdim=True), 0.0)
+    return probs
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None = None) -> SampleResult:
     """One token per row of ``logits`` [N, V]; each row's guide, if any, advanced by its token."""
     result = _sample(logits, rows, generator)
@@ -106,27 +134,8 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Genera
     lg = _apply_bias_and_masks(_apply_penalties(raw, rows), rows)
     chosen = lg.argmax(-1)
     if not all(r.params.greedy for r in rows):
-        temps = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=lg.dtype)
         greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
-        scaled = lg / torch.where(greedy, 1.0, temps)[:, None]
-        top_k = [r.params.top_k if 0 < r.params.top_k < V else 0 for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        min_p = [r.params.min_p for r in rows]
-        if any(top_k) or any(p < 1.0 for p in top_p):
-            srt, order = scaled.sort(dim=-1, descending=True)
-            rank = torch.arange(V, device=dev)[None, :]
-            k = torch.tensor([k or V for k in top_k], device=dev)[:, None]
-            drop = rank >= k
-            probs_sorted = torch.softmax(srt.masked_fill(drop, float("-inf")), dim=-1)
-            cum = probs_sorted.cumsum(-1)
-            p = torch.tensor(top_p, device=dev, dtype=cum.dtype)[:, None]
-            drop = drop | ((cum - probs_sorted) >= p) & (rank > 0)
-            srt = srt.masked_fill(drop, float("-inf"))
-            scaled = torch.full_like(scaled, float("-inf")).scatter(1, order, srt)
-        probs = torch.softmax(scaled, dim=-1)
-        if any(m > 0 for m in min_p):
-            mp = torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None]
-            probs = probs.masked_fill(probs < mp * probs.amax(-1, keepdim=True), 0.0)
+        probs = sampling_probs(lg, [r.params for r in rows])
         # exponential race: argmax(p / E) with E ~ Exp(1) samples from p; per-request generators when seeded
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]

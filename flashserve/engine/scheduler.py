@@ -127,6 +127,9 @@ class Scheduler:
             n = min(n, self.prefill_chunk)
             if self.is_v41 and not seq.exact and start < seq.num_prompt:
                 n = min(n, seq.num_prompt - start)
+        elif seq.draft:  # drafted tokens are verified within the budget too (what does not fit is dropped)
+            del seq.draft[max(budget - n, 0):]
+            n += len(seq.draft)
         return min(n, budget)
 
     def _free(self, seq: Sequence) -> None:
@@ -139,7 +142,14 @@ class Scheduler:
             self.free_slots.append(seq.slot)
             seq.slot = None
 
+    def trim_pages(self, seq: Sequence) -> None:
+        """Release the pages past what ``seq``'s tokens need (a verification took pages for drafts it rejected)."""
+        keep = self._pages_for(seq.num_tokens)
+        while len(seq.pages) > keep:
+            self.pool.release(seq.pages.pop())
+
     def _preempt(self, seq: Sequence) -> None:
+        seq.draft.clear()
         self._free(seq)
         seq.num_computed = 0
         seq.num_cached = 0
@@ -166,9 +176,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.budget
         i = 0
+        decoding = sum(1 for s in self.running if s.prefill_done)  # each keeps one token of budget (not drafts)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = self._chunk(seq, seq.num_computed, budget)
+            if seq.prefill_done:
+                decoding -= 1
+            n = self._chunk(seq, seq.num_computed, max(budget - decoding, 1) if seq.prefill_done else budget)
             if self._pages_for(seq.num_computed + n) > self.pool.num_pages:
                 self.running.pop(i)  # grew past the whole cache: stop it rather than preempt forever
                 out.failed.append(seq)

@@ -12,6 +12,7 @@ from .detokenizer import IncrementalDetokenizer
 from .images import ImageSpan, page_salt
 from .sampler import TokenCounts
 from .sampling_params import SamplingParams
+from .speculative import SpecStats
 
 
 @dataclass
@@ -24,6 +25,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    spec_decode: dict | None = None  # acceptance counts and rates under speculative decoding (SpecStats.as_dict)
 
     @property
     def finished(self) -> bool:
@@ -93,6 +95,9 @@ class Sequence:
         self.output_view = OutputIds(self.tokens, self.num_prompt)  # ``tokens`` is only ever appended to
         self.counts: TokenCounts | None = None  # penalty state, made by the engine at the first sampling
         self.guide = None  # structured-output matcher (engine.guided.Guide), made at the first sampling
+        self.draft: list[int] = []  # drafted tokens after the pending one, verified at the next step
+        self.ngram = None  # the n-gram drafter's index of this sequence's tokens
+        self.spec = SpecStats()  # speculative decoding's acceptance counts
 
     @property
     def output_ids(self) -> list[int]:
@@ -152,7 +157,8 @@ class RequestGroup:
                 lps = None if s.logprobs is None else list(s.logprobs)
             outs.append(CompletionOutput(
                 index=s.index, text=text, token_ids=ids, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                logprobs=lps, delta_text=delta, delta_token_ids=new_ids))
+                logprobs=lps, delta_text=delta, delta_token_ids=new_ids,
+                spec_decode=s.spec.as_dict() if s.spec.num_drafts else None))
         prompt_lps = self.prompt_logprobs
         if delta_kind:  # sent once, with the first output
             prompt_lps, self.prompt_logprobs_sent = (None if self.prompt_logprobs_sent else prompt_lps), True

@@ -55,6 +55,12 @@ class PartialRing:
 
     rows: torch.Tensor  # [slots, capacity, width], fp32 (fp64 for a float64 model)
     keep: torch.Tensor  # [slots] first position each slot still holds (NO_ROWS: none)
+    ratio: int = 1
+    overlap: bool = False  # V4 CSA: the group before the current one is kept too
+
+    def keep_from(self, end: int) -> int:
+        """The first position held once a sequence has computed positions ``[0, end)`` (the compressor's rule)."""
+        return max(end // self.ratio - (1 if self.overlap else 0), 0) * self.ratio
 
     @property
     def capacity(self) -> int:
@@ -63,7 +69,8 @@ class PartialRing:
 
 @dataclass
 class WindowRing:
-    """A layer's last ``window - 1`` KV rows: a slot's row of position ``p`` at ``rows[slot, p % (window - 1)]``."""
+    """A layer's last ``window - 1`` KV rows (plus spare rows under speculative decoding): a slot's row of
+    position ``p`` at ``rows[slot, p % capacity]``."""
 
     codec: Codec
     rows: torch.Tensor  # [slots, window - 1, width] (packed bytes or values)
@@ -115,11 +122,12 @@ class ReplayStash:
             del self.rows[key]
 
 
-def ring_capacity(cfg: ModelConfig, layer: int) -> int:
-    """Raw rows a compressor of ``layer`` must keep: ratio − 1 (2·ratio − 1 for V4's overlapping CSA)."""
+def ring_capacity(cfg: ModelConfig, layer: int, spare: int = 0) -> int:
+    """Raw rows a compressor of ``layer`` must keep: ratio − 1 (2·ratio − 1 for V4's overlapping CSA), plus
+    ``spare`` (see :meth:`CacheStorage.allocate`)."""
     ratio = cfg.compress_ratios[layer]
     overlap = (not cfg.is_v41) and ratio == cfg.compress_rate_csa
-    return (2 * ratio - 1) if overlap else ratio - 1
+    return ((2 * ratio - 1) if overlap else ratio - 1) + spare
 
 
 @dataclass
@@ -129,10 +137,13 @@ class CacheStorage:
     layers: list[LayerStorage]
     replay: ReplayStash
     history: torch.Tensor  # [slots, engram_max_ngram_size - 1] token ids before each slot's next row (−1: none)
+    # DSpark's stage windows: keys of the last ``window`` verified positions for each stage, a slot's row of
+    # position p at ``draft_keys[slot, p % window]`` (written after verification, so never rolled back)
+    draft_keys: torch.Tensor | None = None  # [slots, window, stages, head_dim]
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor a step may write: what a CUDA graph must find at the same address on every replay."""
-        out = [self.history]
+        out = [self.history] + ([self.draft_keys] if self.draft_keys is not None else [])
         for lay in self.layers:
             out += [lay.window.rows, lay.window.first]
         for rows in self.paged:
@@ -166,10 +177,34 @@ class CacheStorage:
             self.history[slot] = torch.tensor(([-1] * n + history[-n:])[-n:], dtype=torch.long)
         self.replay.drop(slot)
 
+    def rollback(self, slots: list[int], ends: list[int], histories: list[list[int]]) -> None:
+        """Forget every row at positions ``>= ends[i]`` of ``slots[i]`` (rows a rejected draft wrote): global
+        entry counts, the first position each partial-group ring holds and the engram look-back return to what
+        a run that computed exactly ``[0, end)`` holds (``histories[i]``: the token ids before ``end``). Ring
+        rows themselves need no restoring: with ``spare`` rows (:meth:`allocate`) a verification's writes past
+        ``end`` land on rows no later read takes for a position it needs."""
+        dev = self.history.device
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        end_t = torch.tensor(ends, dtype=torch.long, device=dev)
+        for rows in self.paged:
+            rows.counts[slot_t] = end_t // rows.ratio
+        for ring in self.rings:
+            ring.keep[slot_t] = torch.tensor([ring.keep_from(e) for e in ends], dtype=torch.long, device=dev)
+        n = self.history.shape[1]
+        if n:
+            self.history[slot_t] = torch.tensor([([-1] * n + h[-n:])[-n:] for h in histories], dtype=torch.long,
+                                                device=dev)
+
     @classmethod
     def allocate(cls, cfg: ModelConfig, *, slots: int, num_pages: int, page_tokens: int, packed: bool,
-                 dtype: torch.dtype, device: torch.device) -> CacheStorage:
-        """All storage of a model's cache: ``num_pages`` (+ scratch) pages, ``slots`` rows of bounded state."""
+                 dtype: torch.dtype, device: torch.device, spare: int = 0, draft_stages: int = 0) -> CacheStorage:
+        """All storage of a model's cache: ``num_pages`` (+ scratch) pages, ``slots`` rows of bounded state.
+
+        ``spare``: extra rows in every window and partial-group ring, the most draft rows one verification
+        may write past the positions it keeps (speculative decoding). A ring of ``c`` needed rows plus ``k``
+        spare ones never lets a write at a rejected position ``p + j`` (j <= k) land on a row still needed,
+        and a stale row left there reads back as a position older than any window or group needs.
+        ``draft_stages``: DSpark stages whose stage windows to keep (:attr:`draft_keys`)."""
         cod = codecs(cfg, packed, device)
         page_dtype = torch.uint8 if packed else dtype
         raw_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # compressors run in fp32
@@ -182,13 +217,14 @@ class CacheStorage:
             return PagedRows(key, ratio, codec, pages, counter(), counter())
 
         def ring(layer: int, width: int) -> PartialRing:
-            rows = torch.zeros(slots, ring_capacity(cfg, layer), width, dtype=raw_dtype, device=device)
-            return PartialRing(rows, counter(NO_ROWS))
+            rows = torch.zeros(slots, ring_capacity(cfg, layer, spare), width, dtype=raw_dtype, device=device)
+            ratio = cfg.compress_ratios[layer]
+            return PartialRing(rows, counter(NO_ROWS), ratio, (not cfg.is_v41) and ratio == cfg.compress_rate_csa)
 
         layers = []
         wc = cod["window"]
         for layer, ratio in enumerate(cfg.compress_ratios[:cfg.num_hidden_layers]):
-            win_rows = torch.zeros(slots, max(cfg.sliding_window - 1, 0), wc.width, dtype=page_dtype,
+            win_rows = torch.zeros(slots, max(cfg.sliding_window - 1, 0) + spare, wc.width, dtype=page_dtype,
                                    device=device)
             lay = LayerStorage(WindowRing(wc, win_rows, counter(-1)))
             if ratio > 0 and cfg.kv_source(layer) == layer:
@@ -203,7 +239,9 @@ class CacheStorage:
             layers.append(lay)
         n_hist = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
         history = torch.full((slots, n_hist), -1, dtype=torch.long, device=device)
-        return cls(layers, ReplayStash(cfg.sliding_window), history)
+        draft = (torch.zeros(slots, cfg.sliding_window, draft_stages, cfg.head_dim, dtype=dtype, device=device)
+                 if draft_stages else None)
+        return cls(layers, ReplayStash(cfg.sliding_window), history, draft)
 
     def bounded_bytes(self) -> int:
         """Bytes of one slot's bounded state: window rings, partial-group rings and look-back (the replay stash

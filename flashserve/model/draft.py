@@ -91,23 +91,39 @@ class DSparkStages(nn.ModuleList):
         [B,T] (the last ≤ window positions are used); ``first_token`` [B] is the verified next token,
         placed at position ``positions[:, -1] + 1``.
         """
-        cfg = self.cfg
-        fake_quant = model.fake_quant if fake_quant is None else fake_quant
-        W, k = cfg.sliding_window, cfg.dspark_block_size
-        feats = torch.cat([features[L][:, -W:] for L in cfg.dspark_target_layer_ids], dim=-1)
+        W = self.cfg.sliding_window
         ctx_pos = positions[:, -W:]
+        feats = torch.stack([features[L][:, -W:] for L in self.cfg.dspark_target_layer_ids], dim=2)
+        keys = self.context_keys(model, feats, ctx_pos, fake_quant=fake_quant)
+        return self.draft_block(model, keys, ctx_pos, ctx_pos[:, -1] + 1, first_token, fake_quant=fake_quant)
+
+    def context_keys(self, model: nn.Module, feats: torch.Tensor, positions: torch.Tensor, *,
+                     fake_quant: bool | None = None) -> torch.Tensor:
+        """Every stage's window keys [B,T,stages,hd] for target positions ``positions`` [B,T] from their
+        features ``feats`` [B,T,len(target layers),D] (spec §5.2 "context KV")."""
+        fake_quant = model.fake_quant if fake_quant is None else fake_quant
         first = self[0]
-        main_x = first.main_norm(first.main_proj(feats.to(first.main_proj.weight.dtype)))
-        cos, sin = model.rope.angles("main", ctx_pos)
-        context = {}
+        main_x = first.main_norm(first.main_proj(feats.flatten(-2).to(first.main_proj.weight.dtype)))
+        cos, sin = model.rope.angles("main", positions)
+        keys = []
         for stage in self:
             att = stage.attn
             kv = apply_rope(att.kv_norm(att.wkv(main_x)), cos, sin)
-            context[stage.layer] = fake_quant_fp8(kv, block=32) if fake_quant else kv
+            keys.append(fake_quant_fp8(kv, block=32) if fake_quant else kv)
+        return torch.stack(keys, dim=2)
+
+    def draft_block(self, model: nn.Module, keys: torch.Tensor, ctx_pos: torch.Tensor, block_start: torch.Tensor,
+                    first_token: torch.Tensor, *, fake_quant: bool | None = None) -> Draft:
+        """Draft one block at positions ``block_start`` [B] + 0..k-1 over context keys [B,T,stages,hd] at
+        ``ctx_pos`` [B,T] (−1: no key), ``first_token`` [B] leading the block; greedy Markov chain."""
+        cfg = self.cfg
+        fake_quant = model.fake_quant if fake_quant is None else fake_quant
+        k = cfg.dspark_block_size
         B = first_token.shape[0]
-        block_pos = ctx_pos[:, -1:] + 1 + torch.arange(k, device=ctx_pos.device)
+        block_pos = block_start[:, None] + torch.arange(k, device=ctx_pos.device)
         tokens = torch.full((B, k), cfg.dspark_noise_token_id, dtype=torch.long, device=first_token.device)
         tokens[:, 0] = first_token
+        context = {stage.layer: keys[:, :, s] for s, stage in enumerate(self)}
         state = _DraftWindow(context, ctx_pos, block_pos)
         ctx = ForwardContext(state=state, positions=block_pos, input_ids=tokens, rope=model.rope,
                              fake_quant=fake_quant, noncausal=True)

@@ -10,10 +10,10 @@ torch.set_num_threads(1)  # tiny models: thread wake-ups cost more than they giv
 def models():
     cache = {}
 
-    def get(name: str, dtype=torch.float64):
-        key = (name, dtype)
+    def get(name: str, dtype=torch.float64, with_mtp: bool = False):
+        key = (name, dtype, with_mtp)
         if key not in cache:
-            cache[key] = load_model(name, dtype=dtype, with_mtp=False)
+            cache[key] = load_model(name, dtype=dtype, with_mtp=with_mtp)
         return cache[key]
 
     return get

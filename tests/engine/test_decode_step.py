@@ -203,7 +203,7 @@ def test_fixed_step_takes_several_rows_per_request(models, name, cache_dtype):
     for R in (3, 5):
         rows = [[s.tokens[s.num_computed]] + prompt_of(R - 1, seed=7 + i) for i, s in enumerate(a)]
         start = [s.num_computed + (3 if R == 5 else 0) for s in a]
-        got = step(step.inputs(rows, start, [s.slot for s in a], max(len(s.pages) for s in a)))[:len(a)]
+        got = step(step.inputs(rows, start, [s.slot for s in a], [len(s.pages) for s in a]))[0][:len(a)]
         assert got.shape[:2] == (len(a), R)
         with torch.inference_mode():
             want = dynamic.runner.model(torch.tensor(rows), dynamic.runner._state(b), start=torch.tensor(start),

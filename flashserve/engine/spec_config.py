@@ -1,0 +1,74 @@
+"""``SpeculativeConfig``: speculative decoding's options, named as vLLM's ``speculative_config`` names them.
+
+Torch-free (the CLI parses ``--speculative-config`` before anything heavy is imported).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..config import ConfigError
+
+METHODS = ("ngram", "mtp", "dspark")
+
+# Above this many decoding sequences a step verifies no drafts. Measured on the embedded model, 2 CPU threads
+# (docs/speculative.md): verification rows stop being nearly free once a batch already fills the matmuls.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: "ngram" (prompt lookup, no model), "mtp" (V4's MTP block, chained) or "dspark" (V4.1's
+    DSpark stages, one block per step); ``num_speculative_tokens``: drafts verified per step (k)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4  # ngram: longest suffix looked up in the sequence's earlier tokens
+    prompt_lookup_min: int = 1  # ngram: shortest
+    # no drafts while more sequences than this decode together (vLLM's name); None: the measured default
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    confidence_threshold: float = 0.0  # dspark: stop the block at the first draft the confidence head rates lower
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (``--speculative-config '{"method": "ngram", ...}'``); None: off."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config: expected a JSON object such as "
+                              '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown field(s) {', '.join(unknown)}; "
+                              f"known: {', '.join(sorted(known))}")
+        for need in ("method", "num_speculative_tokens"):
+            if need not in value:
+                raise ConfigError(f"speculative_config: {need!r} is required")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"speculative_config.method: {self.method!r} is not one of {', '.join(METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError(f"speculative_config.num_speculative_tokens: {k!r} must be an integer in [1, 16]")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 64):
+            raise ConfigError(f"speculative_config: need 1 <= prompt_lookup_min ({lo!r}) <= prompt_lookup_max "
+                              f"({hi!r}) <= 64")
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
+            raise ConfigError(f"speculative_config.disable_by_batch_size: {d!r} must be a positive integer")
+        c = self.confidence_threshold
+        if not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
+            raise ConfigError(f"speculative_config.confidence_threshold: {c!r} must be in [0, 1)")

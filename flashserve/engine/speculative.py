@@ -1,0 +1,235 @@
+"""Speculative decoding: drafters propose up to k tokens per sequence, one target step verifies them all.
+
+A verification step runs ``1 + k`` rows per sequence through the decode step (the pending token and the drafts),
+then :func:`accept` keeps the longest prefix the target agrees with plus one token of its own, so the output is
+the target's: token for token under greedy decoding, and in distribution under sampling (standard speculative
+rejection sampling: a draft ``d`` drawn from ``q`` is kept with probability ``min(1, p(d) / q(d))``, else a token
+is drawn from ``max(p - q, 0)`` normalised). Every drafter here drafts greedily (``q`` one-hot), which keeps that
+rule exact at any temperature. What the rejected rows wrote to the cache is rolled back by the engine
+(:meth:`~flashserve.engine.cache.KVCache.rollback`).
+
+Drafters:
+
+* :class:`NgramDrafter`: prompt lookup, no model: the tokens that followed the latest earlier occurrence of the
+  sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), found in an index kept
+  per sequence and extended by each new token (O(1) per token, whatever the length).
+* :class:`DSparkDrafter` (V4.1): one block from the DSpark stages over each stage's window of keys made from the
+  target's features at verified positions (spec §5.2), kept in the cache's ``draft_keys``; the confidence head
+  stops the block early.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .sampler import sampling_probs
+from .sampling_params import SamplingParams
+from .spec_config import SpeculativeConfig
+
+
+@dataclass
+class SpecStats:
+    """Acceptance counts, per sequence and summed over the engine (vLLM's spec-decode counters)."""
+
+    num_drafts: int = 0  # verification steps that checked at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [j]: drafts accepted at position j
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def add(self, other: SpecStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        n = len(other.accepted_per_position)
+        if len(self.accepted_per_position) < n:
+            self.accepted_per_position += [0] * (n - len(self.accepted_per_position))
+        for j, a in enumerate(other.accepted_per_position):
+            self.accepted_per_position[j] += a
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: 1 (the target's own) + accepted drafts (vLLM's definition)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+
+
+def speculation_allowed(params: SamplingParams) -> bool:
+    """Requests whose sampling the verifier reproduces exactly: no penalties, bias, constraint or logprobs (those
+    decode one token per step, beside speculating ones)."""
+    return (not params.has_penalties and not params.logit_bias and params.constraint is None
+            and params.logprobs is None)
+
+
+def accept(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """The tokens one verification emits: accepted drafts, then the target's own token.
+
+    ``logits`` [R, V]: the target's logits at the pending token's row and each draft's row (R >= len(draft) + 1;
+    rows past the draft are padding). Greedy: drafts equal to the target's argmax are kept. Sampling: rejection
+    sampling against a one-hot draft distribution (a kept draft has probability p(d); on rejection the token
+    comes from p with d removed), which emits exactly the target's distribution.
+    """
+    k = len(draft)
+    raw = logits[:k + 1] if logits.dtype == torch.float64 else logits[:k + 1].float()
+    if params.greedy:
+        target = raw.argmax(-1).tolist()
+        out = []
+        for j, d in enumerate(draft):
+            if target[j] != d:
+                return out + [target[j]]
+            out.append(d)
+        return out + [target[k]]
+    probs = sampling_probs(raw, [params] * (k + 1))
+    u = torch.rand(k, generator=generator, dtype=probs.dtype, device=probs.device).tolist() if k else []
+    p_draft = probs[torch.arange(k, device=probs.device), torch.tensor(draft, device=probs.device)].tolist() if k else []
+    out = []
+    for j, d in enumerate(draft):
+        if u[j] < p_draft[j]:
+            out.append(d)
+            continue
+        residual = probs[j].clone()
+        residual[d] = 0.0
+        if float(residual.sum()) <= 0.0:  # p was all on d: cannot happen once u < p(d) = 1 fails; guard anyway
+            return out + [d]
+        return out + [int(torch.multinomial(residual, 1, generator=generator))]
+    return out + [int(torch.multinomial(probs[k], 1, generator=generator))]
+
+
+class Drafter(Protocol):
+    """What the engine asks of a drafter."""
+
+    capture: tuple[int, ...]  # target layers whose input features the target forwards must return
+
+    def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
+        """``counts[i]`` verified rows of ``seqs[i]`` from position ``starts[i]``; ``feats`` [B, R, layers, D]."""
+
+    def propose(self, seqs: list, k: int) -> list[list[int]]:
+        """Up to ``k`` drafted tokens after each sequence's pending token."""
+
+
+class NgramIndex:
+    """For each n-gram of a token list (n in [lo, hi]), where the tokens after its latest occurrence start."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.next: dict[tuple[int, ...], int] = {}
+        self.done = 0  # n-grams ending before this position are indexed
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        L = len(tokens)
+        for e in range(self.done, L - 1):  # index the n-grams whose next token is known
+            for n in range(self.lo, min(self.hi, e + 1) + 1):
+                self.next[tuple(tokens[e - n + 1:e + 1])] = e + 1
+        self.done = max(self.done, L - 1)
+        for n in range(min(self.hi, L), self.lo - 1, -1):
+            c = self.next.get(tuple(tokens[L - n:]))
+            if c is not None:
+                return tokens[c:min(c + k, L)]
+        return []
+
+
+class NgramDrafter:
+    """Prompt lookup (vLLM's "ngram" method): no model, drafts copied from the sequence's own history."""
+
+    capture: tuple[int, ...] = ()
+
+    def __init__(self, spec: SpeculativeConfig):
+        self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
+        pass
+
+    def propose(self, seqs: list, k: int) -> list[list[int]]:
+        out = []
+        for s in seqs:
+            if s.ngram is None:
+                s.ngram = NgramIndex(self.lo, self.hi)
+            out.append(s.ngram.lookup(s.tokens, k))
+        return out
+
+
+class DSparkDrafter:
+    """V4.1's DSpark (spec §5): stage windows kept in the cache, one block drafted per step."""
+
+    def __init__(self, model, cache, spec: SpeculativeConfig):
+        cfg = model.cfg
+        if model.mtp is None:
+            raise ValueError("this checkpoint has no DSpark weights (mtp.*): speculative method 'dspark' needs them")
+        self.model, self.cache, self.cfg = model, cache, cfg
+        self.capture = tuple(cfg.dspark_target_layer_ids)
+        self.threshold = spec.confidence_threshold
+        self.W = cfg.sliding_window
+
+    @torch.inference_mode()
+    def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
+        """Write each stage's keys for the verified rows (the first ``counts[i]`` rows of ``feats``)."""
+        if feats is None or not seqs:
+            return
+        dev = feats.device
+        b_idx = [i for i, n in enumerate(counts) for _ in range(min(n, self.W))]
+        r_idx = [r for n in counts for r in range(max(n - self.W, 0), n)]
+        if not b_idx:
+            return
+        pos = torch.tensor([starts[b] + r for b, r in zip(b_idx, r_idx)], dtype=torch.long, device=dev)
+        rows = feats[torch.tensor(b_idx, device=dev), torch.tensor(r_idx, device=dev)]  # [N, layers, D]
+        keys = self.model.mtp.context_keys(self.model, rows[None], pos[None])[0]  # [N, stages, hd]
+        slots = torch.tensor([seqs[b].slot for b in b_idx], dtype=torch.long, device=dev)
+        self.cache.storage.draft_keys[slots, pos % self.W] = keys.to(self.cache.storage.draft_keys.dtype)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, k: int) -> list[list[int]]:
+        if not seqs:
+            return []
+        store = self.cache.storage.draft_keys
+        dev = store.device
+        end = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=dev)  # pending token's position
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.long, device=dev)
+        ctx_pos = end[:, None] - self.W + torch.arange(self.W, device=dev)  # [B, W] oldest first
+        keys = store[slots[:, None], ctx_pos % self.W].to(self.model.dtype)
+        ctx_pos = torch.where(ctx_pos >= 0, ctx_pos, -1)
+        first = torch.tensor([s.tokens[s.num_computed] for s in seqs], dtype=torch.long, device=dev)
+        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end + 0, first)
+        tokens, conf = d.tokens[:, :k].tolist(), d.confidence[:, :k].tolist()
+        out = []
+        for t, c in zip(tokens, conf):
+            n = next((j for j, x in enumerate(c) if x < self.threshold), len(t))
+            out.append(t[:n])
+        return out
+
+
+def make_drafter(spec: SpeculativeConfig, model, cache) -> Drafter:
+    cfg = model.cfg
+    if spec.method == "ngram":
+        return NgramDrafter(spec)
+    if spec.method == "dspark":
+        if not cfg.is_v41:
+            raise ValueError(f"speculative method 'dspark' needs a V4.1 model ({cfg.model_type} has MTP: use 'mtp')")
+        if spec.num_speculative_tokens > cfg.dspark_block_size:
+            raise ValueError(f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} exceeds "
+                             f"the DSpark block size ({cfg.dspark_block_size})")
+        return DSparkDrafter(model, cache, spec)
+    raise ValueError(f"speculative method {spec.method!r} is not available for {cfg.model_type}")
