@@ -111,6 +111,9 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant, with_mtp=False,
                        quantization=config.quantization)
     shard_model(model, layout, rank, comm)
+    from .engram_host import host_engram_tables
+
+    host_engram_tables(model, config.model)  # engram tables stay in host memory (memory-mapped from a checkpoint)
     model.to(device)
     # collectives run eagerly: the compiled decode step does not trace this module's process-group calls
     cfg = dataclasses.replace(config, device=str(device), enforce_eager=True)

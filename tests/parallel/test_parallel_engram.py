@@ -1,0 +1,31 @@
+"""Engram tables held by a sharded engine stay in host memory: loaded from a checkpoint they are views of the
+memory-mapped safetensors files (no copy per rank), gathered per step for the rows needed, and the forward is
+unchanged."""
+
+import ctypes
+
+import torch
+
+from flashserve.config import load_config
+from flashserve.model.checkpoint import save_checkpoint
+from flashserve.model.loader import load_model
+from flashserve.parallel.engram_host import HostTable, host_engram_tables
+
+
+def test_tables_memory_mapped_from_the_checkpoint(tmp_path):
+    cfg = load_config("tiny-v41")
+    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), tmp_path, cfg)  # FP8 tables
+    ref = load_model(tmp_path, with_mtp=False)
+    model = load_model(tmp_path, with_mtp=False)
+    mapped = host_engram_tables(model, tmp_path)
+    tables = [b.engram.embed for b in model.layers if b.engram is not None]
+    assert tables and all(isinstance(t, HostTable) for t in tables)
+    assert mapped == sum(t.host_bytes() for t in tables)
+    assert not any(".engram.embed." in n for n, _ in model.named_parameters())  # not moved by model.to(device)
+    ranges = [(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) for m in model._engram_maps.maps.values()]
+    for t in tables:
+        ptr = t.table.packed.qweight.data_ptr()
+        assert any(a <= ptr < a + n for a, n in ranges)  # the file's pages, not a copy
+    ids = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
+    with torch.inference_mode():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
