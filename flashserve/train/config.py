@@ -39,3 +39,17 @@ def default_config_json(vocab_size: int, compressed_vocab: int, *, hidden: int =
         "dspark_n_routed_experts": 4, "dspark_num_experts_per_tok": 2,
     })
     return cfg
+
+
+def v4_config_json(vocab_size: int, *, hidden: int = 128, window: int = 64) -> dict[str, Any]:
+    """config.json dict of a small DeepSeek-V4 (non-.1) with one MTP block: the ``tiny-v4`` pattern (window,
+    CSA ratio 4, HCA ratio 128, two hash-routed layers) at ``hidden`` wide."""
+    cfg = preset_json("tiny-v4")
+    cfg.update({
+        "vocab_size": vocab_size, "hidden_size": hidden, "num_attention_heads": 4, "head_dim": 64,
+        "qk_rope_head_dim": 16, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 64, "sliding_window": window,
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 16, "moe_intermediate_size": 2 * hidden,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 4096,
+        "num_nextn_predict_layers": 1,
+    })
+    return cfg

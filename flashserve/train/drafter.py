@@ -95,3 +95,21 @@ def drafter_loss(model, features, ids, target_logits, anchors):
     bce = F.binary_cross_entropy_with_logits(conf, hit)
     return kl + 0.1 * bce, {"kl": kl.item(), "bce": bce.item(), "top1": hit.mean().item(),
                             "top1_by_row": hit.mean(0).tolist()}
+
+
+def mtp_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """V4 MTP (spec §5.5): the MTP block's logits [B,S-1,V] for token t+2 from the backbone's final streams at t
+    and the token at t+1, and the frozen backbone's logits at t+1 (its own prediction of t+2), as targets."""
+    with torch.no_grad():
+        out = model(ids, return_streams=True)
+    logits = model.mtp.logits(model, out.streams[:, :-1], ids[:, 1:])
+    return fp32(logits), out.logits[:, 1:].float()
+
+
+def mtp_loss(model, ids: torch.Tensor):
+    """KL(backbone ‖ MTP) over every position; returns (loss, stats)."""
+    logits, tgt = mtp_logits(model, ids)
+    logp_t = F.log_softmax(tgt, -1)
+    kl = (logp_t.exp() * (logp_t - F.log_softmax(logits, -1))).sum(-1).mean()
+    hit = (logits.argmax(-1) == tgt.argmax(-1)).float().mean()
+    return kl, {"kl": kl.item(), "top1": hit.item()}

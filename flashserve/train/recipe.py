@@ -74,9 +74,15 @@ def _model_config(r: Recipe):
     from .config import default_config_json
 
     tok = _tokenizer(r)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if r.family == "v4":
+        from .config import v4_config_json
+
+        return config_from_dict(v4_config_json(vocab, hidden=r.hidden, window=r.window))
+    if r.family != "v41":
+        raise ValueError(f"family must be 'v41' or 'v4', got {r.family!r}")
     classes = compressed_token_map(tok)[1]
-    return config_from_dict(default_config_json(tok.get_vocab_size(with_added_tokens=True), classes,
-                                                hidden=r.hidden, window=r.window))
+    return config_from_dict(default_config_json(vocab, classes, hidden=r.hidden, window=r.window))
 
 
 def _build(r: Recipe):
@@ -95,8 +101,9 @@ def _build(r: Recipe):
             if name.endswith(("gate.bias", "gate.bias_vl")):
                 p.zero_()
                 p.requires_grad_(False)
-    model.engram_hasher.set_token_map(*compressed_token_map(_tokenizer(r)))
-    model.fake_quant = True
+    if model.engram_hasher is not None:
+        model.engram_hasher.set_token_map(*compressed_token_map(_tokenizer(r)))
+    model.fake_quant = cfg.is_v41  # as load_model serves it: V4.1 with its QAT points
     return model
 
 
@@ -166,6 +173,7 @@ def stage_backbone(r: Recipe, progress: bool = True) -> dict:
     model.train()
     tokens_per_step = r.batch * r.seq_len
     qat_step = int(r.qat_from * r.steps)
+    fp4 = model.cfg.quantization.expert_dtype == "fp4"
     losses: list[float] = []
     t_start = time.time()
     bar = _progress("backbone") if progress else None
@@ -177,7 +185,7 @@ def stage_backbone(r: Recipe, progress: bool = True) -> dict:
             for g in opt.param_groups:
                 g["lr"] = _lr(r, step, r.lr, r.steps)
             batch = _windows(stream, r.batch, r.seq_len + 1, _gen(r.seed, 1, step))
-            with training_patches(fp4_experts=step >= qat_step):
+            with training_patches(fp4_experts=step >= qat_step and fp4):
                 out = model(batch[:, :-1])
                 loss = F.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
                 loss.backward()
@@ -223,7 +231,7 @@ def _targets(model, batch: torch.Tensor):
 
 
 def stage_drafter(r: Recipe, progress: bool = True) -> dict:
-    from .drafter import drafter_loss
+    from .drafter import drafter_loss, mtp_loss
     from .qat import training_patches
 
     torch.manual_seed(r.seed)
@@ -254,9 +262,12 @@ def stage_drafter(r: Recipe, progress: bool = True) -> dict:
             gen = _gen(r.seed, 2, step)
             batch = _windows(stream, r.drafter_batch, r.seq_len, gen)
             anchors = torch.randint(lo, hi + 1, (r.drafter_batch, r.drafter_anchors), generator=gen)
-            feats, tlogits = _targets(model, batch)
             with training_patches():
-                loss, stats = drafter_loss(model, feats, batch, tlogits, anchors)
+                if cfg.is_v41:
+                    feats, tlogits = _targets(model, batch)
+                    loss, stats = drafter_loss(model, feats, batch, tlogits, anchors)
+                else:
+                    loss, stats = mtp_loss(model, batch)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -362,6 +373,20 @@ def greedy_acceptance(model, stream: torch.Tensor, r: Recipe) -> dict:
             "per_position": [round(float(x) / n, 3) for x in per_pos]}
 
 
+@torch.no_grad()
+def mtp_agreement(model, stream: torch.Tensor, r: Recipe) -> dict:
+    """V4: how often the MTP block's argmax for token t+2 (from the streams at t and the true token t+1)
+    equals the backbone's argmax at t+1, on held-out windows (the greedy acceptance rate of a one-token draft
+    given the true next token)."""
+    from .drafter import mtp_logits
+
+    n = max(1, min(r.acceptance_anchors // 8, (stream.numel() - 1) // r.seq_len))
+    wins = torch.stack([stream[i * r.seq_len:(i + 1) * r.seq_len] for i in range(n)]).long()
+    lg, tgt = mtp_logits(model, wins)
+    rate = float((lg.argmax(-1) == tgt.argmax(-1)).float().mean())
+    return {"windows": n, "mtp_top1_vs_backbone": round(rate, 4)}
+
+
 def stage_export(r: Recipe, engine: bool = True) -> dict:
     from ..model.checkpoint import save_checkpoint
     from ..model.loader import load_model
@@ -382,7 +407,7 @@ def stage_export(r: Recipe, engine: bool = True) -> dict:
     float_nll, n_eval = heldout_nll(model, held, r.seq_len, r.eval_tokens)
     served = load_model(out)
     served_nll, _ = heldout_nll(served, held, r.seq_len, r.eval_tokens)
-    acc = greedy_acceptance(served, held, r)
+    acc = greedy_acceptance(served, held, r) if cfg.is_v41 else mtp_agreement(served, held, r)
     chunks = heldout_sample(r, held)
     (out / SAMPLE).write_text(json.dumps({"chunks": chunks}) + "\n")
     report = {
@@ -391,7 +416,7 @@ def stage_export(r: Recipe, engine: bool = True) -> dict:
         "heldout": {"files": len(data["heldout_files"]), "tokens_evaluated": n_eval, "window": r.seq_len,
                     "float_ppl": round(math.exp(float_nll), 4), "served_ppl": round(math.exp(served_nll), 4)},
         "drafter_acceptance": acc,
-        "params": _param_counts(served),
+        "params": _param_counts(model),  # the float model (the served one keeps FP4/FP8 weights packed)
         "size_bytes": sum(p.stat().st_size for p in out.iterdir() if p.is_file()),
     }
     if engine:

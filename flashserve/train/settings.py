@@ -14,6 +14,7 @@ STAGES = ("tokenizer", "backbone", "drafter", "export")
 class Recipe:
     out: Path = Path("flashserve/models/default")  # the exported model folder
     work: Path = Path("runs/default")  # intermediate files (encoded data, float weights, logs)
+    family: str = "v41"  # "v41": V4.1 with DSpark stages (the default model); "v4": V4 with its MTP block
     seed: int = 0
     threads: int = 1
     vocab_size: int = 4096

@@ -61,3 +61,14 @@ def test_generate_command_without_a_model(capsys):
 
     assert main(["generate", "def fibonacci(n):", "--max-tokens", "8", "--temperature", "0"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_serve_and_generate_parse_without_a_model():
+    from flashserve.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["serve"]).model is None
+    args = p.parse_args(["generate", "def f(n):"])
+    assert (args.model, args.prompt) == (None, "def f(n):")
+    args = p.parse_args(["generate", "tiny-v41", "hi"])
+    assert (args.model, args.prompt) == ("tiny-v41", "hi")
