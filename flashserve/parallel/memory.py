@@ -1,7 +1,7 @@
 """Per-rank resident bytes of a layout, without the hardware: the model is built on the ``meta`` device by the
-same constructors that allocate it, sharded by :func:`~.shard.shard_model` (rank 0's slices; every rank holds
-the same sizes), and each parameter counted in the format it is held in (packed formats through
-:func:`flashserve.model.packed.packed_shapes`). The cache's sizes come from the engine's own allocation code
+same constructors that allocate it, packed as the loader packs it (:func:`flashserve.model.packed.pack_model`),
+sharded by :func:`~.shard.shard_model` (rank 0's slices; every rank holds the same sizes), and every parameter
+and buffer counted as held. The cache's sizes come from the engine's own allocation code
 (:func:`flashserve.engine.cache.page_size`, :meth:`CacheStorage.allocate` on ``meta``)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ _SPLIT = (".attn.wq_b.", ".attn.wo_a.", ".attn.wo_b.", ".attn.attn_sink", ".shar
 
 def is_split(name: str) -> bool:
     """Whether a backbone parameter is split over the TP ranks (routed experts aside)."""
-    return name in ("embed.weight", "head.weight") or (name.startswith("layers.") and any(k in name for k in _SPLIT))
+    return name == "embed.weight" or name.startswith("head.") or (
+        name.startswith("layers.") and any(k in name for k in _SPLIT))
 
 
 @dataclass(frozen=True)
@@ -58,23 +59,12 @@ def _formats(model: str, cfg, quantization: str | None) -> tuple[str, dict]:
     return quantization, packed.plan(cfg, quantization)
 
 
-def _bytes(shape: tuple[int, ...], element: int, fmt) -> int:
-    from math import prod
-
-    from ..model.packed import packed_shapes
-
-    if fmt is None:
-        return prod(shape) * element
-    q, s = packed_shapes(shape, fmt)
-    scale = 4 if fmt.name == "int8" else 1
-    return prod(q) + prod(s) * scale
-
-
 def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantization: str | None = None,
                 cache_dtype: str | None = None, block_size: int = 64) -> RankMemory:
     from ..engine.cache import page_size
     from ..engine.storage import CacheStorage
     from ..model.loader import keep_fp32, resolve_dtype
+    from ..model.packed import pack_model
     from ..model.transformer import Transformer
     from .shard import shard_model
 
@@ -86,13 +76,13 @@ def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantiza
         net = Transformer(cfg, with_mtp=False, with_vision=False)
     net.to(torch_dtype)
     keep_fp32(net)
+    pack_model(net, formats, quantize=False, compute_dtype=torch_dtype)  # as the loader does, still on meta
     shard_model(net, layout, 0, comm=None)
     routed = split_d = repl = host = 0
     for name, p in list(net.named_parameters()) + list(net.named_buffers()):
         if name.startswith(("rope.", "engram_hasher.")):
             continue
-        path = name.rsplit(".", 1)[0]
-        n = _bytes(tuple(p.shape), p.element_size(), formats.get(path))
+        n = p.numel() * p.element_size()
         if ".experts.w" in name:
             routed += n
         elif ".engram.embed." in name:

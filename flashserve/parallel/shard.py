@@ -40,20 +40,88 @@ def _linear(weight: torch.Tensor, cls=nn.Linear, **kw) -> nn.Linear:
 
 
 def _plain(module: nn.Module, cls: type, what: str) -> None:
-    if type(module) is not cls or not isinstance(getattr(module, "weight", None), (nn.Parameter, type(None))):
-        raise ConfigError(f"sharding needs float weights: {what} is {type(module).__name__} (packed); load it "
-                          "with quantization='float' or run unsharded")
+    if type(module) is not cls:
+        raise ConfigError(f"sharding: {what} is a {type(module).__name__}; only {cls.__name__} is split here")
 
 
-class RowParallelLinear(nn.Linear):
-    """``wo_b`` of one rank: its input columns; the partial products are summed over the ranks."""
+def _check_block(start: int, end: int, block: int, what: str) -> None:
+    if block > 1 and (start % block or end % block):
+        raise ConfigError(f"sharding: the slice [{start}, {end}) of {what} does not fall on the packed format's "
+                          f"{block}-wide scale blocks; use another tensor_parallel_size or --quantization float")
 
-    def __init__(self, in_f: int, out_f: int, bias: bool = False, device=None, dtype=None, comm: Comm = None):
-        super().__init__(in_f, out_f, bias=bias, device=device, dtype=dtype)
-        self.comm = comm
+
+def slice_packed(p, lead: tuple[int, int] | None = None, rows: tuple[int, int] | None = None,
+                 cols: tuple[int, int] | None = None, what: str = "a packed weight"):
+    """A :class:`~flashserve.model.packed.PackedWeights` holding a slice of ``p``'s logical ``[..., out, in]``
+    weights: experts ``lead``, output ``rows``, input ``cols`` (on the format's scale blocks), bytes copied as
+    they are (no re-quantization)."""
+    from ..model.packed import FP8, INT8, MXFP4, PackedWeights
+
+    fmt, shape = p.fmt, list(p.shape)
+    q, sc = p.qweight, p.scale
+    if lead is not None:
+        q, sc = q[lead[0]:lead[1]], sc[lead[0]:lead[1]]
+        shape[0] = lead[1] - lead[0]
+    if rows is not None:
+        r0, r1 = rows
+        rb = fmt.row_block if fmt.name == FP8 else 1
+        _check_block(r0, r1, rb, what)
+        q = q[..., r0:r1, :]
+        sc = sc[..., r0:r1] if fmt.name == INT8 else sc[..., r0 // rb:r1 // rb, :]
+        shape[-2] = r1 - r0
+    if cols is not None:
+        c0, c1 = cols
+        if fmt.name == FP8:
+            _check_block(c0, c1, fmt.col_block, what)
+            q, sc = q[..., c0:c1], sc[..., c0 // fmt.col_block:c1 // fmt.col_block]
+        elif fmt.name == MXFP4:
+            _check_block(c0, c1, fmt.col_block, what)
+            q, sc = q[..., c0 // 2:c1 // 2], sc[..., c0 // fmt.col_block:c1 // fmt.col_block]
+        else:  # int8: one scale per row, whatever its columns
+            q = q[..., c0:c1]
+        shape[-1] = c1 - c0
+    new = PackedWeights.__new__(PackedWeights)
+    nn.Module.__init__(new)
+    new.fmt, new.shape = fmt, tuple(shape)
+    new.register_buffer("qweight", q.clone())
+    new.register_buffer("scale", sc.clone())
+    return new
+
+
+def slice_linear(mod: nn.Module, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None,
+                 what: str = "a linear layer") -> nn.Module:
+    """The same kind of bias-free linear layer (float or packed) over a slice of ``mod``'s weight."""
+    from ..model.packed import PackedLinear
+
+    if type(mod) is nn.Linear and mod.bias is None:
+        w = mod.weight
+        if rows is not None:
+            w = w[rows[0]:rows[1]]
+        if cols is not None:
+            w = w[:, cols[0]:cols[1]]
+        return _linear(w)
+    if type(mod) is PackedLinear:
+        packed = slice_packed(mod.packed, rows=rows, cols=cols, what=what)
+        new = PackedLinear.__new__(PackedLinear)
+        nn.Module.__init__(new)
+        new.packed, new.compute_dtype = packed, mod.compute_dtype
+        new.out_features, new.in_features = packed.shape
+        return new
+    raise ConfigError(f"sharding: {what} is a {type(mod).__name__}, which cannot be split")
+
+
+class _AllReduceOutput:
+    """Mixed into a linear layer's class: its output (a partial sum over this rank's inputs) is all-reduced."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce(super().forward(x), "attn_wo_b_allreduce")
+
+
+def row_parallel(mod: nn.Module, comm: Comm) -> nn.Module:
+    """``mod`` (float or packed) with its output summed over the ranks."""
+    mod.__class__ = type(f"RowParallel{type(mod).__name__}", (_AllReduceOutput, type(mod)), {})
+    mod.comm = comm
+    return mod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -74,17 +142,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelHead(nn.Module):
-    """``head`` of one rank: logits of its vocabulary slice, all-gathered to the whole vocabulary."""
+    """``head`` of one rank: logits of its vocabulary slice (``inner``: a float or packed linear layer),
+    all-gathered to the whole vocabulary."""
 
-    def __init__(self, weight: torch.Tensor, comm: Comm):
+    def __init__(self, inner: nn.Module, comm: Comm):
         super().__init__()
-        self.weight = _param(weight)
-        self.comm = comm
-        self.out_features, self.in_features = weight.shape
+        self.inner, self.comm = inner, comm
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        part = F.linear(h, self.weight)
-        return torch.cat(self.comm.all_gather(part, "head_allgather"), dim=-1)
+        return torch.cat(self.comm.all_gather(self.inner(h), "head_allgather"), dim=-1)
 
 
 class ParallelMoE(nn.Module):
@@ -93,12 +164,13 @@ class ParallelMoE(nn.Module):
     rank's tokens all-gathered, every rank runs its experts on them, the partial outputs sent back with one
     all-to-all and summed)."""
 
-    def __init__(self, moe: MoE, layer: int, mode: str, experts: tuple[int, int], comm: Comm):
+    def __init__(self, moe: MoE, layer: int, mode: str, experts: tuple[int, int], comm: Comm, dtype: torch.dtype):
         super().__init__()
         self.gate, self.experts, self.shared_experts = moe.gate, moe.experts, moe.shared_experts
         self.layer, self.mode, self.comm = layer, mode, comm
         self.e0, self.e1 = experts
         self.top_k = moe.gate.top_k
+        self.dtype = dtype  # the model's compute dtype: what an idle rank's empty dispatch buffers hold
 
     def _local(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ over the pairs routed to this rank's experts (others contribute nothing), fp32 [T, D]."""
@@ -137,8 +209,8 @@ class ParallelMoE(nn.Module):
         comm, W, k = self.comm, self.comm.world, self.top_k
         tmax = max(t for t, _ in header)
         D = self.experts.dim
-        dtype = self.experts.w1.dtype
-        dev = self.experts.w1.device
+        dtype = self.dtype
+        dev = self.gate.weight.device
         xs = torch.zeros(tmax, D, dtype=dtype, device=dev)
         meta = torch.full((tmax, 2 * k), -1.0, dtype=torch.float64, device=dev)  # expert ids, then weights
         if flat is not None:
@@ -160,18 +232,37 @@ class ParallelMoE(nn.Module):
 
 
 def _shard_experts(experts: Experts, layout: Layout, rank: int) -> tuple[str, tuple[int, int]]:
-    _plain(experts, Experts, "the routed experts")
+    from ..model.packed import PackedExperts
+
+    if type(experts) not in (Experts, PackedExperts):
+        raise ConfigError(f"sharding: routed experts of type {type(experts).__name__} cannot be split")
+    packed = isinstance(experts, PackedExperts)
     E, I = experts.n_experts, experts.inter
+
+    def cut(name: str, lead=None, rows=None, cols=None) -> None:
+        if packed:
+            p = getattr(experts, f"{name}_packed")
+            setattr(experts, f"{name}_packed", slice_packed(p, lead, rows, cols, what=f"experts.{name}"))
+            return
+        w = getattr(experts, name)
+        if lead is not None:
+            w = w[lead[0]:lead[1]]
+        if rows is not None:
+            w = w[:, rows[0]:rows[1]]
+        if cols is not None:
+            w = w[:, :, cols[0]:cols[1]]
+        setattr(experts, name, _param(w))
+
     if layout.ep:
         e0, e1 = split(E, layout.ep_size, rank)
         for name in ("w1", "w2", "w3"):
-            setattr(experts, name, _param(getattr(experts, name)[e0:e1]))
+            cut(name, lead=(e0, e1))
         experts.n_experts = e1 - e0
         return ("ep" if layout.dp == 1 else "ep_dp"), (e0, e1)
     i0, i1 = split(I, layout.tp, layout.tp_rank(rank))
-    experts.w1 = _param(experts.w1[:, i0:i1])
-    experts.w3 = _param(experts.w3[:, i0:i1])
-    experts.w2 = _param(experts.w2[:, :, i0:i1])
+    cut("w1", rows=(i0, i1))
+    cut("w3", rows=(i0, i1))
+    cut("w2", cols=(i0, i1))
     experts.inter = i1 - i0
     return "tp", (0, E)
 
@@ -179,28 +270,25 @@ def _shard_experts(experts: Experts, layout: Layout, rank: int) -> tuple[str, tu
 def _shard_shared(shared: SharedExpert, layout: Layout, rank: int) -> None:
     if layout.tp == 1:
         return
-    for name in ("w1", "w2", "w3"):
-        _plain(getattr(shared, name), nn.Linear, f"the shared expert's {name}")
     i0, i1 = split(shared.w1.out_features, layout.tp, layout.tp_rank(rank))
-    shared.w1 = _linear(shared.w1.weight[i0:i1])
-    shared.w3 = _linear(shared.w3.weight[i0:i1])
-    shared.w2 = _linear(shared.w2.weight[:, i0:i1])
+    shared.w1 = slice_linear(shared.w1, rows=(i0, i1), what="shared_experts.w1")
+    shared.w3 = slice_linear(shared.w3, rows=(i0, i1), what="shared_experts.w3")
+    shared.w2 = slice_linear(shared.w2, cols=(i0, i1), what="shared_experts.w2")
 
 
 def _shard_attention(attn, layout: Layout, rank: int, comm: Comm) -> None:
     tp, r = layout.tp, layout.tp_rank(rank)
     if tp == 1:
         return
-    for name in ("wq_b", "wo_a", "wo_b"):
-        _plain(getattr(attn, name), nn.Linear, f"layer {attn.layer} attn.{name}")
     H, G, hd = attn.n_heads, attn.o_groups, attn.head_dim
     h0, h1 = split(H, tp, r)
     g0, g1 = split(G, tp, r)
     rank_o = attn.wo_a.out_features // G  # o_lora_rank
-    attn.wq_b = _linear(attn.wq_b.weight[h0 * hd:h1 * hd])
+    where = f"layer {attn.layer} attn"
+    attn.wq_b = slice_linear(attn.wq_b, rows=(h0 * hd, h1 * hd), what=f"{where}.wq_b")
     attn.attn_sink = _param(attn.attn_sink[h0:h1])
-    attn.wo_a = _linear(attn.wo_a.weight[g0 * rank_o:g1 * rank_o])
-    attn.wo_b = _linear(attn.wo_b.weight[:, g0 * rank_o:g1 * rank_o], cls=RowParallelLinear, comm=comm)
+    attn.wo_a = slice_linear(attn.wo_a, rows=(g0 * rank_o, g1 * rank_o), what=f"{where}.wo_a")
+    attn.wo_b = row_parallel(slice_linear(attn.wo_b, cols=(g0 * rank_o, g1 * rank_o), what=f"{where}.wo_b"), comm)
     attn.n_heads, attn.o_groups = h1 - h0, g1 - g0
 
 
@@ -217,14 +305,13 @@ def shard_model(model, layout: Layout, rank: int, comm: Comm):
             mode, experts = _shard_experts(moe.experts, layout, rank)
             if moe.shared_experts is not None:
                 _shard_shared(moe.shared_experts, layout, rank)
-            block.ffn = ParallelMoE(moe, i, mode, experts, comm)
+            block.ffn = ParallelMoE(moe, i, mode, experts, comm, model.dtype)
             if comm is not None:  # None: sizing only (flashserve.parallel.memory), never run
                 comm.moe_layers[i] = block.ffn
         if tp > 1:
             _plain(model.embed, nn.Embedding, "embed")
-            _plain(model.head, nn.Linear, "head")
             v0, v1 = split(model.cfg.vocab_size, tp, r)
             model.embed = VocabParallelEmbedding(model.embed.weight[v0:v1], v0, comm)
-            model.head = ParallelHead(model.head.weight[v0:v1], comm)
+            model.head = ParallelHead(slice_linear(model.head, rows=(v0, v1), what="head"), comm)
     model.parallel = (layout, rank)
     return model

@@ -93,3 +93,16 @@ def test_hung_worker_ends_engine_within_timeout():
             os.kill(proc.pid, signal.SIGKILL)
     proc.join(5)
     assert proc.exitcode is not None  # killed, not left behind
+
+
+def test_packed_weights_sharded_tokens_equal_one_process():
+    """A checkpoint's packed weights (here MXFP4 experts, FP8 dense) are sharded as stored: TP=2 with EP gives
+    one process's tokens."""
+    opts = dict(OPTS, quantization="mxfp4")
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(8)]
+    ref = [o.outputs[0].token_ids for o in LLM("tiny-v41", **opts).generate(prompts, GREEDY)]
+    llm = LLM("tiny-v41", **opts, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    finally:
+        llm.engine.shutdown()

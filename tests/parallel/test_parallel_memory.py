@@ -84,3 +84,27 @@ def test_layout_errors_name_the_sizes():
         Layout.from_options(1, False, 2)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an integer >= 1"):
         Layout.from_options(0)
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "mxfp4", "int8"])
+def test_packed_weights_shard_byte_for_byte(quantization):
+    """Packed (FP8 blocks, MXFP4, int8) weights are split on their scale blocks without re-quantizing: each
+    rank's slice dequantizes to the same slice of the whole."""
+    from flashserve.model.packed import dequantized_state
+
+    whole = dequantized_state(load_model("tiny-v41", with_mtp=False, quantization=quantization))
+    for lay in (Layout(2, False, 1), Layout(2, True, 1)):
+        for rank in range(2):
+            part = shard_model(load_model("tiny-v41", with_mtp=False, quantization=quantization), lay, rank, None)
+            a = part.layers[2].attn
+            assert torch.equal(a.wq_b.weight, whole["layers.2.attn.wq_b.weight"][rank * 128:(rank + 1) * 128])
+            half = whole["layers.2.attn.wo_b.weight"].shape[1] // 2
+            assert torch.equal(a.wo_b.weight, whole["layers.2.attn.wo_b.weight"][:, rank * half:(rank + 1) * half])
+            ex = part.layers[2].ffn.experts
+            w1 = whole["layers.2.ffn.experts.5.w1.weight"]
+            if lay.ep:
+                assert ex.n_experts == 4 and (rank == 1) == torch.equal(ex.expert_weights("w1", torch.float32, 1), w1)
+            else:
+                got = ex.expert_weights("w2", torch.float32, 5)
+                w2 = whole["layers.2.ffn.experts.5.w2.weight"]
+                assert torch.equal(got, w2[:, rank * 32:(rank + 1) * 32])
