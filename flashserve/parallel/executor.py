@@ -108,8 +108,11 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     set_threads(config.threads)
     device = comm.device
     dtype = torch.float64 if config.dtype in ("float64", "fp64") else resolve_dtype(config.dtype)
-    model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant, with_mtp=False,
-                       quantization=config.quantization)
+    from ..engine.spec_config import SpeculativeConfig
+
+    spec = SpeculativeConfig.parse(config.speculative_config)  # drafters built as LLMEngine builds them
+    model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant,
+                       with_mtp=spec is not None and spec.method in ("mtp", "dspark"), quantization=config.quantization)
     shard_model(model, layout, rank, comm)
     from .engram_host import host_engram_tables
 

@@ -106,3 +106,17 @@ def test_packed_weights_sharded_tokens_equal_one_process():
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
     finally:
         llm.engine.shutdown()
+
+
+def test_speculative_decoding_sharded_tokens_equal_one_process():
+    """DSpark drafting (replicated drafter, verification rows through the sharded decode step) gives one
+    process's tokens under TP=2 with EP."""
+    opts = dict(OPTS, speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(4)]
+    ref = [o.outputs[0].token_ids for o in LLM("tiny-v41", **opts).generate(prompts, GREEDY)]
+    llm = LLM("tiny-v41", **opts, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == ref
+        assert llm.engine.stats()["spec_decode"]["num_drafts"] > 0
+    finally:
+        llm.engine.shutdown()
