@@ -48,10 +48,10 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, packed: bool,
                  kv_memory: int, max_num_seqs: int, block_size: int = 64, num_pages: int | None = None,
-                 spare_rows: int = 0, draft_stages: int = 0):
+                 spare_rows: int = 0, draft_stages: int = 0, draft_layers: int = 0):
         """``spare_rows``: the most draft tokens one verification checks (speculative decoding), kept as spare
         ring rows so a rejected draft can be rolled back (:meth:`rollback`); ``draft_stages``: DSpark stage
-        windows to keep."""
+        windows to keep; ``draft_layers``: MTP blocks whose window rings to keep."""
         self.cfg, self.dtype, self.device, self.packed = cfg, dtype, torch.device(device), packed
         self.window_size = cfg.sliding_window
         self.page_tokens = page_tokens_for(cfg, block_size)
@@ -66,7 +66,8 @@ class KVCache:
         self.rows = max_num_seqs + 1
         self.storage = CacheStorage.allocate(cfg, slots=self.rows, num_pages=self.num_pages,
                                              page_tokens=self.page_tokens, packed=packed, dtype=dtype,
-                                             device=self.device, spare=spare_rows, draft_stages=draft_stages)
+                                             device=self.device, spare=spare_rows, draft_stages=draft_stages,
+                                             draft_layers=draft_layers)
         # each slot's page ids, written once per new page, so a step's page table is one gather instead of
         # a list of every page of every row (55 us per row at 50k tokens); width doubles on demand
         self.page_table = torch.zeros(self.rows, 16, dtype=torch.long, device=self.device)

@@ -51,10 +51,12 @@ class DecodeStep:
     """Runs padded decode forwards: ``torch.compile`` per bucket, or eager with ``enforce_eager``."""
 
     def __init__(self, model, cache: KVCache, *, max_num_seqs: int, enforce_eager: bool,
-                 backend: str = "inductor", cuda_graphs: bool = True, capture: tuple[int, ...] = ()):
-        """``capture``: layers whose input features (mean over streams) the step also returns (DSpark)."""
+                 backend: str = "inductor", cuda_graphs: bool = True, capture: tuple[int, ...] = (),
+                 streams: bool = False):
+        """``capture``: layers whose input features (mean over streams) the step also returns (DSpark);
+        ``streams``: return the final streams instead (V4 MTP)."""
         self.model, self.cache = model, cache
-        self.capture = capture
+        self.capture, self.streams = capture, streams
         self.buckets = decode_buckets(max_num_seqs)
         self.enforce_eager = enforce_eager
         cfg = model.cfg
@@ -109,7 +111,7 @@ class DecodeStep:
     @torch.inference_mode()
     def __call__(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [Bp, R, V] of every row (padding rows included: the caller keeps its own), and the captured
-        features [Bp, R, len(capture), D] (None without ``capture``)."""
+        features [Bp, R, len(capture), D] or final streams [Bp, R, n, D] (None without either)."""
         if not self.enforce_eager:  # one graph for every batch size from 2 and every context length
             if inp.ids.shape[0] > 1:
                 for t in (inp.ids, inp.start, inp.slots, inp.table):
@@ -123,8 +125,9 @@ class DecodeStep:
     def _eager(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         state = FixedBatchState(self.cache, slots, table)
-        out = self.model(ids, state, start=start, logits_rows=ids.shape[1], capture=self.capture)
-        feats = torch.stack([out.features[L] for L in self.capture], dim=2) if self.capture else None
+        out = self.model(ids, state, start=start, logits_rows=ids.shape[1], capture=self.capture,
+                         return_streams=self.streams)
+        feats = torch.stack([out.features[L] for L in self.capture], dim=2) if self.capture else out.streams
         return out.logits, feats
 
     @torch.inference_mode()

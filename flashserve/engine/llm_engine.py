@@ -62,7 +62,8 @@ class LLMEngine:
                              packed=cache_dtype == "packed", kv_memory=pre.kv_bytes,
                              max_num_seqs=c.max_num_seqs, block_size=c.block_size, num_pages=c.num_pages,
                              spare_rows=spec.num_speculative_tokens if spec else 0,
-                             draft_stages=cfg.num_nextn_predict_layers if spec and spec.method == "dspark" else 0)
+                             draft_stages=cfg.num_nextn_predict_layers if spec and spec.method == "dspark" else 0,
+                             draft_layers=1 if spec and spec.method == "mtp" else 0)
         try:
             self.drafter = make_drafter(spec, self.model, self.cache) if spec else None
         except ValueError as e:
@@ -77,7 +78,8 @@ class LLMEngine:
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
-                          capture=self.drafter.capture if self.drafter else ())
+                          capture=self.drafter.capture if self.drafter else (),
+                          streams=bool(getattr(self.drafter, "streams", False)))
         step.warm_up()
         self.runner = ModelRunner(self.model, self.cache, step)
         self.encoder_only = cfg.is_v41 and not c.exact_prefill
@@ -257,12 +259,16 @@ class LLMEngine:
             groups.setdefault(key if not want_plp else key + (seq.seq_id,), []).append(seq)
         to_sample: list[Sequence] = []
         logits_rows: list[torch.Tensor] = []
+        observed: list[tuple] = []  # (sequence, first position, rows, drafter input), once its next token is known
         for key, seqs in groups.items():
             chunk, want_plp = key[0], key[4]
-            lg, feats = self.runner.prefill(seqs, chunk, all_logits=want_plp)
-            if feats and self.drafter is not None:
+            want = [self.drafter.prefill_rows(s, s.num_computed, chunk) for s in seqs] if self.drafter else [0]
+            lg, feats = self.runner.prefill(seqs, chunk, all_logits=want_plp, stream_rows=max(want))
+            if feats:
                 F, f = feats
-                self.drafter.observe(seqs, [s.num_computed + chunk - F for s in seqs], [F] * len(seqs), f)
+                for b, s in enumerate(seqs):  # the last rows of the chunk each drafter asks for
+                    c = min(want[b], F)
+                    observed.append((s, s.num_computed + chunk - c, c, f[b:b + 1, F - c:]))
             if want_plp:
                 seq, group = seqs[0], seqs[0].group
                 a = seq.num_computed
@@ -288,6 +294,9 @@ class LLMEngine:
             for seq, tid, lp in zip(to_sample, result.token_ids, result.logprobs):
                 self._append(seq, tid, lp)
                 touched[seq.group.request_id] = seq.group
+        for seq, start, rows, f in observed:
+            if not seq.finished:
+                self.drafter.observe([seq], [start], [rows], f)
 
     def _propose(self) -> None:
         """Draft the next step's tokens for every decoding sequence that may speculate (none while more

@@ -17,6 +17,7 @@ class ModelRunner:
     def __init__(self, model, cache: KVCache, decode_step: DecodeStep):
         self.model = model
         self.capture = decode_step.capture  # layers whose features every forward returns (a drafter's input)
+        self.streams = decode_step.streams  # or the final streams (V4 MTP)
         self.cache = cache
         self.cfg = model.cfg
         self.device = model.embed.weight.device
@@ -71,11 +72,13 @@ class ModelRunner:
         return (n, encoder_only, a + n == seq.num_tokens, replay_end, all_logits)
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], n: int, *, all_logits: bool = False) -> tuple[torch.Tensor | None, tuple]:
+    def prefill(self, seqs: list[Sequence], n: int, *, all_logits: bool = False,
+                stream_rows: int = 0) -> tuple[torch.Tensor | None, tuple]:
         """Compute ``n`` tokens of each of ``seqs`` (equal :meth:`prefill_key`) from their ``num_computed``;
         logits [B, V] of the last row when the chunk completes the sequences ([B, n, V] with ``all_logits``),
         else None; and ``(F, features [B, F, layers, D])`` of the chunk's last F rows, whose captured features
-        the forward returned (``()`` when none)."""
+        the forward returned, or with ``stream_rows`` the final streams ``(F, [B, F, n, D])`` of the last
+        ``stream_rows`` (``()`` when none)."""
         seq = seqs[0]
         a = seq.num_computed
         last = a + n == seq.num_tokens
@@ -86,8 +89,10 @@ class ModelRunner:
         out = self.model(ids, self._state(seqs), start=start, encoder_only=encoder_only,
                          run_decoder=not encoder_only or a + n == seq.num_prompt,
                          logits_rows=None if all_logits else 1, image_embeds=self._image_embeds(seqs, n),
-                         capture=self.capture)
+                         capture=self.capture, return_streams=stream_rows if self.streams else False)
         feats = ()
+        if self.streams and stream_rows and out.streams is not None:
+            feats = (out.streams.shape[1], out.streams)
         if self.capture and all(L in out.features for L in self.capture):
             F = min(out.features[L].shape[1] for L in self.capture)  # encoder-only: the decoder's replayed rows
             feats = (F, torch.stack([out.features[L][:, -F:] for L in self.capture], dim=2))

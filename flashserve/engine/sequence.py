@@ -97,6 +97,7 @@ class Sequence:
         self.guide = None  # structured-output matcher (engine.guided.Guide), made at the first sampling
         self.draft: list[int] = []  # drafted tokens after the pending one, verified at the next step
         self.ngram = None  # the n-gram drafter's index of this sequence's tokens
+        self.mtp_next = None  # the MTP drafter's (output streams, first draft) after its last catch-up
         self.spec = SpecStats()  # speculative decoding's acceptance counts
 
     @property

@@ -16,6 +16,7 @@ Drafters:
 * :class:`DSparkDrafter` (V4.1): one block from the DSpark stages over each stage's window of keys made from the
   target's features at verified positions (spec §5.2), kept in the cache's ``draft_keys``; the confidence head
   stops the block early.
+* :class:`MTPDrafter` (V4): the MTP block chained k times over its own window ring.
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ class Drafter(Protocol):
     def propose(self, seqs: list, k: int) -> list[list[int]]:
         """Up to ``k`` drafted tokens after each sequence's pending token."""
 
+    def prefill_rows(self, seq, start: int, n: int) -> int:
+        """How many of a prefill chunk's last rows (positions [start, start + n)) to observe."""
+
 
 class NgramIndex:
     """For each n-gram of a token list (n in [lo, hi]), where the tokens after its latest occurrence start."""
@@ -163,6 +167,9 @@ class NgramDrafter:
     def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
         pass
 
+    def prefill_rows(self, seq, start: int, n: int) -> int:
+        return 0
+
     def propose(self, seqs: list, k: int) -> list[list[int]]:
         out = []
         for s in seqs:
@@ -183,6 +190,9 @@ class DSparkDrafter:
         self.capture = tuple(cfg.dspark_target_layer_ids)
         self.threshold = spec.confidence_threshold
         self.W = cfg.sliding_window
+
+    def prefill_rows(self, seq, start: int, n: int) -> int:
+        return n  # every row with features (encoder-only prefill returns the decoder's replayed ones)
 
     @torch.inference_mode()
     def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
@@ -221,6 +231,70 @@ class DSparkDrafter:
         return out
 
 
+class MTPDrafter:
+    """V4's MTP block (spec §5.5), chained k times. Its window ring (layer ``num_hidden_layers``, kept with
+    spare rows like the backbone's) holds one row per verified position: ``h_proj(streams at t) +
+    e_proj(token t+1)`` through the block. After each verification the block catches up on the verified rows,
+    whose last row drafts the first token; each further draft is one row fed with the block's own output
+    streams. Those chained rows are speculative: the next catch-up rewrites their positions."""
+
+    capture: tuple[int, ...] = ()
+    streams = True
+
+    def __init__(self, model, cache, spec: SpeculativeConfig):
+        if model.mtp is None:
+            raise ValueError("this checkpoint has no MTP weights (mtp.*): speculative method 'mtp' needs them")
+        self.model, self.cache, self.W = model, cache, model.cfg.sliding_window
+
+    def prefill_rows(self, seq, start: int, n: int) -> int:
+        """Rows of a prefill chunk [start, start + n) to catch up on: those within a window of the prompt's end
+        (earlier ones would be overwritten before any draft reads them)."""
+        return max(0, min(n, start + n - (seq.num_tokens - self.W)))
+
+    def _block(self, seqs: list, streams: torch.Tensor, ids: list[list[int]], start: list[int]):
+        from .batch_state import BatchState
+
+        dev = streams.device
+        state = BatchState(self.cache, [s.slot for s in seqs], 0)
+        nxt = torch.tensor(ids, dtype=torch.long, device=dev)
+        st = torch.tensor(start, dtype=torch.long, device=dev)
+        return self.model.mtp.step(self.model, streams.to(self.model.dtype), nxt, state, 0, st)
+
+    @torch.inference_mode()
+    def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
+        if feats is None:
+            return
+        by_count: dict[int, list[int]] = {}
+        for i, c in enumerate(counts):
+            if c:
+                by_count.setdefault(c, []).append(i)
+        for c, idx in by_count.items():
+            sub = [seqs[i] for i in idx]
+            ids = [s.tokens[starts[i] + 1:starts[i] + 1 + c] for i, s in zip(idx, sub)]
+            logits, x = self._block(sub, feats[idx, :c], ids, [starts[i] for i in idx])
+            for j, s in enumerate(sub):
+                s.mtp_next = (x[j, -1], int(logits[j, -1].argmax()))
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, k: int) -> list[list[int]]:
+        ready = [s for s in seqs if getattr(s, "mtp_next", None) is not None]
+        out = {id(s): [] for s in seqs}
+        if ready:
+            x = torch.stack([s.mtp_next[0] for s in ready])[:, None]  # [B, 1, n, D]
+            tok = [s.mtp_next[1] for s in ready]
+            for s, t in zip(ready, tok):
+                out[id(s)].append(t)
+                s.mtp_next = None  # consumed: the next catch-up makes a new one
+            pos = [s.num_computed for s in ready]  # the pending token's position: the first chained row's
+            for j in range(1, k):
+                logits, x = self._block(ready, x, [[t] for t in tok], [p + j - 1 for p in pos])
+                tok = logits[:, -1].argmax(-1).tolist()
+                x = x[:, -1:]
+                for s, t in zip(ready, tok):
+                    out[id(s)].append(t)
+        return [out[id(s)] for s in seqs]
+
+
 def make_drafter(spec: SpeculativeConfig, model, cache) -> Drafter:
     cfg = model.cfg
     if spec.method == "ngram":
@@ -232,4 +306,8 @@ def make_drafter(spec: SpeculativeConfig, model, cache) -> Drafter:
             raise ValueError(f"speculative_config.num_speculative_tokens: {spec.num_speculative_tokens} exceeds "
                              f"the DSpark block size ({cfg.dspark_block_size})")
         return DSparkDrafter(model, cache, spec)
+    if spec.method == "mtp":
+        if cfg.is_v41:
+            raise ValueError("speculative method 'mtp' needs a V4 model (V4.1 drafts with DSpark: use 'dspark')")
+        return MTPDrafter(model, cache, spec)
     raise ValueError(f"speculative method {spec.method!r} is not available for {cfg.model_type}")

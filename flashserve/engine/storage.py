@@ -197,14 +197,16 @@ class CacheStorage:
 
     @classmethod
     def allocate(cls, cfg: ModelConfig, *, slots: int, num_pages: int, page_tokens: int, packed: bool,
-                 dtype: torch.dtype, device: torch.device, spare: int = 0, draft_stages: int = 0) -> CacheStorage:
+                 dtype: torch.dtype, device: torch.device, spare: int = 0, draft_stages: int = 0,
+                 draft_layers: int = 0) -> CacheStorage:
         """All storage of a model's cache: ``num_pages`` (+ scratch) pages, ``slots`` rows of bounded state.
 
         ``spare``: extra rows in every window and partial-group ring, the most draft rows one verification
         may write past the positions it keeps (speculative decoding). A ring of ``c`` needed rows plus ``k``
         spare ones never lets a write at a rejected position ``p + j`` (j <= k) land on a row still needed,
         and a stale row left there reads back as a position older than any window or group needs.
-        ``draft_stages``: DSpark stages whose stage windows to keep (:attr:`draft_keys`)."""
+        ``draft_stages``: DSpark stages whose stage windows to keep (:attr:`draft_keys`); ``draft_layers``: V4 MTP
+        blocks, whose window rings follow the backbone's (layer ``num_hidden_layers + s``)."""
         cod = codecs(cfg, packed, device)
         page_dtype = torch.uint8 if packed else dtype
         raw_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # compressors run in fp32
@@ -237,6 +239,9 @@ class CacheStorage:
                 if overlap:
                     lay.index_ring = ring(layer, 4 * cfg.index_head_dim)
             layers.append(lay)
+        for _ in range(draft_layers):
+            rows = torch.zeros(slots, max(cfg.sliding_window - 1, 0) + spare, wc.width, dtype=page_dtype, device=device)
+            layers.append(LayerStorage(WindowRing(wc, rows, counter(-1))))
         n_hist = max(cfg.engram_max_ngram_size - 1, 0) if cfg.engram_layer_ids else 0
         history = torch.full((slots, n_hist), -1, dtype=torch.long, device=device)
         draft = (torch.zeros(slots, cfg.sliding_window, draft_stages, cfg.head_dim, dtype=dtype, device=device)

@@ -172,6 +172,12 @@ class MTPBlocks(nn.ModuleList):
 
     def logits(self, model: nn.Module, streams: torch.Tensor, next_ids: torch.Tensor,
                state: DenseState | None = None, stage: int = 0, start: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for token t+2 (see :meth:`step`)."""
+        return self.step(model, streams, next_ids, state, stage, start)[0]
+
+    def step(self, model: nn.Module, streams: torch.Tensor, next_ids: torch.Tensor,
+             state: DenseState | None = None, stage: int = 0,
+             start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits for token t+2 from the final streams at t [B,S,n,D] and the token at t+1 [B,S].
 
         ``state`` is the MTP block's own window state (not the backbone's); rows continue it, or start at
@@ -187,4 +193,4 @@ class MTPBlocks(nn.ModuleList):
         e = blk.e_proj(blk.enorm(model.embed(next_ids)))
         x = blk.h_proj(blk.hnorm(streams)) + e[..., None, :]
         x, _ = blk(x, None, ctx)
-        return model.head(blk.norm(blk.hc_head(x)))
+        return model.head(blk.norm(blk.hc_head(x))), x  # the block's output streams chain the next step

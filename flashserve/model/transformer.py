@@ -119,7 +119,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
                 start: torch.Tensor | None = None, fake_quant: bool | None = None, encoder_only: bool = False,
                 run_decoder: bool = True, logits_rows: int | None = None,
-                capture: tuple[int, ...] = (), return_streams: bool = False,
+                capture: tuple[int, ...] = (), return_streams: bool | int = False,
                 image_embeds: torch.Tensor | None = None) -> ForwardOutput:
         """Run ``input_ids`` [B,S] continuing ``state`` (a fresh one when None).
 
@@ -159,8 +159,11 @@ class Transformer(nn.Module):
             if x is None:
                 return ForwardOutput(None, features)
         rows = x.shape[1] if logits_rows is None else min(logits_rows, x.shape[1])
+        streams = None
+        if return_streams:  # True: the logits rows; a number: that many last rows
+            streams = x[:, -(rows if return_streams is True else min(int(return_streams), x.shape[1])):]
         x, pre = x[:, -rows:], (None if pre is None else pre[:, -rows:])
-        return ForwardOutput(self.logits_from_streams(x, pre), features, x if return_streams else None)
+        return ForwardOutput(self.logits_from_streams(x, pre), features, streams)
 
     def _replay(self, x, pre, ctx, engram, capture, features, run_decoder):
         """Encoder-only tail: produce the decoder's global cache on all rows, then run the decoder on the

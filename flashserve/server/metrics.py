@@ -42,6 +42,14 @@ class ServerMetrics:
                                           "Prompt tokens the engine has processed", labels, registry=r)
         self.engine_generation_tokens = Gauge("flashserve_engine_generation_tokens_total",
                                               "Tokens the engine has generated", labels, registry=r)
+        # speculative decoding, under vLLM's counter names (engine totals, mirrored)
+        self.spec = {key: Gauge(f"flashserve_spec_decode_{name}_total", help_, labels, registry=r)
+                     for key, name, help_ in (
+                         ("num_drafts", "num_drafts", "Verification steps that checked drafted tokens"),
+                         ("num_draft_tokens", "num_draft_tokens", "Drafted tokens verified"),
+                         ("num_accepted_tokens", "num_accepted_tokens", "Drafted tokens accepted"))}
+        self.spec_per_pos = Gauge("flashserve_spec_decode_num_accepted_tokens_per_pos_total",
+                                  "Drafted tokens accepted, by draft position", labels + ["position"], registry=r)
 
     def update_engine(self, stats: dict) -> None:
         m = self.model_name
@@ -55,6 +63,12 @@ class ServerMetrics:
         self.prefix_hit.labels(m).set(g("prefix_cache_hit_rate", 0.0) or 0.0)
         self.engine_prompt_tokens.labels(m).set(g("prompt_tokens_total", 0) or 0)
         self.engine_generation_tokens.labels(m).set(g("generation_tokens_total", 0) or 0)
+        spec = g("spec_decode")
+        if spec:
+            for key, gauge in self.spec.items():
+                gauge.labels(m).set(spec[key])
+            for pos, n in enumerate(spec["accepted_per_position"]):
+                self.spec_per_pos.labels(m, str(pos)).set(n)
 
     def observe_request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

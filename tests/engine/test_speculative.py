@@ -104,6 +104,9 @@ class OracleDrafter:
     def observe(self, *a) -> None:
         pass
 
+    def prefill_rows(self, *a) -> int:
+        return 0
+
     def propose(self, seqs, k):
         out = []
         for s in seqs:
@@ -133,7 +136,8 @@ def test_greedy_output_is_the_targets_with_a_drafter_that_is_often_right(models,
     assert eng.num_steps < 36 + len(CROSSING) * 2  # fewer steps than one token each
 
 
-@pytest.mark.parametrize("name,method", [("tiny-v41", "ngram"), ("tiny-v41", "dspark"), ("tiny-v4", "ngram")])
+@pytest.mark.parametrize("name,method", [("tiny-v41", "ngram"), ("tiny-v41", "dspark"), ("tiny-v4", "ngram"),
+                                         ("tiny-v4", "mtp")])
 def test_greedy_output_is_the_targets_with_each_drafter(models, name, method):
     model = models(name, with_mtp=True)
     rep = prompt_of(10, seed=3)
@@ -142,6 +146,52 @@ def test_greedy_output_is_the_targets_with_each_drafter(models, name, method):
     eng = make_engine(model, name, speculative_config={"method": method, "num_speculative_tokens": 3})
     assert run_greedy(eng, prompts, 30) == base
     assert eng.stats()["spec_decode"]["num_drafts"] > 0
+
+
+def _running(engine, steps: int):
+    for _ in range(steps):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    return seq
+
+
+@torch.inference_mode()
+def test_dspark_drafts_what_the_reference_drafter_drafts(models):
+    """The engine's stage windows (keys written from prefill and verification features) give the drafts the
+    reference DSpark forward makes from the whole sequence's features: after prefill and after decoding."""
+    name = "tiny-v41"
+    model = models(name, with_mtp=True)
+    cfg = model.cfg
+    eng = make_engine(model, name, exact_prefill=True,
+                      speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+    eng.add_request("r", prompt_of(21, seed=5), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for steps in (1, 6):
+        seq = _running(eng, steps)
+        end = seq.num_computed
+        out = model(torch.tensor([seq.tokens[:end]]), capture=tuple(cfg.dspark_target_layer_ids))
+        ref = model.mtp.draft(model, out.features, torch.arange(end)[None], torch.tensor([seq.tokens[end]]))
+        assert seq.draft == ref.tokens[0].tolist(), f"after {steps} step(s)"
+
+
+@torch.inference_mode()
+def test_mtp_drafts_what_the_reference_chain_drafts(models):
+    """The engine's MTP window (caught up after prefill and each verification) gives the drafts of the MTP
+    block run over the whole sequence's final streams, then chained on its own output."""
+    name = "tiny-v4"
+    model = models(name, with_mtp=True)
+    eng = make_engine(model, name, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    eng.add_request("r", prompt_of(27, seed=6), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    for steps in (1, 5):
+        seq = _running(eng, steps)
+        end = seq.num_computed
+        out = model(torch.tensor([seq.tokens[:end]]), return_streams=end)
+        state = model.new_state(1)
+        logits, x = model.mtp.step(model, out.streams, torch.tensor([seq.tokens[1:end + 1]]), state)
+        ref = [int(logits[0, -1].argmax())]
+        for _ in range(2):
+            logits, x = model.mtp.step(model, x[:, -1:], torch.tensor([[ref[-1]]]), state)
+            ref.append(int(logits[0, -1].argmax()))
+        assert seq.draft == ref, f"after {steps} step(s)"
 
 
 def _logical_state(engine, seq) -> dict:
@@ -311,6 +361,11 @@ def test_speculative_config_is_checked(value, message):
 def test_drafters_that_the_model_cannot_run_are_refused(models):
     with pytest.raises(ConfigError, match="needs a V4.1 model"):
         make_engine(models("tiny-v4"), "tiny-v4", speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="needs a V4 model"):
+        make_engine(models("tiny-v41", with_mtp=True), "tiny-v41",
+                    speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="has no MTP weights"):
+        make_engine(models("tiny-v4"), "tiny-v4", speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="exceeds the DSpark block size"):
         make_engine(models("tiny-v41", with_mtp=True), "tiny-v41",
                     speculative_config={"method": "dspark", "num_speculative_tokens": 6})
