@@ -1,0 +1,127 @@
+"""Speculative decoding benchmark: per-agent decode speed with each drafter against no speculation, same run.
+
+``python -m flashserve.bench.spec`` runs the embedded model (or ``--model``) on held-out code prompts (functions
+of standard-library files the model never trained on), greedy, at each batch size; for every configuration it
+reports per-agent decode tokens/s (output tokens after the first / decode seconds, per sequence), the ratio to
+no speculation at the same batch size measured in the same run, and the mean acceptance length. The medians of
+``--repeats`` runs are reported; configurations alternate within each repeat, so drift on a shared machine hits
+all of them alike. ``--out FILE`` writes the results as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+METHODS = ("none", "ngram", "mtp", "dspark")
+
+
+def heldout_prompts(n: int, chars: int = 600) -> list[str]:
+    """``n`` code prompts from held-out standard-library files: the text before and including a ``def`` line
+    (up to ``chars`` characters), one per file, in path order."""
+    from ..train.data import is_heldout, stdlib_files
+    from ..train.settings import Recipe
+
+    frac = Recipe().heldout_fraction
+    out = []
+    for rel, text in stdlib_files():
+        if not is_heldout(rel, frac):
+            continue
+        lines = text.splitlines(keepends=True)
+        pos = 0
+        for line in lines:
+            pos += len(line)
+            if pos > chars // 2 and line.lstrip().startswith("def "):
+                out.append(text[max(0, pos - chars):pos])
+                break
+        if len(out) == n:
+            break
+    return out
+
+
+def run_once(engine, prompts: list[str], max_tokens: int) -> dict:
+    """Decode ``prompts`` together; per-agent decode tokens/s after every prompt has its first token."""
+    from ..engine import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    before = dict(engine.spec_stats.as_dict()) if engine.spec is not None else None
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", p, sp)
+    while any(not s.prefill_done for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    dt = time.perf_counter() - t0
+    res = {"tok_s_per_agent": (max_tokens - 1) / dt}
+    if before is not None:
+        after = engine.spec_stats.as_dict()
+        drafts = after["num_drafts"] - before["num_drafts"]
+        acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        res["mean_acceptance_length"] = 1 + acc / drafts if drafts else 1.0
+    return res
+
+
+def make_engine(model: str | None, method: str, k: int, batch: int, threads: int):
+    from ..engine import EngineConfig, LLMEngine
+    from ..models import resolve_model
+
+    spec = None if method == "none" else {"method": method, "num_speculative_tokens": k,
+                                          "disable_by_batch_size": None}
+    return LLMEngine(EngineConfig(model=resolve_model(model), max_num_seqs=max(batch, 1), threads=threads,
+                                  kv_memory="256MiB", speculative_config=spec,
+                                  max_num_batched_tokens=max(2048, batch * (k + 1))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m flashserve.bench.spec", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="preset or checkpoint folder (default: the embedded model)")
+    p.add_argument("--methods", default="none,ngram,dspark", help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "none" not in methods:
+        p.error(f"--methods: need 'none' (the baseline) and only {', '.join(METHODS)}; got {a.methods!r}")
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    prompts_all = heldout_prompts(max(sizes))
+    if len(prompts_all) < max(sizes):
+        prompts_all = (prompts_all * max(sizes))[:max(sizes)]
+    results = []
+    for B in sizes:
+        engines = {m: make_engine(a.model, m, a.num_speculative_tokens, B, a.threads) for m in methods}
+        for eng in engines.values():  # warm-up: first-call allocations out of the timing
+            run_once(eng, prompts_all[:B], 4)
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(a.repeats):
+            for m in methods:
+                runs[m].append(run_once(engines[m], prompts_all[:B], a.max_tokens))
+        base = statistics.median(r["tok_s_per_agent"] for r in runs["none"])
+        for m in methods:
+            speed = statistics.median(r["tok_s_per_agent"] for r in runs[m])
+            row = {"batch": B, "method": m, "tok_s_per_agent": round(speed, 2), "vs_none": round(speed / base, 3)}
+            if m != "none":
+                row["mean_acceptance_length"] = round(statistics.median(r["mean_acceptance_length"] for r in runs[m]), 3)
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    off = [r["batch"] for r in results if r["method"] != "none" and r["vs_none"] < 1.0]
+    summary = {"k": a.num_speculative_tokens, "max_tokens": a.max_tokens, "repeats": a.repeats,
+               "threads": a.threads, "results": results,
+               "first_batch_size_where_speculation_loses": min(off) if off else None}
+    if a.out:
+        a.out.write_text(json.dumps(summary, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "results"}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
