@@ -96,7 +96,7 @@ def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | No
 
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
-               quantization: str | None = None) -> Transformer:
+               quantization: str | None = None, prepare=None) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
     ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
@@ -106,6 +106,9 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     float checkpoints and presets stay float); ``"int8"``, ``"fp8"`` or ``"mxfp4"`` packs float weights at
     load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference path).
     Shards are streamed into the model's parameters one tensor at a time; packed weights never exist as floats.
+    ``prepare(model)`` (checkpoint folders only) runs on the still-empty ``meta`` model before anything is
+    allocated or read: an expert-parallel rank keeps its experts there (``Experts.first``), so only their
+    tensors are read from the files (the others are skipped).
     """
     from .packed import pack_model
 
@@ -123,6 +126,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     keep_fp32(model)  # before any weight is written, so the fp32 leaves are never rounded to ``dtype``
     if not is_preset:
         pack_model(model, formats, quantize=False, compute_dtype=torch_dtype)  # still on meta: no float copy
+        if prepare is not None:
+            prepare(model)
     model = model.to_empty(device=device)
     for module in (model.rope, model.engram_hasher):  # computed, never loaded
         if module is not None:
@@ -131,7 +136,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         random_init(model, seed)
         pack_model(model, formats, quantize=True, compute_dtype=torch_dtype)
     else:
-        _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp)
+        _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None)
         _engram_map_from_folder(model, Path(path_or_preset))
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
     return model.eval()

@@ -63,6 +63,7 @@ class Experts(nn.Module):
     def __init__(self, n: int, dim: int, inter: int, limit: float):
         super().__init__()
         self.n_experts, self.dim, self.inter, self.limit = n, dim, inter, limit
+        self.first = 0  # checkpoint id of expert 0 here (expert parallel: a rank holds experts first..first+n-1)
         self.w1 = nn.Parameter(torch.zeros(n, inter, dim))
         self.w2 = nn.Parameter(torch.zeros(n, dim, inter))
         self.w3 = nn.Parameter(torch.zeros(n, inter, dim))

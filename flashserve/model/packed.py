@@ -185,6 +185,7 @@ class PackedExperts(Experts):
     def __init__(self, n: int, dim: int, inter: int, limit: float, fmt: Format):
         nn.Module.__init__(self)
         self.n_experts, self.dim, self.inter, self.limit = n, dim, inter, limit
+        self.first = 0  # checkpoint id of expert 0 here (see Experts)
         self.w1_packed = PackedWeights((n, inter, dim), fmt)
         self.w2_packed = PackedWeights((n, dim, inter), fmt)
         self.w3_packed = PackedWeights((n, inter, dim), fmt)
@@ -328,7 +329,7 @@ def packed_destinations(model: nn.Module) -> dict[str, "PackedSlot"]:
             for name in ("w1", "w2", "w3"):
                 weights = getattr(module, f"{name}_packed")
                 for e in range(module.n_experts):
-                    out[f"{path}.{e}.{name}.weight"] = PackedSlot(weights, e)
+                    out[f"{path}.{module.first + e}.{name}.weight"] = PackedSlot(weights, e)
         elif isinstance(module, (PackedLinear, PackedEmbedding)):
             out[f"{path}.weight"] = PackedSlot(module.packed, None)
     return out

@@ -215,8 +215,9 @@ class Transformer(nn.Module):
                 continue
             if ".experts.w" in name:
                 prefix, w = name.rsplit(".experts.", 1)
+                first = getattr(self.get_submodule(f"{prefix}.experts"), "first", 0)
                 for e in range(t.shape[0]):
-                    out[f"{prefix}.experts.{e}.{w}.weight"] = t[e]
+                    out[f"{prefix}.experts.{first + e}.{w}.weight"] = t[e]
                 continue
             name = name.replace("hc_head.hc_head_", "hc_head_")
             out[name] = t

@@ -231,13 +231,14 @@ class ParallelMoE(nn.Module):
         return fp32(back.view(W, tmax, D)).sum(0)
 
 
-def _shard_experts(experts: Experts, layout: Layout, rank: int) -> tuple[str, tuple[int, int]]:
+def _shard_experts(experts: Experts, layout: Layout, rank: int, total: int) -> tuple[str, tuple[int, int]]:
+    """Keep ``rank``'s experts (EP) or every expert's slice of the width (TP) of ``total`` experts."""
     from ..model.packed import PackedExperts
 
     if type(experts) not in (Experts, PackedExperts):
         raise ConfigError(f"sharding: routed experts of type {type(experts).__name__} cannot be split")
     packed = isinstance(experts, PackedExperts)
-    E, I = experts.n_experts, experts.inter
+    E, I = total, experts.inter
 
     def cut(name: str, lead=None, rows=None, cols=None) -> None:
         if packed:
@@ -255,9 +256,12 @@ def _shard_experts(experts: Experts, layout: Layout, rank: int) -> tuple[str, tu
 
     if layout.ep:
         e0, e1 = split(E, layout.ep_size, rank)
-        for name in ("w1", "w2", "w3"):
-            cut(name, lead=(e0, e1))
-        experts.n_experts = e1 - e0
+        if experts.n_experts == E:  # else already kept before loading (load_model's prepare): nothing to cut
+            for name in ("w1", "w2", "w3"):
+                cut(name, lead=(e0, e1))
+            experts.n_experts, experts.first = e1 - e0, e0
+        elif (experts.first, experts.n_experts) != (e0, e1 - e0):
+            raise ConfigError(f"sharding: rank {rank} holds experts {experts.first}.. but should hold {e0}..{e1 - 1}")
         return ("ep" if layout.dp == 1 else "ep_dp"), (e0, e1)
     i0, i1 = split(I, layout.tp, layout.tp_rank(rank))
     cut("w1", rows=(i0, i1))
@@ -292,6 +296,16 @@ def _shard_attention(attn, layout: Layout, rank: int, comm: Comm) -> None:
     attn.n_heads, attn.o_groups = h1 - h0, g1 - g0
 
 
+def keep_rank_experts(model, layout: Layout, rank: int) -> None:
+    """Expert parallel: keep only ``rank``'s routed experts, on the still-empty ``meta`` model before a checkpoint
+    is read (``load_model(prepare=...)``), so the rank reads and holds only its experts' tensors."""
+    if not layout.ep or not layout.sharded:
+        return
+    with torch.no_grad():
+        for block in model.layers:
+            _shard_experts(block.ffn.experts, layout, rank, model.cfg.n_routed_experts)
+
+
 def shard_model(model, layout: Layout, rank: int, comm: Comm):
     """Keep ``rank``'s slices of ``model`` (in place) and wire its collectives through ``comm``."""
     layout.check(model.cfg)
@@ -302,7 +316,7 @@ def shard_model(model, layout: Layout, rank: int, comm: Comm):
         for i, block in enumerate(model.layers):
             _shard_attention(block.attn, layout, rank, comm)
             moe = block.ffn
-            mode, experts = _shard_experts(moe.experts, layout, rank)
+            mode, experts = _shard_experts(moe.experts, layout, rank, model.cfg.n_routed_experts)
             if moe.shared_experts is not None:
                 _shard_shared(moe.shared_experts, layout, rank)
             block.ffn = ParallelMoE(moe, i, mode, experts, comm, model.dtype)
