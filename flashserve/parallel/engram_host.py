@@ -76,8 +76,10 @@ class _Maps:
 
 def host_engram_tables(model, folder: str | Path | None = None) -> int:
     """Wrap every engram table of ``model`` in a :class:`HostTable` (in host memory); with a checkpoint
-    ``folder``, replace the loaded tables by views of the memory-mapped files where the stored format is the one
-    held (FP8 rows + scales into a packed table, or the same float dtype). Returns the bytes memory-mapped."""
+    ``folder``, make the tables views of the memory-mapped files where the stored format is the one held (FP8
+    rows + scales into a packed table, or the same float dtype). On the empty ``meta`` model (``load_model``'s
+    ``prepare``) a mapped table is then never read by the loader; a table that cannot be mapped is left for the
+    loader and wrapped by a second call after loading. Returns the bytes memory-mapped."""
     from ..model.packed import PackedEmbedding
 
     index = _index(Path(folder)) if folder is not None and Path(folder).is_dir() else {}
@@ -87,7 +89,11 @@ def host_engram_tables(model, folder: str | Path | None = None) -> int:
         eng = getattr(block, "engram", None)
         if eng is None or isinstance(eng.embed, HostTable):
             continue
-        table = eng.embed.to("cpu")
+        table = eng.embed
+        on_meta = any(t.is_meta for t in list(table.parameters()) + list(table.buffers()))
+        if not on_meta:
+            table = table.to("cpu")
+        before = mapped
         w = index.get(f"layers.{i}.engram.embed.weight")
         s = index.get(f"layers.{i}.engram.embed.scale")
         with torch.no_grad():
@@ -102,6 +108,8 @@ def host_engram_tables(model, folder: str | Path | None = None) -> int:
                 if t.shape == table.weight.shape:
                     table.weight = nn.Parameter(t, requires_grad=False)
                     mapped += t.numel() * t.element_size()
+        if on_meta and mapped == before:  # not mappable: the loader reads it; wrapped after loading
+            continue
         eng.embed = HostTable(table)
     model._engram_maps = maps  # the maps live as long as the model
     if index and not mapped and any(getattr(b, "engram", None) is not None for b in model.layers):

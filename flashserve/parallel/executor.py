@@ -40,6 +40,7 @@ import torch
 from ..config import ConfigError
 from .comm import Comm, connect
 from .layout import Layout, layout_of
+from .engram_host import host_engram_tables
 from .shard import keep_rank_experts, shard_model
 
 log = logging.getLogger("flashserve.parallel")
@@ -111,14 +112,17 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     from ..engine.spec_config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(config.speculative_config)  # drafters built as LLMEngine builds them
-    # a checkpoint: an EP rank reads only its experts' tensors (presets draw every weight, the same on each rank)
-    prepare = (lambda m: keep_rank_experts(m, layout, rank)) if layout.ep else None
+    # a checkpoint: an EP rank reads only its experts' tensors, engram tables are mapped, not read (presets draw
+    # every weight, the same on each rank)
+
+    def prepare(m) -> None:
+        keep_rank_experts(m, layout, rank)
+        host_engram_tables(m, config.model)
+
     model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant,
                        with_mtp=spec is not None and spec.method in ("mtp", "dspark"), quantization=config.quantization,
                        prepare=prepare)
     shard_model(model, layout, rank, comm)
-    from .engram_host import host_engram_tables
-
     host_engram_tables(model, config.model)  # engram tables stay in host memory (memory-mapped from a checkpoint)
     model.to(device)
     # collectives run eagerly: the compiled decode step does not trace this module's process-group calls

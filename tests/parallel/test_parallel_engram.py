@@ -29,6 +29,20 @@ def test_tables_memory_mapped_from_the_checkpoint(tmp_path):
     ids = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
     with torch.inference_mode():
         assert torch.equal(ref(ids).logits, model(ids).logits)
+    # mapped on the empty model before loading: the loader never reads the tables
+    from flashserve.model import checkpoint
+
+    read: list[str] = []
+    get = checkpoint._Handles.get
+    checkpoint._Handles.get = lambda self, stored, index=None: read.append(stored.key) or get(self, stored, index)
+    try:
+        early = load_model(tmp_path, with_mtp=False, prepare=lambda m: host_engram_tables(m, tmp_path))
+    finally:
+        checkpoint._Handles.get = get
+    assert read and not any(".engram.embed." in k for k in read)
+    assert all(isinstance(b.engram.embed, HostTable) for b in early.layers if b.engram is not None)
+    with torch.inference_mode():
+        assert torch.equal(ref(ids).logits, early(ids).logits)
 
 
 def test_expert_parallel_rank_reads_only_its_experts(tmp_path, monkeypatch):
