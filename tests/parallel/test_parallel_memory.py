@@ -108,3 +108,17 @@ def test_packed_weights_shard_byte_for_byte(quantization):
                 got = ex.expert_weights("w2", torch.float32, 5)
                 w2 = whole["layers.2.ffn.experts.5.w2.weight"]
                 assert torch.equal(got, w2[:, rank * 32:(rank + 1) * 32])
+
+
+def test_info_memory_cli(capsys):
+    import json
+
+    from flashserve.cli import main
+
+    assert main(["info", "tiny-v41", "--tensor-parallel-size", "2", "--enable-expert-parallel", "--memory",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    m = rank_memory("tiny-v41", Layout(2, True, 1), dtype="bfloat16")
+    assert data["weight_bytes"] == m.weight_bytes and data["kv_replicas"] == 2 and data["layout"] == "TP=2 EP=2 (2 ranks)"
+    assert main(["info", "tiny-v41", "--tensor-parallel-size", "3", "--memory"]) == 2  # a clear error, not a trace
+    assert "must divide num_attention_heads" in capsys.readouterr().err
