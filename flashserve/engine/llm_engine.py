@@ -200,56 +200,55 @@ class LLMEngine:
         return self._outputs(touched)
 
     def _decode(self, seqs: list[Sequence], touched: dict[str, RequestGroup]) -> None:
-        """One forward over every decoding sequence's pending token and drafts; then each sequence takes the
-        tokens verification emits (just the sampled one without drafts), and what rejected rows wrote to the
-        cache is rolled back."""
+        """One forward over every decoding sequence's pending token and drafts; each sequence then takes the
+        tokens verification emits (just the sampled one without drafts) and what its rejected rows wrote to
+        the cache is rolled back."""
         rows = [[s.tokens[s.num_computed]] + s.draft for s in seqs]
         R = max(len(r) for r in rows)
         if R == 1 and self.drafter is None:
             logits, feats = self.runner.decode(seqs)[:, None], None
         else:
             logits, feats = self.runner.verify(seqs, rows)
-        plain = [i for i, s in enumerate(seqs) if not s.draft]
-        emitted: dict[int, list[int]] = {}
-        lps: dict[int, list] = {}
-        if plain:
-            sub = [seqs[i] for i in plain]
-            lg = logits[plain, 0] if len(plain) < len(seqs) else logits[:, 0]
-            result = sample(lg, [self._sample_row(s, lg) for s in sub], self.generator)
-            for i, tid, lp in zip(plain, result.token_ids, result.logprobs):
-                emitted[i], lps[i] = [tid], [lp]
+        emitted = self._emitted(seqs, logits)
+        kept, starts, counts = [], [], []
         for i, s in enumerate(seqs):
-            if s.draft:
-                emitted[i] = accept(logits[i], s.draft, s.params, s.generator or self.generator)
-                lps[i] = [None] * len(emitted[i])
-        kept_seqs, starts, counts, rollback = [], [], [], []
-        for i, s in enumerate(seqs):
-            start, drafted = s.num_computed, len(s.draft)
+            start, out = s.num_computed, emitted[i]
+            s.spec.record(len(s.draft), len(out) - 1)
+            self.spec_stats.record(len(s.draft), len(out) - 1)
             s.draft = []
-            out = emitted[i]
-            s.spec.record(drafted, len(out) - 1)
-            self.spec_stats.record(drafted, len(out) - 1)
-            for tid, lp in zip(out, lps[i]):
+            for tid, lp in out:
                 self._append(s, tid, lp)
-                if s.finished:
+                if s.finished:  # its slot and pages are free already
                     break
             touched[s.group.request_id] = s.group
-            if s.finished:
-                continue
-            s.num_computed = start + len(out)  # the pending token and the accepted drafts
-            kept_seqs.append(s)
-            starts.append(start)
-            counts.append(len(out))
-            if len(out) < R:
-                rollback.append(s)
-            self.scheduler.register(s)
-            self.scheduler.trim_pages(s)
-        n_hist = self.cache.storage.history.shape[1]
-        self.cache.rollback([s.slot for s in rollback], [s.num_computed for s in rollback],
-                            [s.tokens[max(0, s.num_computed - n_hist):s.num_computed] for s in rollback])
-        if self.drafter is not None and kept_seqs:
-            idx = [seqs.index(s) for s in kept_seqs]
-            self.drafter.observe(kept_seqs, starts, counts, None if feats is None else feats[idx])
+            if not s.finished:
+                s.num_computed = start + len(out)  # the pending token and the accepted drafts
+                self.scheduler.register(s)
+                self.scheduler.trim_pages(s)
+                kept.append(i)
+                starts.append(start)
+                counts.append(len(out))
+        back = [seqs[i] for i, n in zip(kept, counts) if n < R]  # rows past the accepted ones were written
+        h = self.cache.storage.history.shape[1]
+        self.cache.rollback([s.slot for s in back], [s.num_computed for s in back],
+                            [s.tokens[max(0, s.num_computed - h):s.num_computed] for s in back])
+        if self.drafter is not None and kept:
+            self.drafter.observe([seqs[i] for i in kept], starts, counts, None if feats is None else feats[kept])
+
+    def _emitted(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, dict | None]]]:
+        """(token, logprobs) each sequence emits from its rows of ``logits`` [B, R, V]: verification of its
+        drafts, or one sampled token (batched through the sampler) when it has none."""
+        out: list[list[tuple[int, dict | None]]] = [[] for _ in seqs]
+        plain = [i for i, s in enumerate(seqs) if not s.draft]
+        if plain:
+            lg = logits[plain, 0] if len(plain) < len(seqs) else logits[:, 0]
+            result = sample(lg, [self._sample_row(seqs[i], lg) for i in plain], self.generator)
+            for i, tid, lp in zip(plain, result.token_ids, result.logprobs):
+                out[i] = [(tid, lp)]
+        for i, s in enumerate(seqs):
+            if s.draft:
+                out[i] = [(t, None) for t in accept(logits[i], s.draft, s.params, s.generator or self.generator)]
+        return out
 
     def _prefill(self, prefills: list[tuple[Sequence, int]], touched: dict[str, RequestGroup]) -> None:
         groups: dict[tuple, list[Sequence]] = {}
@@ -270,14 +269,7 @@ class LLMEngine:
                     c = min(want[b], F)
                     observed.append((s, s.num_computed + chunk - c, c, f[b:b + 1, F - c:]))
             if want_plp:
-                seq, group = seqs[0], seqs[0].group
-                a = seq.num_computed
-                nxt = seq.tokens[a + 1:a + chunk + 1]
-                upto = min(len(nxt), seq.num_prompt - 1 - a)
-                if upto > 0 and len(group.prompt_logprobs) == a + 1:  # not again after a preemption
-                    group.prompt_logprobs.extend(prompt_logprobs(lg[0, :upto], nxt[:upto],
-                                                                 group.params.prompt_logprobs))
-                lg = lg[:, -1] if a + chunk == seq.num_tokens else None
+                lg = self._prompt_logprobs(seqs[0], chunk, lg)
             if lg is not None:
                 logits_rows.append(lg)
                 to_sample.extend(seqs)
@@ -297,6 +289,15 @@ class LLMEngine:
         for seq, start, rows, f in observed:
             if not seq.finished:
                 self.drafter.observe([seq], [start], [rows], f)
+
+    def _prompt_logprobs(self, seq: Sequence, chunk: int, lg: torch.Tensor) -> torch.Tensor | None:
+        """Record the prompt logprobs of a chunk's logits [1, chunk, V]; the last row's when it ends the prompt."""
+        group, a = seq.group, seq.num_computed
+        nxt = seq.tokens[a + 1:a + chunk + 1]
+        upto = min(len(nxt), seq.num_prompt - 1 - a)
+        if upto > 0 and len(group.prompt_logprobs) == a + 1:  # not again after a preemption
+            group.prompt_logprobs.extend(prompt_logprobs(lg[0, :upto], nxt[:upto], group.params.prompt_logprobs))
+        return lg[:, -1] if a + chunk == seq.num_tokens else None
 
     def _propose(self) -> None:
         """Draft the next step's tokens for every decoding sequence that may speculate (none while more
