@@ -93,19 +93,30 @@ class Comm:
         self._wait(self.data.alltoall_base(out, t, [], []))
         return out
 
+    def all_to_all_v(self, t: torch.Tensor, send: list[int], recv: list[int], name: str) -> torch.Tensor:
+        """Rows ``send[j]`` of ``t`` (in rank order) go to rank ``j``; ``recv[j]`` rows come from rank ``j``.
+        Link bytes: the rows sent to other ranks."""
+        t = t.contiguous()
+        row = t[0].numel() * t.element_size() if t.shape[0] else 0
+        self._count(name, t.numel() * t.element_size(), (sum(send) - send[self.rank]) * row)
+        out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
+        self._wait(self.data.alltoall_base(out, t, list(recv), list(send)))
+        return out
+
     # ------------------------------------------------------------------ DP: MoE in lock step
-    def moe_header(self, tokens: int, layer: int) -> list[tuple[int, int]]:
-        """(tokens, layer) of every rank for the next MoE collective (layer ``IDLE``: nothing to run)."""
-        h = torch.tensor([tokens, layer], dtype=torch.long, device=self.device)
-        return [tuple(int(v) for v in x.tolist()) for x in self.all_gather(h, "moe_dp_header")]
+    def moe_header(self, layer: int, counts: list[int]) -> list[tuple[int, list[int]]]:
+        """Every rank's (layer, tokens it sends to each rank) for the next MoE collective (layer ``IDLE``:
+        nothing to run)."""
+        h = torch.tensor([layer] + list(counts), dtype=torch.long, device=self.device)
+        return [(int(x[0]), [int(v) for v in x[1:].tolist()]) for x in self.all_gather(h, "moe_dp_header")]
 
     def sync_idle(self) -> int:
         """After a rank's forwards of one step: serve the MoE of the ranks still running theirs, until every
         rank is idle. Returns the MoE collectives served."""
         served = 0
         while True:
-            header = self.moe_header(0, IDLE)
-            if all(layer == IDLE for _, layer in header):
+            header = self.moe_header(IDLE, [0] * self.world)
+            if all(layer == IDLE for layer, _ in header):
                 return served
             any_moe = next(iter(self.moe_layers.values()))
             any_moe.dp_exchange(None, None, None, header)

@@ -196,39 +196,53 @@ class ParallelMoE(nn.Module):
             if self.shared_experts is not None:
                 y = y + self.shared_experts(flat)
             return self.comm.all_reduce(y, "moe_ep_allreduce").view(shape)
-        header = self.comm.moe_header(flat.shape[0], self.layer)
-        y = self.dp_exchange(flat, idx, w, header)[:flat.shape[0]].to(x.dtype)
+        dest, order, counts = self._destinations(idx)
+        header = self.comm.moe_header(self.layer, counts)
+        y = self.dp_exchange(flat, idx, w, header, (dest, order, counts)).to(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.view(shape)
 
-    def dp_exchange(self, flat, idx, w, header: list[tuple[int, int]]) -> torch.Tensor:
-        """One DP MoE collective: gather every rank's tokens (padded to the most any rank sends), run this
-        rank's experts of the layer each rank asked for, return each rank's partial sums to it. ``flat`` None:
-        this rank is idle and only serves. Returns this rank's rows, fp32 [max tokens, D]."""
-        comm, W, k = self.comm, self.comm.world, self.top_k
-        tmax = max(t for t, _ in header)
-        D = self.experts.dim
-        dtype = self.dtype
-        dev = self.gate.weight.device
-        xs = torch.zeros(tmax, D, dtype=dtype, device=dev)
-        meta = torch.full((tmax, 2 * k), -1.0, dtype=torch.float64, device=dev)  # expert ids, then weights
+    def _destinations(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Which rank each (token, destination) copy goes to: a token goes once to every rank owning one of its
+        experts. Returns (destination rank of each copy, token of each copy, copies per rank), rank-ordered."""
+        W, per = self.comm.world, self.e1 - self.e0
+        owner = torch.zeros(idx.shape[0], W, dtype=torch.bool, device=idx.device)
+        owner.scatter_(1, idx // per, True)
+        dest, order = owner.t().nonzero(as_tuple=True)  # rank-major: every copy for rank 0 first
+        return dest, order, torch.bincount(dest, minlength=W).tolist()
+
+    def dp_exchange(self, flat, idx, w, header: list[tuple[int, list[int]]], route=None) -> torch.Tensor:
+        """One DP MoE collective. Dispatch: each token goes (with its routing) only to the ranks that own one of
+        its experts (variable all-to-all); each rank runs its experts of the layer the sender asked for; combine:
+        the partial outputs go back the same way and are summed per token. ``flat`` None: this rank is idle and
+        only serves. Returns this rank's rows, fp32 [tokens, D]."""
+        comm, k, me = self.comm, self.top_k, self.comm.rank
+        D, dtype, dev = self.experts.dim, self.dtype, self.gate.weight.device
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        send = header[me][1]
+        recv = [counts[me] for _, counts in header]
         if flat is not None:
-            T = flat.shape[0]
-            xs[:T] = flat
-            meta[:T, :k] = idx.to(torch.float64)
-            meta[:T, k:] = w.to(torch.float64)
-        x_all = torch.cat(comm.all_gather(xs, "moe_dp_dispatch_x"))
-        m_all = torch.cat(comm.all_gather(meta, "moe_dp_dispatch_route"))
-        acc = fp32(xs[:0]).dtype
-        y_all = torch.zeros(W * tmax, D, dtype=acc, device=dev)
-        for j, (tj, layer) in enumerate(header):
-            if tj == 0 or layer == IDLE:
-                continue
-            rows = slice(j * tmax, j * tmax + tj)
-            y_all[rows] = comm.moe_layers[layer]._local(x_all[rows], m_all[rows, :k].long(), m_all[rows, k:].to(acc))
-        back = comm.all_to_all(y_all.to(dtype), "moe_dp_combine")
-        return fp32(back.view(W, tmax, D)).sum(0)
+            _, order, _ = route
+            xs = flat[order]
+            meta = torch.cat([idx[order].to(torch.float64), w[order].to(torch.float64)], dim=1)
+        else:
+            order = torch.zeros(0, dtype=torch.long, device=dev)
+            xs = torch.zeros(0, D, dtype=dtype, device=dev)
+            meta = torch.zeros(0, 2 * k, dtype=torch.float64, device=dev)
+        x_in = comm.all_to_all_v(xs, send, recv, "moe_dp_dispatch_x")
+        m_in = comm.all_to_all_v(meta, send, recv, "moe_dp_dispatch_route")
+        y_in = torch.zeros(x_in.shape[0], D, dtype=acc, device=dev)
+        at = 0
+        for j, n in enumerate(recv):
+            if n:
+                rows = slice(at, at + n)
+                moe = comm.moe_layers[header[j][0]]
+                y_in[rows] = moe._local(x_in[rows], m_in[rows, :k].long(), m_in[rows, k:].to(acc))
+                at += n
+        back = comm.all_to_all_v(y_in.to(dtype), recv, send, "moe_dp_combine")
+        T = flat.shape[0] if flat is not None else 0
+        return torch.zeros(T, D, dtype=acc, device=dev).index_add_(0, order, fp32(back))
 
 
 def _shard_experts(experts: Experts, layout: Layout, rank: int, total: int) -> tuple[str, tuple[int, int]]:
