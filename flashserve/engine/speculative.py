@@ -75,7 +75,9 @@ class SpecStats:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "accepted_per_position": list(self.accepted_per_position),
-                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_acceptance_rate": [a / self.num_drafts for a in self.accepted_per_position]
+                if self.num_drafts else []}
 
 
 def speculation_allowed(params: SamplingParams) -> bool:

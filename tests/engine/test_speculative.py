@@ -338,6 +338,7 @@ def test_acceptance_statistics_per_request_and_in_aggregate(models):
     assert total["mean_acceptance_length"] == pytest.approx(1 + total["num_accepted_tokens"] / total["num_drafts"])
     pos = total["accepted_per_position"]
     assert sum(pos) == total["num_accepted_tokens"] and all(a >= b for a, b in zip(pos, pos[1:]))
+    assert total["per_position_acceptance_rate"] == pytest.approx([a / total["num_drafts"] for a in pos])
     # each request's emitted tokens = one per verification + accepted drafts (20 tokens, 1 from prefill)
     for p in per:
         assert p["num_drafts"] + p["num_accepted_tokens"] <= 19
