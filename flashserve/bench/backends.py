@@ -158,10 +158,12 @@ class EngineBackend:
         self._ids = itertools.count()
 
     async def start(self) -> None:
-        from ..engine import EngineConfig, LLMEngine
+        from ..engine import EngineConfig
+        from ..parallel import create_engine
         from ..server.engine_loop import EngineLoop
 
-        self.loop = EngineLoop(LLMEngine(EngineConfig(model=self.model, **self.options)))
+        # LLMEngine, or rank 0 of a sharded engine (--tensor-parallel-size, --enable-expert-parallel, ...)
+        self.loop = EngineLoop(create_engine(EngineConfig(model=self.model, **self.options)))
         self.loop.start()
 
     async def send(self, req: SampleRequest, sampling: Sampling) -> RequestResult:
@@ -192,4 +194,7 @@ class EngineBackend:
     async def close(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+            shutdown = getattr(self.loop.engine, "shutdown", None)  # a sharded engine's workers
+            if shutdown is not None:
+                shutdown()
             self.loop = None
