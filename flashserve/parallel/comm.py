@@ -176,6 +176,7 @@ def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.devic
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, layout.world, wait)
 
     if device.type == "cuda":
+        torch.cuda.set_device(device)  # this rank's GPU (cuda:LOCAL_RANK) before NCCL picks one
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = t
         data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, layout.world, opts)

@@ -71,13 +71,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_method() -> str:
-    """As vLLM's multiprocessing executor: fork (the workers start in a moment, torch already imported) unless
-    CUDA is initialised in this process, which a forked child cannot use; ``FLASHSERVE_WORKER_START`` overrides."""
+def _start_method(device: torch.device) -> str:
+    """Fork on the CPU (the workers start in a moment, torch already imported), as vLLM's multiprocessing
+    executor does where it can; spawn for CUDA ranks (a process forked after the CUDA driver was touched cannot
+    use it) or when CUDA is initialised here. ``FLASHSERVE_WORKER_START`` overrides."""
     method = os.environ.get("FLASHSERVE_WORKER_START")
     if method:
         return method
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    return "spawn" if device.type == "cuda" or torch.cuda.is_initialized() else "fork"
 
 
 def _build_on_meta(config) -> None:
@@ -256,7 +257,7 @@ class ShardedEngine:
             addr, port, agent = env["addr"], env["port"], env["agent_store"]
         else:
             addr, port, agent = "127.0.0.1", _free_port(), False
-            method = _start_method()
+            method = _start_method(device)
             if method == "fork":  # torch's lazy imports for building a model (seconds), paid once, before the fork
                 _build_on_meta(config)
                 gc.collect()  # no garbage for a child to collect: its finalisers belong to this process
