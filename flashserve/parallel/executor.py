@@ -237,8 +237,11 @@ class ShardedEngine:
                       "exit_on_failure", "_env"})
 
     def __init__(self, config):
+        from ..engine import preflight
+
         o = object.__setattr__
         layout = layout_of(config)
+        preflight.check(config)  # every option and the layout's sizes, before any process starts
         o(self, "layout", layout)
         o(self, "timeout", float(config.worker_timeout))
         o(self, "failure", None)
