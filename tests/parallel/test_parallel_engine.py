@@ -53,6 +53,10 @@ def test_sharded_tokens_equal_one_process(model, layout):
     try:
         got = _run(llm, model)
         counters = llm.engine.collective_counters()
+        if (model, layout) == ("tiny-v41", "tp2"):
+            # TP's all-reduces per decode step are plan's TP link-bytes term for the same layout and batch
+            # (the plan counts bf16, this run float64: four times as many bytes)
+            assert _decode_allreduce_bytes(llm.engine) == 4 * _plan_tp_link_bytes(4)  # 20,480 B
     finally:
         llm.engine.shutdown()
     assert got == ref
@@ -125,3 +129,30 @@ def test_speculative_decoding_sharded_tokens_equal_one_process():
         assert llm.engine.stats()["spec_decode"]["num_drafts"] > 0
     finally:
         llm.engine.shutdown()
+
+
+
+def _decode_allreduce_bytes(eng) -> float:
+    """Attention + MoE all-reduce link bytes per decode step of 4 sequences, measured on rank 0."""
+    start = eng.generation_tokens_total
+    for i in range(4):
+        eng.add_request(f"d{i}", [3 + i, 9, 27, 81], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while eng.generation_tokens_total < start + 4:  # every prompt prefilled: only decode steps from here
+        eng.step()
+    eng.collective_counters()
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    c = eng.collective_counters()[0]
+    return (c["attn_wo_b_allreduce"]["link_bytes"] + c["moe_tp_allreduce"]["link_bytes"]) / steps
+
+
+def _plan_tp_link_bytes(concurrency: int) -> float:
+    from flashserve.plan.inputs import PlanInputs
+    from flashserve.plan.planner import build_deployment
+    from flashserve.plan.roofline import decode_step
+
+    dep = build_deployment(PlanInputs(model="tiny-v41", hardware="h200", gpus=2, tp=2, ep=1, attention_dp=1,
+                                      weight_dtype="bf16", stack="none"))
+    return decode_step(dep, concurrency, 8).comm_bytes_tp
