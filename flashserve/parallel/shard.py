@@ -161,8 +161,8 @@ class ParallelHead(nn.Module):
 class ParallelMoE(nn.Module):
     """``ffn`` of one rank. Modes: ``tp`` (each expert's width split, one all-reduce), ``ep`` (whole experts
     per rank, tokens replicated by TP attention: one all-reduce), ``ep_dp`` (attention data parallel: each
-    rank's tokens all-gathered, every rank runs its experts on them, the partial outputs sent back with one
-    all-to-all and summed)."""
+    token dispatched to the ranks owning one of its experts, the partial outputs combined back, both by
+    all-to-all; a header all-gather keeps the ranks in lock step)."""
 
     def __init__(self, moe: MoE, layer: int, mode: str, experts: tuple[int, int], comm: Comm, dtype: torch.dtype):
         super().__init__()
