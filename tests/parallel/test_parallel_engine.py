@@ -20,14 +20,16 @@ PREFIX = {"tiny-v4": list(range(3, 133)), "tiny-v41": list(range(3, 43))}  # a w
 
 
 def _run(llm: LLM, model: str) -> dict:
-    """One request alone, then 11 at once (8 greedy, a prefix-cache hit on the first request's pages, 2
-    seeded samples; max_num_seqs 8, so some wait for a slot)."""
+    """One request alone, then 12 at once (8 greedy, a prefix-cache hit on the first request's pages, 2
+    seeded samples, one with prompt logprobs, which V4.1 prefills exactly; max_num_seqs 8, so some wait)."""
     prefix = PREFIX[model]
     alone = llm.generate([prefix + [400, 401]], GREEDY)[0].outputs[0].token_ids
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(8)]
-    prompts += [prefix + [402, 403, 404], [11, 12, 13], [21, 22]]
-    outs = llm.generate(prompts, [GREEDY] * 9 + SEEDED)
-    return {"alone": alone, "batch": [o.outputs[0].token_ids for o in outs],
+    prompts += [prefix + [402, 403, 404], [11, 12, 13], [21, 22], [31, 32, 33, 34, 35]]
+    exact = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+    outs = llm.generate(prompts, [GREEDY] * 9 + SEEDED + [exact])
+    plp = [max(d, key=d.get) if d else None for d in outs[-1].prompt_logprobs]
+    return {"alone": alone, "batch": [o.outputs[0].token_ids for o in outs], "prompt_logprob_top": plp,
             "prefix_hit": llm.engine.stats()["prefix_cache_hit_rate"] > 0}
 
 
