@@ -544,6 +544,15 @@ class ShardedEngine:
                   "generation_tokens_total", "num_preemptions")
         for k in summed:
             out[k] = sum(s.get(k, 0) for s in self._stats.values())
+        if mine.get("spec_decode") is not None:  # acceptance counts of every DP rank
+            from ..engine.speculative import SpecStats
+
+            total = SpecStats()
+            for s in self._stats.values():
+                d = s.get("spec_decode") or {}
+                total.add(SpecStats(d.get("num_drafts", 0), d.get("num_draft_tokens", 0),
+                                    d.get("num_accepted_tokens", 0), list(d.get("accepted_per_position", []))))
+            out["spec_decode"] = total.as_dict()
         return out
 
     def collective_counters(self) -> list[dict]:
