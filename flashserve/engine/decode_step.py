@@ -127,8 +127,9 @@ class DecodeStep:
         state = FixedBatchState(self.cache, slots, table)
         out = self.model(ids, state, start=start, logits_rows=ids.shape[1], capture=self.capture,
                          return_streams=self.streams)
-        feats = torch.stack([out.features[L] for L in self.capture], dim=2) if self.capture else out.streams
-        return out.logits, feats
+        if self.capture:
+            return out.logits, torch.stack([out.features[L] for L in self.capture], dim=2)
+        return out.logits, (out.streams if self.streams else None)
 
     @torch.inference_mode()
     def warm_up(self, rows: int = 1) -> float:
