@@ -45,10 +45,17 @@ class Comm:
     device: torch.device
     counters: dict[str, Counter] = field(default_factory=dict)
     moe_layers: dict[int, object] = field(default_factory=dict)  # layer -> ParallelMoE (DP idle participation)
+    tp_group: object = None  # the TP ranks of this rank's DP group (``data`` itself when DP = 1)
 
     @property
     def world(self) -> int:
         return self.layout.world
+
+    def _group(self, group: str) -> tuple[object, int]:
+        """(process group, size): ``tp`` (this DP group's TP ranks) or ``world`` (every rank)."""
+        if group == "tp" and self.layout.dp > 1:
+            return self.tp_group, self.layout.tp
+        return self.data, self.world
 
     # ------------------------------------------------------------------ accounting
     def _count(self, name: str, payload: int, link: float) -> None:
@@ -66,21 +73,23 @@ class Comm:
         work.wait(datetime.timedelta(seconds=self.timeout))
 
     # ------------------------------------------------------------------ model collectives (data group)
-    def all_reduce(self, t: torch.Tensor, name: str) -> torch.Tensor:
-        """Sum ``t`` over every rank, in place; ring link bytes 2·(w−1)/w · size."""
+    def all_reduce(self, t: torch.Tensor, name: str, group: str = "tp") -> torch.Tensor:
+        """Sum ``t`` over the group's ranks, in place; ring link bytes 2·(w−1)/w · size."""
+        pg, w = self._group(group)
         n = t.numel() * t.element_size()
-        self._count(name, n, 2 * (self.world - 1) / self.world * n)
+        self._count(name, n, 2 * (w - 1) / w * n)
         t = t.contiguous()
-        self._wait(self.data.allreduce([t]))
+        self._wait(pg.allreduce([t]))
         return t
 
-    def all_gather(self, t: torch.Tensor, name: str) -> list[torch.Tensor]:
-        """Every rank's ``t`` (equal shapes), in rank order; link bytes (w−1) · size."""
+    def all_gather(self, t: torch.Tensor, name: str, group: str = "tp") -> list[torch.Tensor]:
+        """Every group rank's ``t`` (equal shapes), in rank order; link bytes (w−1) · size."""
+        pg, w = self._group(group)
         t = t.contiguous()
         n = t.numel() * t.element_size()
-        self._count(name, n, (self.world - 1) * n)
-        outs = [torch.empty_like(t) for _ in range(self.world)]
-        self._wait(self.data.allgather([outs], [t]))
+        self._count(name, n, (w - 1) * n)
+        outs = [torch.empty_like(t) for _ in range(w)]
+        self._wait(pg.allgather([outs], [t]))
         return outs
 
     def all_to_all(self, t: torch.Tensor, name: str) -> torch.Tensor:
@@ -108,7 +117,7 @@ class Comm:
         """Every rank's (layer, tokens it sends to each rank) for the next MoE collective (layer ``IDLE``:
         nothing to run)."""
         h = torch.tensor([layer] + list(counts), dtype=torch.long, device=self.device)
-        return [(int(x[0]), [int(v) for v in x[1:].tolist()]) for x in self.all_gather(h, "moe_dp_header")]
+        return [(int(x[0]), [int(v) for v in x[1:].tolist()]) for x in self.all_gather(h, "moe_dp_header", "world")]
 
     def sync_idle(self) -> int:
         """After a rank's forwards of one step: serve the MoE of the ranks still running theirs, until every
@@ -183,5 +192,13 @@ def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.devic
     else:
         data = gloo("data", t)
     comm = Comm(layout, rank, data, gloo("ctl", LONG_WAIT), gloo("reply", t), timeout, device)
+    comm.tp_group = data
+    if layout.dp > 1 and layout.tp > 1:  # this DP group's TP ranks: heads, vocabulary and shared expert
+        d, r = layout.dp_rank(rank), layout.tp_rank(rank)
+        prefix = dist.PrefixStore(f"tp{d}", store)
+        if device.type == "cuda":
+            comm.tp_group = dist.ProcessGroupNCCL(prefix, r, layout.tp, opts)
+        else:
+            comm.tp_group = dist.ProcessGroupGloo(prefix, r, layout.tp, t)
     comm.store = store  # kept alive with the groups
     return comm

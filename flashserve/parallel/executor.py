@@ -173,9 +173,9 @@ def worker_main(config, rank: int, local_rank: int, addr: str, port: int, parent
                 outs = engine.step()
                 if dp:
                     comm.sync_idle()
-                    reply = (outs, engine.stats())
-                else:
-                    reply = _digest(outs)
+                # a DP group's first TP rank answers with its outputs; its TP replicas with their digest
+                leader = dp and layout.tp_rank(rank) == 0
+                reply = (outs, engine.stats()) if leader else _digest(outs)
             elif op == "add":
                 target, args = cmd[1], cmd[2:]
                 if target is None or target == layout.dp_rank(rank):
@@ -517,11 +517,16 @@ class ShardedEngine:
                 return outs
 
             mine, replies = self._command(("step",), local)
-            outs = list(mine)
-            stats = {0: self.local.stats()}
-            for r, (o, s) in enumerate(self._check(replies, "step"), start=1):
-                outs.extend(o)
-                stats[r] = s
+            lay = self.layout
+            answers = [(mine, self.local.stats())] + self._check(replies, "step")
+            outs, stats = [], {}
+            for r, answer in enumerate(answers):
+                if lay.tp_rank(r) == 0:  # a DP group's outputs
+                    outs.extend(answer[0])
+                    stats[r] = answer[1]
+                elif answer != _digest(answers[r - lay.tp_rank(r)][0]):  # a TP replica of that group
+                    raise self._fail(RuntimeError("diverged"), f"rank {r} diverged from rank {r - lay.tp_rank(r)} "
+                                                              f"at step {self.local.num_steps} (different tokens)")
             self._stats.update(stats)
             for o in outs:
                 if o.finished:

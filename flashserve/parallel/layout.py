@@ -8,7 +8,8 @@
 * Routed experts: with EP, partitioned over every rank (EP size = world, as vLLM's ``--enable-expert-parallel``);
   without it, each expert's intermediate width is split over the TP ranks (TP-MoE).
 * DP > 1 (the DeepSeek / SGLang layout): each DP rank holds whole requests and its own cache; only the MoE
-  crosses ranks, so it needs EP, and this implementation runs one process per DP rank (TP = 1).
+  crosses ranks, so it needs EP. With TP > 1 too, each DP group's TP ranks split its attention as above, and
+  the group's tokens are dispatched once, by its first TP rank.
 
 Torch-free: validated before anything is loaded.
 """
@@ -63,9 +64,6 @@ class Layout:
         if data_parallel_size > 1 and not enable_expert_parallel:
             raise ConfigError("data_parallel_size > 1 (attention data parallel) needs enable_expert_parallel: "
                               "only the MoE crosses ranks in that layout")
-        if data_parallel_size > 1 and tensor_parallel_size > 1:
-            raise ConfigError("data_parallel_size > 1 runs one process per DP rank here: use "
-                              "tensor_parallel_size 1 with it (TP inside a DP group is not implemented)")
         return cls(tensor_parallel_size, bool(enable_expert_parallel), data_parallel_size)
 
     def check(self, cfg) -> None:

@@ -196,11 +196,19 @@ class ParallelMoE(nn.Module):
             if self.shared_experts is not None:
                 y = y + self.shared_experts(flat)
             return self.comm.all_reduce(y, "moe_ep_allreduce").view(shape)
-        dest, order, counts = self._destinations(idx)
-        header = self.comm.moe_header(self.layer, counts)
-        y = self.dp_exchange(flat, idx, w, header, (dest, order, counts)).to(x.dtype)
+        comm = self.comm
+        if comm.layout.tp_rank(comm.rank) == 0:  # a DP group's tokens leave once, from its first TP rank
+            route = self._destinations(idx)
+            header = comm.moe_header(self.layer, route[2])
+            y = self.dp_exchange(flat, idx, w, header, route).to(x.dtype)
+        else:  # the other TP ranks serve the group's experts and get the output from the all-reduce below
+            header = comm.moe_header(self.layer, [0] * comm.world)
+            self.dp_exchange(None, None, None, header)
+            y = torch.zeros_like(flat)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            y = y + self.shared_experts(flat)  # TP: this rank's slice of the shared expert
+        if comm.layout.tp > 1:
+            y = comm.all_reduce(y, "moe_dp_tp_allreduce")
         return y.view(shape)
 
     def _destinations(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -1,5 +1,5 @@
-"""Sharded engines (gloo, 2 ranks on the CPU) compute the same tokens as one process: TP=2, EP=2 and
-attention-DP=2 with EP, on tiny-v4 and tiny-v41 (float64; V4.1's encoder-only prefill, prefix-cache hits and
+"""Sharded engines (gloo on the CPU) compute the same tokens as one process: TP=2, EP=2, attention-DP=2 with
+EP, and TP=2 inside each of 2 attention-DP groups (4 ranks), on tiny-v4 and tiny-v41 (float64; V4.1's encoder-only prefill, prefix-cache hits and
 seeded sampling included); a killed or hung worker ends the engine with a clear error within its timeout and
 leaves no process behind."""
 
@@ -43,7 +43,8 @@ def _reference(model: str) -> dict:
 
 
 LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size=2, enable_expert_parallel=True),
-           "dp2": dict(data_parallel_size=2, enable_expert_parallel=True)}
+           "dp2": dict(data_parallel_size=2, enable_expert_parallel=True),
+           "tp2dp2": dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)}
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -63,7 +64,11 @@ def test_sharded_tokens_equal_one_process(model, layout):
         llm.engine.shutdown()
     assert got == ref
     assert all(c["calls"] > 0 for c in counters[0].values())
-    if layout == "dp2":  # same collectives; each rank's dispatched rows come back to it as combined rows
+    if layout == "tp2dp2":  # 4 ranks: a DP group's TP ranks run the same collectives; the MoE keeps all in step
+        calls = [{k: v["calls"] for k, v in c.items()} for c in counters]
+        assert calls[0] == calls[1] and calls[2] == calls[3]
+        assert len({c["moe_dp_header"] for c in calls}) == 1
+    elif layout == "dp2":  # same collectives; each rank's dispatched rows come back to it as combined rows
         assert {k: v["calls"] for k, v in counters[0].items()} == {k: v["calls"] for k, v in counters[1].items()}
         for a, b in ((0, 1), (1, 0)):
             assert counters[a]["moe_dp_dispatch_x"]["link_bytes"] == counters[b]["moe_dp_combine"]["link_bytes"]

@@ -11,7 +11,8 @@ from flashserve.parallel.layout import Layout
 from flashserve.parallel.memory import is_split, rank_memory
 from flashserve.parallel.shard import shard_model
 
-LAYOUTS = {"tp2": Layout(2, False, 1), "ep2": Layout(2, True, 1), "dp2": Layout(1, True, 2)}
+LAYOUTS = {"tp2": Layout(2, False, 1), "ep2": Layout(2, True, 1), "dp2": Layout(1, True, 2),
+           "tp2dp2": Layout(2, True, 2)}
 
 
 def _parts(model) -> dict[str, int]:
