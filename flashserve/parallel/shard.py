@@ -23,7 +23,7 @@ from torch import nn
 from ..config import ConfigError
 from ..model.moe import Experts, MoE, SharedExpert
 from ..model.norms import fp32
-from .comm import IDLE, Comm
+from .comm import Comm
 from .layout import Layout, split
 
 
