@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from typing import Iterator
 
-from .llm_engine import EngineConfig, LLMEngine
+from .llm_engine import EngineConfig
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
