@@ -61,17 +61,30 @@ def _info_memory(args: argparse.Namespace) -> int:
 
     layout = Layout.from_options(args.tensor_parallel_size, args.enable_expert_parallel, args.data_parallel_size)
     m = rank_memory(args.model, layout, dtype=args.dtype, quantization=args.quantization,
-                    cache_dtype=args.cache_dtype, block_size=args.block_size)
+                    cache_dtype=args.cache_dtype, block_size=args.block_size,
+                    speculative_config=args.speculative_config)
     data = {"model": args.model, **m.as_dict()}
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
     gib = 2 ** 30
     print(f"{args.model}: {m.layout}, weights {m.weight_format}; per rank:")
-    print(f"  weights            {m.weight_bytes:>20,} B  ({m.weight_bytes / gib:,.2f} GiB)")
+    r = m.resident_weight_bytes
+    print(f"  resident weights   {r:>20,} B  ({r / gib:,.2f} GiB)  (backbone + vision tower"
+          f"{' + drafter' if m.drafter_loaded else ''})")
+    print(f"  backbone weights   {m.weight_bytes:>20,} B  ({m.weight_bytes / gib:,.2f} GiB)  (what `plan` models)")
     print(f"    routed experts   {m.routed_expert_bytes:>20,} B")
     print(f"    split (1/TP)     {m.split_dense_bytes:>20,} B  (heads, output groups, shared expert, vocabulary)")
     print(f"    replicated       {m.replicated_dense_bytes:>20,} B  (mHC, router, norms, compressors, indexer, ...)")
+    if m.vision_bytes:
+        print(f"  vision tower       {m.vision_bytes:>20,} B  (replicated on every rank; always loaded)")
+    if m.drafter_bytes:
+        how = ("loaded: --speculative-config" if m.drafter_loaded
+               else "NOT counted above; loaded with --speculative-config method mtp or dspark")
+        print(f"  drafter (MTP)      {m.drafter_bytes:>20,} B  (replicated on every rank; {how})")
+        if not m.drafter_loaded:
+            w = r + m.drafter_bytes
+            print(f"  resident + drafter {w:>20,} B  ({w / gib:,.2f} GiB)")
     print(f"  kv cache / token   {m.kv_bytes_per_token:>20,.2f} B  (replicated on {m.kv_replicas} TP rank(s))")
     print(f"  bounded / sequence {m.bounded_bytes_per_sequence:>20,} B  (window rings, compressor groups, look-back)")
     print(f"  host (per node)    {m.host_table_bytes:>20,} B  (engram tables, memory-mapped, not per rank)")
@@ -105,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "the tiny ones; a checkpoint as stored)")
     info.add_argument("--cache-dtype", default=None, choices=("packed", "float"), help="KV cache layout")
     info.add_argument("--block-size", type=int, default=64, help="tokens per KV page")
+    info.add_argument("--speculative-config", default=None,
+                      help="as serve's (JSON); method mtp or dspark counts the drafter stack each rank loads")
     info.set_defaults(func=_info)
     from .bench import cli as bench_cli
     from .engine import cli as engine_cli

@@ -51,3 +51,5 @@ class EngineConfig:
     data_parallel_size: int = 1
     # Seconds a sharded engine waits on a worker (a reply, a collective) before it declares it hung and stops
     worker_timeout: float = 60.0
+    # Seconds a sharded engine waits at start-up for its ranks to meet and every worker to load its shard
+    startup_timeout: float = 3600.0

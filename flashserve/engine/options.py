@@ -54,6 +54,7 @@ HELP = {
     "data_parallel_size": "attention data-parallel ranks, each holding whole requests and its own cache "
                           "(needs --enable-expert-parallel)",
     "worker_timeout": "seconds a sharded engine waits on a worker before it stops with an error",
+    "startup_timeout": "seconds a sharded engine waits at start-up for its workers to join and load their shards",
     "quantization": "pack float weights at load (int8, fp8, mxfp4) or unpack a packed checkpoint (float); "
                     "default: as the checkpoint stores them",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '

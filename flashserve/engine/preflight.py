@@ -84,8 +84,10 @@ def _check_layout(c: EngineConfig, cfg: ModelConfig) -> None:
     from ..parallel.layout import layout_of
 
     layout_of(c).check(cfg)
-    if not (isinstance(c.worker_timeout, (int, float)) and c.worker_timeout > 0):
-        raise ConfigError(f"worker_timeout: must be a number of seconds > 0, got {c.worker_timeout!r}")
+    for name in ("worker_timeout", "startup_timeout"):
+        v = getattr(c, name)
+        if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0):
+            raise ConfigError(f"{name}: must be a number of seconds > 0, got {v!r}")
 
 
 def _check_scalars(c: EngineConfig) -> None:

@@ -174,12 +174,13 @@ LONG_WAIT = datetime.timedelta(days=365)
 
 
 def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.device, timeout: float,
-            host_store: bool = True) -> Comm:
+            host_store: bool = True, startup_timeout: float = 3600.0) -> Comm:
     """Join the engine's process groups. Rank 0 hosts the store at ``addr:port`` unless torchrun's agent already
-    does (``host_store`` False)."""
+    does (``host_store`` False). The store (the ranks' rendezvous) waits up to ``startup_timeout`` seconds for
+    the other ranks; the groups' operations, ``timeout``."""
     t = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(addr, port, layout.world, rank == 0 and host_store,
-                          timeout=datetime.timedelta(seconds=max(timeout, 300)), wait_for_workers=False)
+                          timeout=datetime.timedelta(seconds=startup_timeout), wait_for_workers=False)
 
     def gloo(prefix: str, wait: datetime.timedelta):
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, layout.world, wait)

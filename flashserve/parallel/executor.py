@@ -19,13 +19,14 @@ multiprocessing executor); under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTE
 every process is started by torchrun and ranks other than 0 serve as workers.
 
 Failure: a worker that dies is seen at once (its sockets close); one that hangs, after ``worker_timeout``
-seconds (every wait of rank 0 on a worker and every model collective is bounded by it). Either way the engine
-raises :class:`WorkerFailure` naming the rank, kills the workers it spawned and refuses further calls.
+seconds (once the engine is up, every wait of rank 0 on a worker and every model collective is bounded by it).
+Start-up (the rendezvous of the ranks and each worker loading its shard) is bounded by ``startup_timeout``
+instead, since loading a large checkpoint's shard takes minutes. Either way the engine raises
+:class:`WorkerFailure` naming the rank, kills the workers it spawned and refuses further calls.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import gc
 import hashlib
@@ -34,6 +35,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 
 import torch
 
@@ -44,8 +46,6 @@ from .engram_host import host_engram_tables
 from .shard import keep_rank_experts, shard_model
 
 log = logging.getLogger("flashserve.parallel")
-
-STARTUP_WAIT_S = 3600.0  # a worker loading its shard of a large checkpoint
 
 
 class WorkerFailure(RuntimeError):
@@ -154,7 +154,7 @@ def worker_main(config, rank: int, local_rank: int, addr: str, port: int, parent
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     comm = connect(layout, rank, addr, port, _device(config, local_rank), config.worker_timeout,
-                   host_store=not agent_store)
+                   host_store=not agent_store, startup_timeout=config.startup_timeout)
     try:
         engine = build_rank_engine(config, layout, rank, comm)
     except Exception as e:
@@ -229,12 +229,50 @@ def _spawned_worker(config, rank: int, addr: str, port: int, parent_pid: int) ->
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
-class ShardedEngine:
-    """Rank 0's engine over ``world`` ranks, with :class:`LLMEngine`'s interface (unknown attributes are read
-    from rank 0's own engine; attributes set on it are set on every rank's)."""
+def _heartbeat(ref, interval: float) -> None:
+    """While the engine is idle, ping the workers every ``min(timeout / 2, 5)`` seconds, so a worker that dies or
+    hangs between requests is found (and the server's /health turns unhealthy) within ``timeout`` plus that
+    interval; steps and requests find it themselves. Holds the engine only by a weak reference: the thread ends
+    when the engine is collected or stopped."""
+    while True:
+        time.sleep(interval)
+        engine = ref()
+        if engine is None or engine.failure is not None:
+            return
+        engine._beat()
+        del engine
 
-    _OWN = frozenset({"layout", "comm", "local", "procs", "failure", "owner", "load", "timeout", "_stats",
-                      "exit_on_failure", "_env"})
+
+def _stop_workers(comm, procs, world: int, wait: float, lock) -> None:
+    """The finalizer of a :class:`ShardedEngine` that was not shut down (collected, or the interpreter exits): tell
+    the workers to stop, kill those that do not answer."""
+    if lock.acquire(timeout=wait):
+        try:
+            saved, comm.timeout = comm.timeout, wait
+            comm.send_command(("stop",))
+            for r in range(1, world):
+                comm.recv_reply(r)
+            comm.timeout = saved
+            for p in procs:  # they answered: let them exit (status 0) before killing any that do not
+                p.join(wait)
+        except Exception:
+            pass
+        finally:
+            lock.release()
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+    for p in procs:
+        p.join(10)
+
+
+class ShardedEngine:
+    """Rank 0's engine over ``world`` ranks, with :class:`LLMEngine`'s interface. Unknown attributes are read
+    from rank 0's own engine: ``engine.scheduler``, ``engine.cache`` are rank 0's objects, and mutating them
+    changes rank 0 alone. Attributes set on the sharded engine itself are set on every rank's engine."""
+
+    _OWN = frozenset({"layout", "comm", "local", "procs", "failure", "owner", "nseq", "load", "timeout",
+                      "startup_timeout", "_stats", "exit_on_failure", "_env", "_finalizer"})
 
     def __init__(self, config):
         from ..engine import preflight
@@ -246,8 +284,10 @@ class ShardedEngine:
         o(self, "timeout", float(config.worker_timeout))
         o(self, "failure", None)
         o(self, "procs", [])
-        o(self, "owner", {})  # DP: request id -> DP rank
-        o(self, "load", [0] * layout.dp)  # DP: unfinished sequences per rank
+        o(self, "startup_timeout", float(config.startup_timeout))
+        o(self, "owner", {})  # DP: request id -> DP group
+        o(self, "nseq", {})  # DP: request id -> its sequences (SamplingParams.n)
+        o(self, "load", [0] * layout.dp)  # DP: unfinished sequences per DP group (the sum of nseq over its requests)
         o(self, "_stats", {})
         o(self, "exit_on_failure", False)
         env = torchrun_env()
@@ -275,7 +315,14 @@ class ShardedEngine:
             o(self, "comm", comm)
             o(self, "local", build_rank_engine(config, layout, 0, comm))
             for r in range(1, layout.world):
-                status, msg = self._recv(r, STARTUP_WAIT_S)
+                try:
+                    status, msg = self._recv(r, self.startup_timeout)
+                except Exception as e:
+                    who = self._who(e)
+                    if "died with exit code" not in who:  # alive but not ready: hung or still loading
+                        who = (f"worker rank {r} was not ready within the {self.startup_timeout:g} s startup "
+                               f"timeout (--startup-timeout)")
+                    raise WorkerFailure(f"{layout.describe()}: start-up failed: {who}") from e
                 if status != "ready":
                     raise WorkerFailure(msg)
         except BaseException as e:
@@ -284,8 +331,12 @@ class ShardedEngine:
                 raise
             raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._who(e)}") from e
         self._log_startup()
-        threading.Thread(target=self._heartbeat, name="flashserve-heartbeat", daemon=True).start()
-        atexit.register(self.shutdown)  # workers told to stop (torchrun sees them exit 0), not left waiting
+        # workers told to stop at exit or when this engine is collected (torchrun sees them exit 0), not left
+        # waiting; a finalizer, not atexit.register(self.shutdown), so the engine is not kept alive until exit
+        o(self, "_finalizer", weakref.finalize(self, _stop_workers, self.comm, self.procs, self.layout.world,
+                                               min(self.timeout, 10.0), self.local.lock))
+        threading.Thread(target=_heartbeat, args=(weakref.ref(self), max(0.2, min(self.timeout / 2, 5.0))),
+                         name="flashserve-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
     def _connect(self, layout, addr, port, device, agent) -> Comm:
@@ -294,7 +345,8 @@ class ShardedEngine:
 
         def run():
             try:
-                box["comm"] = connect(layout, 0, addr, port, device, self.timeout, host_store=not agent)
+                box["comm"] = connect(layout, 0, addr, port, device, self.timeout, host_store=not agent,
+                                      startup_timeout=self.startup_timeout)
             except BaseException as e:
                 box["error"] = e
 
@@ -320,23 +372,18 @@ class ShardedEngine:
                      "KV head cannot be split by head): %s B per rank (%.2f B/token), %s B over the TP group",
                      lay.tp, f"{per_rank:,}", cache.bytes_per_token, f"{per_rank * lay.tp:,}")
 
-    def _heartbeat(self) -> None:
-        """While the engine is idle, ping the workers every ``min(timeout / 2, 5)`` seconds, so a worker that
-        dies or hangs between requests is found (and the server's /health turns unhealthy) within
-        ``timeout`` plus that interval; steps and requests find it themselves."""
-        interval = max(0.2, min(self.timeout / 2, 5.0))
-        while self.failure is None:
-            time.sleep(interval)
-            if self.failure is not None or not self.local.lock.acquire(blocking=False):
-                continue
-            try:
-                if self.failure is None:
-                    _, replies = self._command(("ping",))
-                    self._check(replies, "ping")
-            except Exception:  # recorded in self.failure by _command / _check
-                pass
-            finally:
-                self.local.lock.release()
+    def _beat(self) -> None:
+        """One heartbeat (see :func:`_heartbeat`): ping the workers unless a call is running."""
+        if self.failure is not None or not self.local.lock.acquire(blocking=False):
+            return
+        try:
+            if self.failure is None:
+                _, replies = self._command(("ping",))
+                self._check(replies, "ping")
+        except Exception:  # recorded in self.failure by _command / _check
+            pass
+        finally:
+            self.local.lock.release()
 
     # ------------------------------------------------------------------ failure
     def _who(self, exc: BaseException) -> str:
@@ -359,6 +406,7 @@ class ShardedEngine:
         object.__setattr__(self, "failure", failure)
         log.error("%s", failure)
         self._kill_workers()
+        self._detach()
         if self.exit_on_failure:
             self._exit_later()
         return failure
@@ -387,16 +435,18 @@ class ShardedEngine:
                     self.comm.send_command(("stop",))
                     for r in range(1, self.layout.world):
                         self._recv(r, min(self.timeout, 10.0))
+                    for p in self.procs:  # they answered: let them exit (status 0) before any is killed
+                        p.join(min(self.timeout, 10.0))
                 except Exception:
                     pass
             object.__setattr__(self, "failure", self.failure or WorkerFailure("the sharded engine was shut down"))
             self._kill_workers()
+            self._detach()
 
-    def __del__(self):  # pragma: no cover - interpreter teardown
-        try:
-            self._kill_workers()
-        except Exception:
-            pass
+    def _detach(self) -> None:
+        fin = self.__dict__.get("_finalizer")
+        if fin is not None:
+            fin.detach()  # the workers are stopped: nothing left for exit or collection to do
 
     # ------------------------------------------------------------------ commands
     def _recv(self, src: int, wait: float | None = None):
@@ -466,18 +516,29 @@ class ShardedEngine:
 
             if request_id in self.owner:
                 raise RequestError(f"request_id: {request_id!r} is already running")
-            target = min(range(self.layout.dp), key=lambda r: (self.load[r], r))
+            lay = self.layout
+            target = min(range(lay.dp), key=lambda g: (self.load[g], g))  # a DP group, not a rank
             cmd = ("add", target, request_id, prompt, params, images)
             mine, replies = self._command(cmd, (lambda: self.local.add_request(request_id, prompt, params,
                                                                                images=images))
                                           if target == 0 else None)
-            err = mine if target == 0 else (replies[target - 1][1] if replies[target - 1][0] == "error" else None)
-            others = [rep for r, rep in enumerate(replies, start=1) if r != target]
-            self._check(others, f"add_request({request_id!r}) (for rank {target})")
-            if isinstance(err, BaseException):
-                raise err
+            # every rank's answer (rank 0's own as a reply); the target group's ranks (target·TP ... +TP-1) apply
+            # the request and may refuse it (RequestError, QueueFullError: the caller's error, the engine goes
+            # on); its TP replicas must answer as its first rank did; every other rank must answer ok
+            answers = [("error", mine) if isinstance(mine, BaseException) else ("ok", None)] + list(replies)
+            group = range(target * lay.tp, (target + 1) * lay.tp)
+            lead_status, err = answers[group.start]
+            what = f"add_request({request_id!r}) (for DP group {target})"
+            for r in group[1:]:
+                if answers[r][0] != lead_status:
+                    raise self._fail(RuntimeError("diverged"), f"rank {r} diverged from rank {group.start} on "
+                                                              f"{what}: {answers[r][1]!r} against {err!r}")
+            self._check([a for r, a in enumerate(answers) if r not in group], what)
+            if lead_status == "error":
+                raise err if isinstance(err, BaseException) else RuntimeError(str(err))
             self.owner[request_id] = target
-            self.load[target] += (params.n if params is not None else 1)
+            self.nseq[request_id] = params.n if params is not None else 1
+            self.load[target] += self.nseq[request_id]
 
     def abort_request(self, request_id) -> None:
         with self.local.lock:
@@ -487,6 +548,7 @@ class ShardedEngine:
                 self._check(replies, f"abort_request({request_id!r})")
                 return
             target = self.owner.pop(request_id, None)
+            self.nseq.pop(request_id, None)
             if target is None:
                 return
             mine, replies = self._command(("abort", target, request_id),
@@ -531,13 +593,14 @@ class ShardedEngine:
             for o in outs:
                 if o.finished:
                     self.owner.pop(o.request_id, None)
+                    self.nseq.pop(o.request_id, None)
             self._recount()
             return outs
 
     def _recount(self) -> None:
-        load = [0] * self.layout.dp
-        for rid, r in self.owner.items():
-            load[r] += 1
+        load = [0] * self.layout.dp  # sequences, as add_request counts them
+        for rid, g in self.owner.items():
+            load[g] += self.nseq.get(rid, 1)
         object.__setattr__(self, "load", load)
 
     def stats(self) -> dict:

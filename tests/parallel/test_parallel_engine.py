@@ -47,6 +47,12 @@ LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "ep2": dict(tensor_parallel_size
            "tp2dp2": dict(tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True)}
 
 
+_TP = {"attn_wo_b_allreduce", "embed_allreduce", "head_allgather"}
+_DP = {"moe_dp_header", "moe_dp_dispatch_x", "moe_dp_dispatch_route", "moe_dp_combine"}
+COLLECTIVES = {"tp2": _TP | {"moe_tp_allreduce"}, "ep2": _TP | {"moe_ep_allreduce"}, "dp2": _DP,
+               "tp2dp2": _TP | _DP | {"moe_dp_tp_allreduce"}}
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("model", ["tiny-v41", "tiny-v4"])
 def test_sharded_tokens_equal_one_process(model, layout):
@@ -63,7 +69,9 @@ def test_sharded_tokens_equal_one_process(model, layout):
     finally:
         llm.engine.shutdown()
     assert got == ref
-    assert all(c["calls"] > 0 for c in counters[0].values())
+    # the collectives this layout runs, each called (a layout that skipped one, or ran another's, fails here)
+    assert set(counters[0]) == COLLECTIVES[layout]
+    assert all(counters[0][k]["calls"] > 0 for k in COLLECTIVES[layout])
     if layout == "tp2dp2":  # 4 ranks: a DP group's TP ranks run the same collectives; the MoE keeps all in step
         calls = [{k: v["calls"] for k, v in c.items()} for c in counters]
         assert calls[0] == calls[1] and calls[2] == calls[3]
@@ -104,11 +112,11 @@ def test_hung_worker_ends_engine_within_timeout():
         with pytest.raises(WorkerFailure, match="did not answer within the 4 s worker timeout"):
             llm.generate([[1, 2, 3]], GREEDY)
         assert time.monotonic() - t0 < 4.0 + 3.0
+        # the engine's own cleanup killed (and reaped) the stopped worker, before any cleanup of this test's
+        assert proc.exitcode == -signal.SIGKILL
     finally:
         if proc.exitcode is None:
             os.kill(proc.pid, signal.SIGKILL)
-    proc.join(5)
-    assert proc.exitcode is not None  # killed, not left behind
 
 
 def test_packed_weights_sharded_tokens_equal_one_process():
@@ -163,3 +171,120 @@ def _plan_tp_link_bytes(concurrency: int) -> float:
     dep = build_deployment(PlanInputs(model="tiny-v41", hardware="h200", gpus=2, tp=2, ep=1, attention_dp=1,
                                       weight_dtype="bf16", stack="none"))
     return decode_step(dep, concurrency, 8).comm_bytes_tp
+
+
+# ---------------------------------------------------------------------------------------------- requests under DP
+def _dp_engine(layout: str, **kw):
+    return LLM("tiny-v41", **dict(OPTS, **kw), **LAYOUTS[layout])
+
+
+@pytest.mark.parametrize("layout", ["tp2dp2", "dp2"])
+def test_rejected_request_under_dp_raises_and_engine_keeps_serving(layout):
+    """A request a DP group refuses (RequestError: an empty prompt; QueueFullError: its waiting queue is full, the
+    server's 429) raises that error to the caller, from the first group and from the second (whose ranks are 2
+    and 3 under TP=2 x DP=2), and the engine serves on."""
+    from flashserve.engine.sampling_params import QueueFullError, RequestError
+
+    llm = _dp_engine(layout, max_waiting=2)
+    eng = llm.engine
+    two = SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True)
+    one = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    try:
+        eng.add_request("a", [5, 6, 7], two)  # group 0: 2 sequences waiting (full)
+        with pytest.raises(RequestError, match="prompt"):
+            eng.add_request("bad", [], one)  # group 1 (the least loaded) refuses it
+        eng.add_request("b", [8, 9], one)  # group 1: 1 waiting
+        with pytest.raises(QueueFullError):
+            eng.add_request("c", [10, 11], two)  # group 1: 1 + 2 > 2
+        eng.add_request("d", [12, 13], one)  # group 1: full
+        with pytest.raises(QueueFullError):
+            eng.add_request("e", [14, 15], one)  # group 0 (load 2 = 2): full
+        with pytest.raises(RequestError, match="prompt"):
+            eng.add_request("bad2", [], one)  # group 0 refuses it
+        assert eng.failure is None and eng.owner == {"a": 0, "b": 1, "d": 1}
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = [len(c.token_ids) for c in o.outputs]
+        assert done == {"a": [3, 3], "b": [3], "d": [3]}
+        assert len(llm.generate([[1, 2, 3], [4, 5]], GREEDY)) == 2  # still serving
+    finally:
+        eng.shutdown()
+
+
+def test_dp_balances_sequences_over_groups():
+    """New requests go to the DP group with the fewest unfinished sequences, counted the same way (n per request)
+    when a request is added and when the counts are redone after a step; each group gets requests."""
+    llm = _dp_engine("dp2")
+    eng = llm.engine
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        eng.add_request("A", [5, 6, 7], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True))
+        eng.step()  # counts redone from the owners: A still holds 3 sequences
+        assert eng.load == [3, 0]
+        eng.add_request("B", [8, 9], p)
+        eng.add_request("C", [10, 11], p)
+        assert (eng.owner["B"], eng.owner["C"]) == (1, 1) and eng.load == [3, 2]
+        for i in range(4):
+            eng.add_request(f"x{i}", [20 + i, 3], p)
+        eng.step()
+        per_rank = {r: s["num_running"] + s["num_waiting"] for r, s in eng._stats.items()}
+        assert per_rank == {0: 3 + 2, 1: 2 + 2}  # every rank's own engine holds its group's sequences
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert eng.load == [0, 0]
+    finally:
+        eng.shutdown()
+
+
+def test_startup_timeout_bounds_a_worker_that_never_gets_ready(monkeypatch):
+    """A worker that hangs while loading its shard ends the start-up after --startup-timeout seconds (not an
+    hour), naming the rank, and is killed."""
+    from flashserve.parallel import executor
+
+    real = executor.build_rank_engine
+
+    def slow(config, layout, rank, comm):  # inherited by the forked worker
+        if rank != 0:
+            time.sleep(3600)
+        return real(config, layout, rank, comm)
+
+    monkeypatch.setattr(executor, "build_rank_engine", slow)
+    monkeypatch.setenv("FLASHSERVE_WORKER_START", "fork")
+    before = set(_child_pids())
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"worker rank 1 was not ready within the 3 s startup timeout"):
+        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=3.0)
+    assert time.monotonic() - t0 < 3.0 + 20.0  # the rank-0 build plus the 3 s wait
+    assert set(_child_pids()) <= before  # the worker was killed and reaped
+
+
+def _child_pids() -> list[int]:
+    from pathlib import Path
+
+    me, out = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == me:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def test_engine_is_collected_and_stops_its_workers_without_shutdown():
+    """An engine that is dropped without shutdown() is not kept alive (no atexit reference, the heartbeat holds a
+    weak one): collecting it tells its workers to stop, and they exit 0."""
+    import gc
+    import weakref
+
+    llm = _engine()
+    llm.generate([[1, 2, 3]], GREEDY)
+    ref, procs = weakref.ref(llm.engine), list(llm.engine.procs)
+    del llm
+    gc.collect()
+    assert ref() is None
+    for p in procs:
+        p.join(10)
+    assert [p.exitcode for p in procs] == [0]

@@ -64,6 +64,8 @@ def test_v41_flash_memory_agrees_with_plan():
     # every weight: the plan splits all dense weights by TP at one byte each; the engine keeps norms, mHC and
     # router biases in fp32, the vocabulary in bf16 and replicates the small parts: 1.6% more per rank
     assert abs(m.weight_bytes - cap.weight_bytes_per_gpu) / cap.weight_bytes_per_gpu < 0.02
+    # the plan models the text backbone; a rank also holds the vision tower (and, with mtp/dspark, the drafter)
+    assert m.resident_weight_bytes == m.weight_bytes + m.vision_bytes and m.vision_bytes > 0
     # the global cache per token: equal; bounded state: the plan adds the drafter's stage windows and counts
     # W window rows where the ring keeps W - 1 (the newest row is the step's own), the engine adds the
     # compressors' partial groups and the engram look-back
@@ -123,3 +125,43 @@ def test_info_memory_cli(capsys):
     assert data["weight_bytes"] == m.weight_bytes and data["kv_replicas"] == 2 and data["layout"] == "TP=2 EP=2 (2 ranks)"
     assert main(["info", "tiny-v41", "--tensor-parallel-size", "3", "--memory"]) == 2  # a clear error, not a trace
     assert "must divide num_attention_heads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "dspark", "num_speculative_tokens": 3}])
+def test_resident_bytes_count_what_a_rank_loads(spec):
+    """``rank_memory``'s resident bytes are every byte of the model a rank's engine builds (as build_rank_engine
+    loads it: the vision tower always, the drafter stack with speculative mtp/dspark), sharded; the vision tower
+    and the drafter are counted on their own lines, beside the backbone the plan models."""
+    from flashserve.parallel.memory import DRAFTER, VISION
+
+    lay = Layout(2, True, 1)
+    with_mtp = spec is not None
+    net = shard_model(load_model("tiny-v41", dtype=torch.float64, with_mtp=with_mtp), lay, 0, comm=None)
+    held = [(name, p.numel() * p.element_size()) for name, p in list(net.named_parameters())
+            + list(net.named_buffers()) if not name.startswith(("rope.", "engram_hasher."))]
+    m = rank_memory("tiny-v41", lay, dtype="float64", speculative_config=spec)
+    assert m.drafter_loaded == with_mtp
+    assert m.resident_weight_bytes + m.host_table_bytes == sum(n for _, n in held)
+    assert m.vision_bytes == sum(n for name, n in held if name.startswith(VISION)) > 0
+    assert m.drafter_bytes > 0
+    if with_mtp:
+        assert m.drafter_bytes == sum(n for name, n in held if name.startswith(DRAFTER))
+    assert m.weight_bytes == m.routed_expert_bytes + m.split_dense_bytes + m.replicated_dense_bytes
+    assert m.resident_weight_bytes == m.weight_bytes + m.vision_bytes + (m.drafter_bytes if with_mtp else 0)
+
+
+def test_info_memory_cli_counts_vision_and_drafter(capsys):
+    from flashserve.cli import main
+
+    assert main(["info", "deepseek-v41-flash", "--tensor-parallel-size", "4", "--enable-expert-parallel",
+                 "--memory"]) == 0
+    out = capsys.readouterr().out
+    m = rank_memory("deepseek-v41-flash", Layout(4, True, 1))
+    assert m.vision_bytes > 0.4e9  # 0.41 B parameters, replicated on each rank
+    assert f"resident weights   {m.resident_weight_bytes:>20,} B" in out
+    assert f"vision tower       {m.vision_bytes:>20,} B" in out
+    assert f"drafter (MTP)      {m.drafter_bytes:>20,} B" in out and "NOT counted" in out
+    assert main(["info", "deepseek-v41-flash", "--tensor-parallel-size", "4", "--enable-expert-parallel",
+                 "--memory", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']) == 0
+    out = capsys.readouterr().out
+    assert f"resident weights   {m.resident_weight_bytes + m.drafter_bytes:>20,} B" in out
