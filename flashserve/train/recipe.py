@@ -205,7 +205,8 @@ def stage_backbone(r: Recipe, progress: bool = True) -> dict:
         if bar:
             bar.stop()
         balancer.remove()
-    torch.save(model.state_dict(), r.work / "model.pt")
+    torch.save(model.state_dict(), r.work / "backbone.pt")  # the drafter stage starts from this
+    torch.save(model.state_dict(), r.work / "model.pt")  # what export writes, until a drafter is trained
     wall = time.time() - t_start
     info = {"stage": "backbone", "steps": r.steps, "tokens": tokens_per_step * r.steps, "seconds": round(wall, 1),
             "tok_s": round(tokens_per_step * r.steps / wall, 1),
@@ -218,9 +219,9 @@ def stage_backbone(r: Recipe, progress: bool = True) -> dict:
 # ============================================================================ stage 3: drafter
 
 
-def _load_float(r: Recipe):
+def _load_float(r: Recipe, name: str = "model.pt"):
     model = _build(r)
-    model.load_state_dict(torch.load(r.work / "model.pt"))
+    model.load_state_dict(torch.load(r.work / name))
     return model
 
 
@@ -237,7 +238,7 @@ def stage_drafter(r: Recipe, progress: bool = True) -> dict:
     torch.manual_seed(r.seed)
     data = torch.load(r.work / "data.pt")
     stream = data["train"].long()
-    model = _load_float(r)
+    model = _load_float(r, "backbone.pt")  # rerunning this stage starts again from the trained backbone
     model.eval()  # no dropout anywhere; eval only documents that the backbone is frozen
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("mtp.") and not name.endswith(("gate.bias", "gate.bias_vl")))
