@@ -454,6 +454,7 @@ def _last_record(r: Recipe, stage: str) -> dict | None:
 
 
 
+@torch.enable_grad()  # training needs autograd whatever the caller's grad mode (a test module may turn it off)
 def run(r: Recipe, stages=STAGES, progress: bool = True) -> dict:
     torch.set_num_threads(r.threads)
     r.work.mkdir(parents=True, exist_ok=True)
