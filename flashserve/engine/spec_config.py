@@ -13,9 +13,10 @@ from ..config import ConfigError
 
 METHODS = ("ngram", "mtp", "dspark")
 
-# Above this many decoding sequences a step verifies no drafts. Measured on the embedded model, 2 CPU threads
-# (docs/speculative.md): verification rows stop being nearly free once a batch already fills the matmuls.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# Above this many decoding sequences a step verifies no drafts. Measured on the embedded model (1 CPU thread,
+# python -m flashserve.bench.spec, docs/speculative.md): DSpark's per-agent speed-up is 1.26x at 4 sequences,
+# 1.44x at 8 and 1.02x at 32, where it stops paying.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True)
