@@ -224,7 +224,7 @@ class DSparkDrafter:
         keys = store[slots[:, None], ctx_pos % self.W].to(self.model.dtype)
         ctx_pos = torch.where(ctx_pos >= 0, ctx_pos, -1)
         first = torch.tensor([s.tokens[s.num_computed] for s in seqs], dtype=torch.long, device=dev)
-        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end + 0, first)
+        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end, first)
         tokens, conf = d.tokens[:, :k].tolist(), d.confidence[:, :k].tolist()
         out = []
         for t, c in zip(tokens, conf):
