@@ -99,7 +99,7 @@ class DecodeStep:
         table = torch.full((Bp, P), cache.scratch_page, dtype=torch.long, device=dev)
         width = min(P, cache.page_table.shape[1])
         table[:B, :width] = cache.page_table[slot_t[:B], :width]
-        if min(pages) < width:
+        if R > 1 and min(pages) < width:  # only verification rows can reach past a request's pages
             held = torch.tensor(pages, dtype=torch.long, device=dev)[:, None]
             cols = torch.arange(width, device=dev)[None, :]
             table[:B, :width] = torch.where(cols < held, table[:B, :width], cache.scratch_page)

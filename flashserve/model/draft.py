@@ -112,10 +112,10 @@ class DSparkStages(nn.ModuleList):
             keys.append(fake_quant_fp8(kv, block=32) if fake_quant else kv)
         return torch.stack(keys, dim=2)
 
-    def draft_block(self, model: nn.Module, keys: torch.Tensor, ctx_pos: torch.Tensor, block_start: torch.Tensor,
-                    first_token: torch.Tensor, *, fake_quant: bool | None = None) -> Draft:
-        """Draft one block at positions ``block_start`` [B] + 0..k-1 over context keys [B,T,stages,hd] at
-        ``ctx_pos`` [B,T] (−1: no key), ``first_token`` [B] leading the block; greedy Markov chain."""
+    def block_states(self, model: nn.Module, keys: torch.Tensor, ctx_pos: torch.Tensor, block_start: torch.Tensor,
+                     first_token: torch.Tensor, *, fake_quant: bool | None = None) -> torch.Tensor:
+        """The collapsed states [B,k,D] of one block ``[first_token, N, ...]`` at positions ``block_start`` [B] +
+        0..k-1 after the three stages, over context keys [B,T,stages,hd] at ``ctx_pos`` [B,T] (−1: no key)."""
         cfg = self.cfg
         fake_quant = model.fake_quant if fake_quant is None else fake_quant
         k = cfg.dspark_block_size
@@ -124,16 +124,22 @@ class DSparkStages(nn.ModuleList):
         tokens = torch.full((B, k), cfg.dspark_noise_token_id, dtype=torch.long, device=first_token.device)
         tokens[:, 0] = first_token
         context = {stage.layer: keys[:, :, s] for s, stage in enumerate(self)}
-        state = _DraftWindow(context, ctx_pos, block_pos)
-        ctx = ForwardContext(state=state, positions=block_pos, input_ids=tokens, rope=model.rope,
-                             fake_quant=fake_quant, noncausal=True)
+        ctx = ForwardContext(state=_DraftWindow(context, ctx_pos, block_pos), positions=block_pos, input_ids=tokens,
+                             rope=model.rope, fake_quant=fake_quant, noncausal=True)
         x = model.embed(tokens)[..., None, :].expand(B, k, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(B, k, cfg.hc_mult, device=x.device)
         pre[..., 0] = 1.0
         for stage in self:
             x, pre = stage(x, pre, ctx)
+        return collapse(x, pre)
+
+    def draft_block(self, model: nn.Module, keys: torch.Tensor, ctx_pos: torch.Tensor, block_start: torch.Tensor,
+                    first_token: torch.Tensor, *, fake_quant: bool | None = None) -> Draft:
+        """Draft one block at positions ``block_start`` [B] + 0..k-1 over context keys [B,T,stages,hd] at
+        ``ctx_pos`` [B,T] (−1: no key), ``first_token`` [B] leading the block; greedy Markov chain."""
+        k = self.cfg.dspark_block_size
         last = self[-1]
-        h = collapse(x, pre)
+        h = self.block_states(model, keys, ctx_pos, block_start, first_token, fake_quant=fake_quant)
         base = fp32(model.head(last.norm(h)))
         markov = last.markov_head
         prev = first_token

@@ -12,11 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model import draft as draft_mod
-from ..model.context import ForwardContext
-from ..model.mhc import collapse
 from ..model.norms import fp32
-from ..model.rope import apply_rope
 
 
 def draft_logits(model, features: dict[int, torch.Tensor], positions: torch.Tensor, first_token: torch.Tensor,
@@ -29,33 +25,12 @@ def draft_logits(model, features: dict[int, torch.Tensor], positions: torch.Tens
     the Markov head conditions on at each block row (``draft`` uses ``first_token`` then its own argmaxes).
     """
     stages = model.mtp
-    cfg = stages.cfg
-    fake_quant = model.fake_quant if fake_quant is None else fake_quant
-    W, k = cfg.sliding_window, cfg.dspark_block_size
-    feats = torch.cat([features[L][:, -W:] for L in cfg.dspark_target_layer_ids], dim=-1)
+    W = stages.cfg.sliding_window
     ctx_pos = positions[:, -W:]
-    first = stages[0]
-    main_x = first.main_norm(first.main_proj(feats.to(first.main_proj.weight.dtype)))
-    cos, sin = model.rope.angles("main", ctx_pos)
-    context = {}
-    for stage in stages:
-        att = stage.attn
-        kv = apply_rope(att.kv_norm(att.wkv(main_x)), cos, sin)
-        context[stage.layer] = draft_mod.fake_quant_fp8(kv, block=32) if fake_quant else kv
-    B = first_token.shape[0]
-    block_pos = ctx_pos[:, -1:] + 1 + torch.arange(k, device=ctx_pos.device)
-    tokens = torch.full((B, k), cfg.dspark_noise_token_id, dtype=torch.long, device=first_token.device)
-    tokens[:, 0] = first_token
-    state = draft_mod._DraftWindow(context, ctx_pos, block_pos)
-    ctx = ForwardContext(state=state, positions=block_pos, input_ids=tokens, rope=model.rope,
-                         fake_quant=fake_quant, noncausal=True)
-    x = model.embed(tokens)[..., None, :].expand(B, k, cfg.hc_mult, cfg.hidden_size).contiguous()
-    pre = torch.zeros(B, k, cfg.hc_mult, device=x.device)
-    pre[..., 0] = 1.0
-    for stage in stages:
-        x, pre = stage(x, pre, ctx)
+    feats = torch.stack([features[L][:, -W:] for L in stages.cfg.dspark_target_layer_ids], dim=2)
+    keys = stages.context_keys(model, feats, ctx_pos, fake_quant=fake_quant)
+    h = stages.block_states(model, keys, ctx_pos, ctx_pos[:, -1] + 1, first_token, fake_quant=fake_quant)
     last = stages[-1]
-    h = collapse(x, pre)
     base = fp32(model.head(last.norm(h)))
     m = last.markov_head.embed(prev_tokens)  # [B,k,r]
     logits = base + fp32(last.markov_head.head(m))
@@ -70,7 +45,6 @@ def anchor_batch(features: dict[int, torch.Tensor], ids: torch.Tensor, anchors: 
     previous tokens ids[p+1..p+k]. Returns (features, positions, first, prev, target_rows [B*M,k]) where
     target_rows index the flattened [B*S] rows whose backbone logits predict the block's tokens."""
     B, S = ids.shape
-    M = anchors.shape[1]
     offs = torch.arange(-window + 1, 1, device=ids.device)
     pos = anchors[..., None] + offs  # [B,M,W]
     b = torch.arange(B, device=ids.device)[:, None, None]

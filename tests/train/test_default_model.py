@@ -1,10 +1,8 @@
 """The embedded default model: it loads from the package with no network, serves through the engine with the
 held-out perplexity its training reported (within 2%), and is what LLM() and `flashserve generate PROMPT` use."""
 
-import io
 import json
 import math
-from contextlib import redirect_stdout
 
 import pytest
 
