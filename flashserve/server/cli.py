@@ -163,8 +163,8 @@ def build_engine(args: argparse.Namespace):
     """The engine the parsed flags describe (torch is imported here, once every flag is known to be good)."""
     from ..interrupts import deferred_interrupt
 
-    with deferred_interrupt():
-        from ..parallel import create_engine
+    with deferred_interrupt():  # the executor module imports torch: the import itself must not be interrupted
+        from ..parallel.executor import create_engine
 
     engine = create_engine(engine_config(args))  # LLMEngine, or rank 0 of a sharded engine
     if hasattr(engine, "exit_on_failure"):
