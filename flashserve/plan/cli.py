@@ -191,11 +191,14 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 
 def _published(a: argparse.Namespace) -> int:
-    from .validation import compare_published, compare_published_prefill, compare_published_speedups
+    from .validation import (compare_published, compare_published_prefill, compare_published_speedups,
+                             compare_switch_off)
 
     rows, prefill, speedups = compare_published(), compare_published_prefill(), compare_published_speedups()
+    switch_off = compare_switch_off()
     if a.json:
-        print(json.dumps({"decode": rows, "prefill": prefill, "speculation": speedups}, indent=1))
+        print(json.dumps({"decode": rows, "prefill": prefill, "speculation": speedups,
+                          "switch_off": switch_off}, indent=1))
         return 0
     for r in rows:
         gpu = f" | per GPU {r['predicted_gpu']:,.0f} vs {r['published_gpu']:,.0f} ({r['gpu_error']:+.0%})" if r["published_gpu"] else ""
@@ -207,6 +210,10 @@ def _published(a: argparse.Namespace) -> int:
     for r in speedups:
         print(f"{r['name']:32} [{r['role']:8}] speed-up of drafting {r['predicted_speedup']:.2f}x vs "
               f"{r['published_speedup']:.2f}x ({r['speedup_error']:+.0%})")
+    for r in switch_off:
+        c = f"{r['predicted_crossover']:,}" if r["predicted_crossover"] else f"none up to {r['checked_up_to']:,}"
+        print(f"{r['name']:32} [{r['role']:8}] drafting stops paying from {c} vs published between "
+              f"{r['pays_at']:,} and {r['loses_at']:,}")
     return 0
 
 

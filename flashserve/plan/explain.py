@@ -87,7 +87,7 @@ def _step_rows(r: PlanResult) -> Iterator[Row]:
     yield "step", "distinct experts per layer", f"{s.distinct_experts_per_layer:.4g}", "E·(1−(1−k/E)^B), all rows of the step"
     yield "step", "bytes: dense weights", _g(s.bytes_dense, "B"), "per GPU: dense / TP"
     yield "step", "bytes: routed experts", _g(s.bytes_experts, "B"), "distinct experts × expert bytes / GPUs"
-    yield "step", "bytes: KV read", _g(s.bytes_kv, "B"), "window + selected entries + index scan, per local sequence"
+    yield "step", "bytes: KV read", _g(s.bytes_kv, "B"), "per local sequence: index scan once, window + selected entries per query row"
     yield "step", "bytes: drafter", _g(s.bytes_draft, "B"), ""
     yield "step", "FLOPs dense / experts / attention / drafter", " / ".join(_g(x) for x in (s.flops_dense, s.flops_experts, s.flops_attention, s.flops_draft)), "per GPU"
     yield "step", "link bytes EP / TP / host", " / ".join(_g(x, "B") for x in (s.comm_bytes_ep, s.comm_bytes_tp, s.comm_bytes_host)), f"EP over {s.comm_link}"
@@ -104,6 +104,12 @@ def _speculation_rows(r: PlanResult) -> Iterator[Row]:
     ms = lambda x: f"{x * 1e3:.3f} ms"  # noqa: E731
     yield "speculation", "step without drafting", ms(s.step_without_s), "the target over one row per sequence"
     yield "speculation", "+ verification rows", ms(s.verification_rows_s), f"the target over {1 + s.draft_tokens} rows per sequence instead of 1"
+    if s.verification_kv_bytes:
+        bw = r.deployment.hw.hbm_bw * r.deployment.eff.eta_mem
+        yield ("speculation", "  of which KV gathered per row", _g(s.verification_kv_bytes, "B"),
+               f"{s.verification_kv_bytes / bw * 1e3:.3f} ms of HBM time, hidden when compute-bound: each "
+               "verification row gathers its own window and top-k entries (sparse attention selects per "
+               "query row); the index scan is read once per sequence")
     yield "speculation", "+ draft stages", ms(s.draft_stages_s), "the drafter's passes: weights, rows, traffic, layer overheads"
     yield "speculation", "+ fixed per step", ms(s.fixed_s), "spec_step_overhead_us: once per step whatever the batch"
     yield "speculation", "step with drafting", ms(s.step_with_s), f"acceptance length {s.accept_length:g}"

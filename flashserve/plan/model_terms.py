@@ -48,10 +48,24 @@ class LayerAttention:
         rows = ctx / self.scan_ratio
         return min(rows, self.scan_cap) if self.scan_cap else rows
 
-    def read_bytes(self, ctx: float) -> float:
-        """Cache bytes read for one sequence (shared by all its query rows in the step)."""
+    def row_bytes(self, ctx: float) -> float:
+        """Cache bytes gathered for each query row: its window rows and, where a top-k is selected, its selected
+        entries. Sparse kernels gather these per query token (each row has its own top-k and its own window), so
+        the 1 + drafted verification rows of one sequence do not share them (bytes requested; an L2 hit on the
+        overlap of neighbouring rows is not credited)."""
         win, glob = self.keys(ctx)
-        return win * self.window_row_bytes + glob * self.main_row_bytes + self.scanned(ctx) * self.index_row_bytes
+        return win * self.window_row_bytes + (glob * self.main_row_bytes if self.topk else 0.0)
+
+    def shared_bytes(self, ctx: float) -> float:
+        """Cache bytes read once per sequence per step whatever its number of query rows: the index rows the
+        indexer scans (its MQA-logits kernel scores a sequence's next-n rows in one pass over them) and global
+        entries every row attends to (no top-k: MLA, V4's HCA), read once by a dense kernel."""
+        _, glob = self.keys(ctx)
+        return (0.0 if self.topk else glob * self.main_row_bytes) + self.scanned(ctx) * self.index_row_bytes
+
+    def read_bytes(self, ctx: float, rows: int = 1) -> float:
+        """Cache bytes one sequence reads in a step with ``rows`` query rows (1 + drafted when verifying)."""
+        return self.shared_bytes(ctx) + rows * self.row_bytes(ctx)
 
     def flops(self, ctx: float) -> float:
         """Attention-core FLOPs of one query: scores and weighted values over every key, plus indexer scoring."""
@@ -131,9 +145,9 @@ class ModelTerms:
     def routed_params_total(self) -> int:
         return self.n_moe_layers * self.n_experts * self.expert_params
 
-    def kv_read_bytes(self, ctx: float) -> float:
-        """Cache bytes one sequence reads per decode step across all layers."""
-        return sum(layer.read_bytes(ctx) for layer in self.attention)
+    def kv_read_bytes(self, ctx: float, rows: int = 1) -> float:
+        """Cache bytes one sequence reads per decode step across all layers, with ``rows`` query rows."""
+        return sum(layer.read_bytes(ctx, rows) for layer in self.attention)
 
     def attention_flops(self, ctx: float, prefill: bool = False) -> float:
         """Attention-core FLOPs of one query row across its layers."""

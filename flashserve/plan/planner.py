@@ -40,6 +40,7 @@ class Speculation:
     fixed_s: float  # spec_step_overhead_us: once per speculative step
     crossover_concurrency: int | None  # smallest concurrency where it no longer pays; None: pays up to checked_up_to
     checked_up_to: int  # the highest concurrency examined (sessions that fit)
+    verification_kv_bytes: float = 0.0  # per GPU: window + selected entries the extra rows gather on their own
 
     @property
     def speedup(self) -> float:
@@ -54,7 +55,8 @@ class Speculation:
         return {"accept_length": self.accept_length, "draft_tokens": self.draft_tokens,
                 "step_with_ms": self.step_with_s * 1e3, "step_without_ms": self.step_without_s * 1e3,
                 "draft_stages_ms": self.draft_stages_s * 1e3, "verification_rows_ms": self.verification_rows_s * 1e3,
-                "fixed_ms": self.fixed_s * 1e3, "speedup": self.speedup, "pays": self.pays,
+                "fixed_ms": self.fixed_s * 1e3, "verification_kv_bytes": self.verification_kv_bytes,
+                "speedup": self.speedup, "pays": self.pays,
                 "decode_tokens_per_s_per_agent_without": 1.0 / self.step_without_s,
                 "crossover_concurrency": self.crossover_concurrency, "checked_up_to": self.checked_up_to}
 
@@ -99,7 +101,8 @@ def speculation_terms(dep: Deployment, al: float, concurrency: float, ctx: float
         accept_length=al, draft_tokens=dep.draft_tokens, step_with_s=with_.t_step, step_without_s=without.t_step,
         draft_stages_s=with_.t_step - verify.t_step - with_.t_spec_fixed,
         verification_rows_s=verify.t_step - without.t_step, fixed_s=with_.t_spec_fixed,
-        crossover_concurrency=crossover_concurrency(dep, al, ctx, max(up_to, 1)), checked_up_to=max(up_to, 1))
+        crossover_concurrency=crossover_concurrency(dep, al, ctx, max(up_to, 1)), checked_up_to=max(up_to, 1),
+        verification_kv_bytes=with_.bytes_kv_rows)
 
 
 def cost_per_million(price_per_gpu_hour: float, gpus: int, tokens_per_s: float) -> float:

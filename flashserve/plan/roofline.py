@@ -67,6 +67,7 @@ class DecodeStep:
     t_step: float
     bound: str
     t_spec_fixed: float = 0.0  # the speculative step's fixed cost (part of t_overhead)
+    bytes_kv_rows: float = 0.0  # of bytes_kv: what the verification rows beyond the first gather on their own
 
     @property
     def bytes_total(self) -> float:
@@ -91,7 +92,10 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
 
     bytes_dense = m.dense_params_decode * wb_d / dep.tp
     bytes_experts = m.n_moe_layers * distinct * m.expert_params * wb_e / dep.gpus
-    bytes_kv = b * m.kv_read_bytes(ctx)  # an MQA/MLA latent is read by every TP rank of its sequence
+    # an MQA/MLA latent is read by every TP rank of its sequence; sparse layers gather window and selected
+    # entries per query row, so verification rows multiply them (model_terms.LayerAttention.row_bytes)
+    bytes_kv = b * m.kv_read_bytes(ctx, rows)
+    bytes_kv_rows = b * (rows - 1) * sum(layer.row_bytes(ctx) for layer in m.attention)
     flops_dense = 2.0 * m.dense_params_decode * b * rows / dep.tp
     flops_experts = 2.0 * m.n_moe_layers * m.top_k * m.expert_params * tokens / dep.gpus
     flops_attn = b * rows * m.attention_flops(ctx) / dep.tp
@@ -104,7 +108,7 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
         dist_d = expected_distinct_experts(d.n_experts, d.top_k, concurrency * drows)
         per_pass = d.dense_params * wb_d / dep.tp + d.layers * dist_d * d.expert_params * wb_e / dep.gpus
         if d.attention is not None:
-            per_pass += b * d.layers * d.attention.read_bytes(ctx)
+            per_pass += b * d.layers * d.attention.read_bytes(ctx, drows)  # each block row reads the window
             flops_draft_attn = passes * b * drows * d.layers * d.attention.flops(ctx) / dep.tp
         bytes_draft = passes * per_pass
         flops_draft_dense = passes * 2.0 * d.dense_params * b * drows / dep.tp
@@ -147,5 +151,5 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
         flops_draft=flops_draft_dense + flops_draft_exp + flops_draft_attn,
         comm_bytes_ep=comm_ep, comm_bytes_tp=comm_tp, comm_bytes_host=comm_host, comm_link=link,
         t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_body + t_over,
-        bound=max(terms, key=terms.get), t_spec_fixed=t_spec,
+        bound=max(terms, key=terms.get), t_spec_fixed=t_spec, bytes_kv_rows=bytes_kv_rows,
     )

@@ -226,3 +226,43 @@ PUBLISHED_SPEEDUP: tuple[PublishedSpeedup, ...] = (
     _pair("b200-dspark-speedup-sharegpt-c32", "ShareGPT, concurrency 32, 1.35x", 32, 512, 512, 1.35,
           "not_reproduced", "; ShareGPT lengths not stated, 512/512 assumed"),
 )
+
+
+# --------------------------------------------------------------------------- where drafting stops paying
+VLLM_ADAPTIVE_BLOG = ("https://github.com/vllm-project/vllm-project.github.io/blob/main/_posts/"
+                      "2026-08-14-dspark-adaptive-verification.md")
+VLLM_ADAPTIVE_FIG = ("https://github.com/vllm-project/vllm-project.github.io/blob/main/assets/figures/"
+                     "2026-08-14-dspark-adaptive-verification/fig3-pareto.svg")
+
+
+@dataclass(frozen=True)
+class PublishedSwitchOff:
+    """A published sweep of one stack with and without DSpark: the last concurrency at which drafting still
+    paid (``pays_at``) and the first at which it no longer did (``loses_at``); the planner's crossover for the
+    deployment assumed should lie in between."""
+
+    name: str
+    source: str
+    inputs: PlanInputs  # the deployment assumed, at concurrency 1 (the crossover is searched)
+    pays_at: int
+    loses_at: int
+    role: str  # held_out, or not_reproduced (documented miss)
+    assumptions: str
+
+
+PUBLISHED_SWITCH_OFF: tuple[PublishedSwitchOff, ...] = (
+    PublishedSwitchOff(
+        "b300-v4pro-dspark-fixed5-switch-off",
+        f"{VLLM_ADAPTIVE_BLOG} (DeepSeek-V4-Pro-0813 on 8xB300, TP8 + expert parallel, FP8 KV, fixed 5-token "
+        "DSpark against no speculation, 512 output tokens, acceptance length flat near 3.4: at concurrency 256 "
+        f"fixed k=5 is 26% below no speculation; per-concurrency values read from {VLLM_ADAPTIVE_FIG}: speed-up "
+        "per user 1.78x at 16, 1.93x at 32, 1.77x at 64, 1.32x at 128, 0.66x at 256)",
+        PlanInputs(model="deepseek-v41-flash", hardware="gb300-nvl72", gpus=8, tp=8, ep=8, weight_dtype="fp4",
+                   kv_dtype="fp8", prompt_len=2048, output_len=512, accept_length=3.4, draft_tokens=5,
+                   stack=V41_STACK),
+        128, 256, "not_reproduced",
+        "V4.1-Flash on the same layout stands in for V4-Pro (the planner has no V4-Pro DSpark drafter); B300 is "
+        "the GB300 GPU; 2,048-token prompts assumed (speed-bench prompts, max_model_len 8,192); at 256 the "
+        "1,536 verified tokens exceed the run's CUDA-graph capture size (1,024), so the upper end is partly "
+        "software"),
+)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .planner import PlanResult, plan
-from .scenarios import PUBLISHED, PUBLISHED_PREFILL, PUBLISHED_SPEEDUP, PublishedPoint, PublishedPrefill, PublishedSpeedup
+from .scenarios import (PUBLISHED, PUBLISHED_PREFILL, PUBLISHED_SPEEDUP, PUBLISHED_SWITCH_OFF, PublishedPoint,
+                        PublishedPrefill, PublishedSpeedup, PublishedSwitchOff)
 
 
 def predicted_per_gpu(point: PublishedPoint, res: PlanResult) -> float | None:
@@ -61,5 +62,21 @@ def compare_published_speedups(points: tuple[PublishedSpeedup, ...] = PUBLISHED_
             "predicted_speedup": spec.speedup, "published_speedup": p.speedup,
             "speedup_error": spec.speedup / p.speedup - 1.0,
             "predicted_crossover": spec.crossover_concurrency,
+        })
+    return rows
+
+
+def compare_switch_off(points: tuple[PublishedSwitchOff, ...] = PUBLISHED_SWITCH_OFF) -> list[dict[str, object]]:
+    """One row per published with/without sweep: the planner's crossover against the bracket it implies."""
+    rows: list[dict[str, object]] = []
+    for p in points:
+        spec = plan(p.inputs).speculation
+        c = spec.crossover_concurrency
+        rows.append({
+            "name": p.name, "role": p.role, "source": p.source, "assumptions": p.assumptions,
+            "predicted_crossover": c, "checked_up_to": spec.checked_up_to,
+            "pays_at": p.pays_at, "loses_at": p.loses_at,
+            "within": c is not None and p.pays_at < c <= p.loses_at,
+            "ratio_to_bracket": (c / p.loses_at if c and c > p.loses_at else (c / p.pays_at if c else None)),
         })
     return rows

@@ -122,7 +122,8 @@ def test_plan_prints_both_speeds_and_the_crossover(capsys) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert max(len(line) for line in lines) <= 80
     text = " ".join(" ".join(lines).split())
-    for term in ("[speculation]", "+ verification rows", "+ draft stages", "+ fixed per step",
+    for term in ("[speculation]", "+ verification rows", "of which KV gathered per row", "+ draft stages",
+                 "+ fixed per step",
                  "drafting stops paying", "spec_step_overhead_us"):
         assert term in text
 

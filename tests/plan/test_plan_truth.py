@@ -17,7 +17,7 @@ from flashserve.plan.dispatch import COMBINE_BYTES, DISPATCH_BYTES, node_touch_p
 from flashserve.plan.hardware import HARDWARE_JSON, load_catalog
 from flashserve.plan.models import resolve_model
 from flashserve.plan.planner import plan
-from flashserve.plan.scenarios import PUBLISHED, PUBLISHED_PREFILL
+from flashserve.plan.scenarios import PUBLISHED, PUBLISHED_PREFILL, PUBLISHED_SWITCH_OFF
 from flashserve.plan.validation import compare_published_prefill
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,7 +158,7 @@ def _sources() -> list[str]:
     from flashserve.plan.scenarios import PUBLISHED_SPEEDUP
 
     return (found + [p.source for p in PUBLISHED] + [p.source for p in PUBLISHED_PREFILL]
-            + [p.source for p in PUBLISHED_SPEEDUP])
+            + [p.source for p in PUBLISHED_SPEEDUP] + [p.source for p in PUBLISHED_SWITCH_OFF])
 
 
 def test_every_cited_source_is_a_repository_file_or_a_public_url() -> None:
