@@ -34,7 +34,7 @@ def _pack_v4_fp8(x: torch.Tensor, rope: int, width: int) -> torch.Tensor:
 def _unpack_v4_fp8(p: torch.Tensor, dim: int, rope: int, dtype: torch.dtype) -> torch.Tensor:
     d = dim - rope
     nb = -(-d // 64)
-    q = p[..., :d].contiguous().view(torch.float8_e4m3fn).float()
+    q = quant.decode_e4m3_bytes(p[..., :d])
     r = p[..., d:d + 2 * rope].contiguous().view(torch.bfloat16).float()
     exp = p[..., d + 2 * rope:d + 2 * rope + nb].float() - 127
     scale = torch.exp2(exp).repeat_interleave(64, dim=-1)[..., :d]
@@ -53,7 +53,7 @@ def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype, pai
     d = p.shape[-1] * 2 * block // (block + 2)  # record = d/2 code bytes + d/block scale bytes
     vals = pairs[p[..., : d // 2].long()].flatten(-2)  # [..., d]
     sc = p[..., d // 2:]
-    scale = sc.contiguous().view(torch.float8_e4m3fn).float() if e4m3 else quant.e8m0_to_float(sc)
+    scale = quant.decode_e4m3_bytes(sc) if e4m3 else quant.e8m0_to_float(sc)
     return (vals.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2).to(dtype)
 
 
@@ -61,7 +61,7 @@ def _unpack_fp8(p: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor) -> to
     """Inverse of ``pack_fp8_ue8m0`` (E4M3 bytes + one UE8M0 scale per 32); ``scales``: the 256 UE8M0 values
     on ``p``'s device."""
     d = p.shape[-1] * 32 // 33
-    q = p[..., :d].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    q = quant.decode_e4m3_bytes(p[..., :d])
     return (q.unflatten(-1, (-1, 32)) * scales[p[..., d:].long()][..., None]).flatten(-2).to(dtype)
 
 

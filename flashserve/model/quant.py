@@ -49,9 +49,15 @@ def e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
     b = b.view(torch.uint8) if b.dtype == E8M0_DTYPE else b
     if b.dtype != torch.uint8:
         raise TypeError(f"e8m0 scales must be uint8 or float8_e8m0fnu, got {b.dtype}")
+    if b.device.type == "cpu" and _E8M0_VALUES is not None:  # one gather instead of five ops (see below)
+        return _E8M0_VALUES.index_select(0, b.reshape(-1).long()).view(b.shape)
     b32 = b.to(torch.int32)
     normal = (b32 << 23).view(torch.float32)  # byte 0 gives +0 here; 2^-127 is subnormal
     return torch.where(b32 == 0, torch.full_like(normal, 2.0 ** -127), normal)
+
+
+_E8M0_VALUES = None
+_E8M0_VALUES = e8m0_to_float(torch.arange(256, dtype=torch.uint8))  # [256] float32, built by the arithmetic
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -97,11 +103,39 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """float32 values of E2M1 codes (uint8 0..15): magnitude codes 0-3 -> m/2, 4-5 -> m-2, 6-7 -> 2m-8.
 
-    Arithmetic rather than a table lookup: small gathers pay a thread-pool round trip on CPU.
+    The device path (and the tables' source); on the CPU :func:`decode_e2m1_bytes` looks values up instead.
     """
     m = (codes & 7).to(torch.float32)
     mag = torch.where(m < 4, m * 0.5, torch.where(m < 6, m - 2, m * 2 - 8))
     return torch.where(codes >= 8, -mag, mag)
+
+
+def _e2m1_pairs() -> torch.Tensor:
+    b = torch.arange(256, dtype=torch.uint8)
+    return torch.stack([e2m1_decode(b & 15), e2m1_decode(b >> 4)], dim=-1)
+
+
+# Decoding by table on the CPU: one gather per byte against a 256-entry table is ~5x faster than the E2M1
+# arithmetic (and unpacking) and ~4x faster than torch's float8 -> float32 conversion, which has no vector path
+# (1 thread, AVX2: eight 256x128 MXFP4 experts 0.9 vs 5.0 ms; a 4096x128 FP8 matrix 0.85 vs 3.1 ms). Constant
+# tables, CPU only: on CUDA the arithmetic fuses and a host table would have to be copied inside a graph.
+_E2M1_PAIRS = _e2m1_pairs()  # [256, 2] float32: the two values of a byte, low nibble first
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)  # [256] float32
+
+
+def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
+    """float32 values ``[..., 2n]`` of packed E2M1 pairs ``uint8 [..., n]`` (low nibble = even column)."""
+    p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    if p.device.type != "cpu":
+        return e2m1_decode(unpack_nibbles(p))
+    return _E2M1_PAIRS.index_select(0, p.reshape(-1).long()).view(*p.shape[:-1], -1)
+
+
+def decode_e4m3_bytes(b: torch.Tensor) -> torch.Tensor:
+    """float32 values of E4M3 bytes (``uint8`` or ``float8_e4m3fn``), same shape."""
+    if b.device.type != "cpu":
+        return b.view(FP8_DTYPE).to(torch.float32)
+    return _E4M3_VALUES.index_select(0, b.view(torch.uint8).reshape(-1).long()).view(b.shape)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -365,7 +399,7 @@ def infer_square_block(shape: tuple[int, int], scale_shape: tuple[int, int], pre
 
 __all__ = [
     "E4M3_MAX", "E2M1_MAX", "MX_BLOCK", "e8m0_to_float", "e2m1_encode", "e2m1_decode", "pack_nibbles",
-    "unpack_nibbles", "fake_quant_fp8", "fake_quant_fp4", "pack_fp4_e4m3", "unpack_fp4_e4m3", "pack_fp4_ue8m0",
+    "unpack_nibbles", "decode_e2m1_bytes", "decode_e4m3_bytes", "fake_quant_fp8", "fake_quant_fp4", "pack_fp4_e4m3", "unpack_fp4_e4m3", "pack_fp4_ue8m0",
     "unpack_fp4_ue8m0", "pack_fp8_ue8m0", "unpack_fp8_ue8m0", "quantize_fp8_blocks", "dequantize_fp8_blocks", "dequantize_fp8_grid",
     "quantize_fp8_rows", "dequantize_fp8_rows", "quantize_mxfp4", "dequantize_mxfp4", "infer_block",
     "infer_square_block",

@@ -72,6 +72,32 @@ def test_int8_modules_equal_float_modules_of_their_weights():
     assert resident_bytes(packed) < 0.45 * resident_bytes(load_model("tiny-v41"))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("rows,path", [(1, "_gathered"), (6, "_dense"), (40, "_grouped")])
+def test_each_packed_expert_path_equals_float_experts_of_its_weights(fmt, rows, path, monkeypatch):
+    """Packed experts pick their path by rows (one pair per expert at most: gathered; a few rows: every
+    expert on every row; prefill: the per-expert loop); each equals float experts over the decoded weights."""
+    from flashserve.model.moe import Experts
+    from flashserve.model.packed import EXPERT_FP4, Format
+
+    E, D, I = 8, 64, 32
+    g = torch.Generator().manual_seed(rows)
+    packed = PackedExperts(E, D, I, 7.0, EXPERT_FP4 if fmt == "mxfp4" else Format("fp8", 32, 32))
+    ref = Experts(E, D, I, 7.0)
+    for name in ("w1", "w2", "w3"):
+        getattr(packed, f"{name}_packed").set_float(torch.randn(getattr(ref, name).shape, generator=g))
+        getattr(ref, name).copy_(packed.expert_weights(name, torch.float32))
+    taken = []
+    for p in ("_gathered", "_dense", "_grouped"):
+        monkeypatch.setattr(PackedExperts, p, lambda self, *a, _p=p, _f=getattr(PackedExperts, p): (taken.append(_p), _f(self, *a))[1])
+    x = torch.randn(rows, D, generator=g)
+    idx = torch.rand(rows, E, generator=g).topk(2, dim=-1).indices
+    w = torch.rand(rows, 2, generator=g)
+    got = packed(x, idx, w)
+    assert taken == [path]
+    assert _rel(got, ref._grouped(x, idx, w)) <= 1e-6  # same decoded weights; only the summation order differs
+
+
 def test_int8_linear_stays_close_to_its_float_weights():
     """Per-row int8 rounds each weight by at most half a step: outputs stay within 1% of the float layer's."""
     float_model = load_model("tiny-v41")

@@ -141,6 +141,23 @@ def test_e8m0_decoding() -> None:
     assert quant.e8m0_to_float(b.view(torch.float8_e8m0fnu)).tolist() == want
 
 
+def test_cpu_decode_tables_equal_the_formats_definitions() -> None:
+    """The CPU's table lookups against each format's definition, for every byte: E2M1 pairs (low nibble
+    first, sign bit 3, magnitudes 0 .5 1 1.5 2 3 4 6), E4M3 (torch's own float8 conversion, NaN included) and
+    UE8M0 (2^(b-127), byte 0 = 2^-127)."""
+    b = torch.arange(256, dtype=torch.uint8)
+    mags = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    nib = lambda c: (-1.0 if c & 8 else 1.0) * mags[c & 7]
+    want_pairs = [[nib(v & 15), nib(v >> 4)] for v in range(256)]
+    assert quant.decode_e2m1_bytes(b[:, None]).tolist() == want_pairs
+    assert quant.decode_e2m1_bytes(b.view(torch.int8)[:, None]).tolist() == want_pairs
+    torch.testing.assert_close(quant.decode_e4m3_bytes(b.view(16, 16)),
+                               b.view(torch.float8_e4m3fn).to(torch.float32).view(16, 16),
+                               rtol=0, atol=0, equal_nan=True)
+    # byte 255 is NaN in the format and never written (encoders clamp to 254)
+    assert quant.e8m0_to_float(b[:255]).tolist() == [2.0 ** (v - 127) if v else 2.0 ** -127 for v in range(255)]
+
+
 def test_quantize_fp8_blocks_shapes_scales_and_error() -> None:
     g = torch.Generator().manual_seed(2)
     w = torch.randn(100, 72, generator=g) * torch.logspace(-3, 2, 100).unsqueeze(1)
