@@ -51,7 +51,9 @@ def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype, pai
     """Table-driven inverse of ``pack_fp4_e4m3`` (``e4m3``) / ``pack_fp4_ue8m0``: same values, fewer ops.
     ``pairs``: :func:`_fp4_pairs` on ``p``'s device."""
     d = p.shape[-1] * 2 * block // (block + 2)  # record = d/2 code bytes + d/block scale bytes
-    vals = pairs[p[..., : d // 2].long()].flatten(-2)  # [..., d]
+    codes = p[..., : d // 2]
+    # the CPU has a faster table of its own (quant.decode_e2m1_bytes); ``pairs`` serves other devices
+    vals = quant.decode_e2m1_bytes(codes) if p.device.type == "cpu" else pairs[codes.long()].flatten(-2)  # [..., d]
     sc = p[..., d // 2:]
     scale = quant.decode_e4m3_bytes(sc) if e4m3 else quant.e8m0_to_float(sc)
     return (vals.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2).to(dtype)

@@ -119,7 +119,9 @@ def _e2m1_pairs() -> torch.Tensor:
 # arithmetic (and unpacking) and ~4x faster than torch's float8 -> float32 conversion, which has no vector path
 # (1 thread, AVX2: eight 256x128 MXFP4 experts 0.9 vs 5.0 ms; a 4096x128 FP8 matrix 0.85 vs 3.1 ms). Constant
 # tables, CPU only: on CUDA the arithmetic fuses and a host table would have to be copied inside a graph.
-_E2M1_PAIRS = _e2m1_pairs()  # [256, 2] float32: the two values of a byte, low nibble first
+# [256] float64 entries each holding the two float32 values of a byte (low nibble first): a gather of 8-byte
+# scalars is ~6x faster than one of [2]-float rows (eight 256x64-byte experts: 0.13 vs 0.76 ms)
+_E2M1_PAIRS = _e2m1_pairs().view(torch.float64).view(256)
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)  # [256] float32
 
 
@@ -128,7 +130,7 @@ def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
     p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
     if p.device.type != "cpu":
         return e2m1_decode(unpack_nibbles(p))
-    return _E2M1_PAIRS.index_select(0, p.reshape(-1).long()).view(*p.shape[:-1], -1)
+    return _E2M1_PAIRS.index_select(0, p.reshape(-1).int()).view(torch.float32).view(*p.shape[:-1], -1)
 
 
 def decode_e4m3_bytes(b: torch.Tensor) -> torch.Tensor:
