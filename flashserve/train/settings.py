@@ -30,7 +30,7 @@ class Recipe:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     qat_from: float = 0.85 # fraction of the steps after which the experts train through their FP4 rounding
-    drafter_steps: int = 600
+    drafter_steps: int = 1800
     drafter_batch: int = 4
     drafter_anchors: int = 32
     drafter_lr: float = 2e-3
