@@ -130,7 +130,7 @@ def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
     p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
     if p.device.type != "cpu":
         return e2m1_decode(unpack_nibbles(p))
-    return _E2M1_PAIRS.index_select(0, p.reshape(-1).int()).view(torch.float32).view(*p.shape[:-1], -1)
+    return _E2M1_PAIRS.index_select(0, p.reshape(-1).int()).view(torch.float32).view(*p.shape[:-1], 2 * p.shape[-1])
 
 
 def decode_e4m3_bytes(b: torch.Tensor) -> torch.Tensor:

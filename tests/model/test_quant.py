@@ -151,6 +151,7 @@ def test_cpu_decode_tables_equal_the_formats_definitions() -> None:
     want_pairs = [[nib(v & 15), nib(v >> 4)] for v in range(256)]
     assert quant.decode_e2m1_bytes(b[:, None]).tolist() == want_pairs
     assert quant.decode_e2m1_bytes(b.view(torch.int8)[:, None]).tolist() == want_pairs
+    assert quant.decode_e2m1_bytes(torch.zeros(3, 0, dtype=torch.uint8)).shape == (3, 0)  # empty reads
     torch.testing.assert_close(quant.decode_e4m3_bytes(b.view(16, 16)),
                                b.view(torch.float8_e4m3fn).to(torch.float32).view(16, 16),
                                rtol=0, atol=0, equal_nan=True)
