@@ -183,9 +183,10 @@ class PackedEmbedding(_PackedMatrix):
         return rows[..., 0, :]
 
 
-# Packed experts (see PackedExperts.forward): every expert runs on every row up to DENSE_ROWS rows (the matmuls
-# grow with the rows, the decode does not); no path decodes more than DECODE_BYTES of experts at once.
-DENSE_ROWS = 16
+# Packed experts (see PackedExperts.forward): every expert runs on every row while the matmuls of rows not routed
+# to an expert stay under LOOP_EXPERT_MACS per expert (about what the per-expert loop's ops cost on this CPU)
+# and decoding every expert stays under DECODE_BYTES.
+LOOP_EXPERT_MACS = 2 << 20
 DECODE_BYTES = 64 << 20
 
 
@@ -210,15 +211,17 @@ class PackedExperts(Experts):
         return super().expert_mm(name, h, e)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Packed experts are decoded on every path, so the cheapest path is the one with the fewest ops per
-        # decoded expert: gathered (3 decodes of the pairs' experts) up to one pair per expert, then every expert
-        # on every row (3 decodes of all experts) for a few rows, then the per-expert loop (each hit expert once,
-        # ~10 ops each and a host sync: prefill). Default model, 6-row verification: MoE 2.3x faster than the loop.
+        # More (row, expert) pairs than experts, a few rows (a verification step, a small batch): the loop over
+        # hit experts pays ~10 ops and a host sync per expert, gathering would decode more than every expert;
+        # decoding every expert once and running each on every row costs 3 decodes plus the matmuls of rows
+        # not routed there, worth it while those stay under LOOP_EXPERT_MACS per expert. 1 thread, MoE ms:
+        # default model (8 x 256x128, top-2) 6 rows 1.6 vs loop 4.7; peers (16 x 256x512, top-4) 6 rows 15.8
+        # vs 13.7, 16 rows 17.8 vs 20.8 (glibc trimming its heap; noisy).
         pairs, rows = idx.numel(), x.shape[0]
-        one_expert = 3 * self.inter * self.dim * x.element_size()  # decoded bytes of one expert's matrices
-        if pairs <= self.n_experts and pairs * one_expert <= DECODE_BYTES:
-            return self._gathered(x, idx, w)
-        if rows <= DENSE_ROWS and self.n_experts * one_expert <= DECODE_BYTES:
+        matrices = 3 * self.inter * self.dim  # values (and MACs per row) of one expert
+        wasted = (self.n_experts * rows - pairs) * matrices
+        if (self.n_experts < pairs and wasted <= self.n_experts * LOOP_EXPERT_MACS
+                and self.n_experts * matrices * x.element_size() <= DECODE_BYTES):
             return self._dense(x, idx, w)
         return super().forward(x, idx, w)
 
