@@ -49,15 +49,15 @@ def e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
     b = b.view(torch.uint8) if b.dtype == E8M0_DTYPE else b
     if b.dtype != torch.uint8:
         raise TypeError(f"e8m0 scales must be uint8 or float8_e8m0fnu, got {b.dtype}")
-    if b.device.type == "cpu" and _E8M0_VALUES is not None:  # one gather instead of five ops (see below)
+    if b.device.type == "cpu":  # one gather instead of five ops (see the tables below)
         return _E8M0_VALUES.index_select(0, b.reshape(-1).long()).view(b.shape)
+    return _e8m0_arithmetic(b)
+
+
+def _e8m0_arithmetic(b: torch.Tensor) -> torch.Tensor:
     b32 = b.to(torch.int32)
     normal = (b32 << 23).view(torch.float32)  # byte 0 gives +0 here; 2^-127 is subnormal
     return torch.where(b32 == 0, torch.full_like(normal, 2.0 ** -127), normal)
-
-
-_E8M0_VALUES = None
-_E8M0_VALUES = e8m0_to_float(torch.arange(256, dtype=torch.uint8))  # [256] float32, built by the arithmetic
 
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
@@ -115,14 +115,14 @@ def _e2m1_pairs() -> torch.Tensor:
     return torch.stack([e2m1_decode(b & 15), e2m1_decode(b >> 4)], dim=-1)
 
 
-# Decoding by table on the CPU: one gather per byte against a 256-entry table is ~5x faster than the E2M1
-# arithmetic (and unpacking) and ~4x faster than torch's float8 -> float32 conversion, which has no vector path
-# (1 thread, AVX2: eight 256x128 MXFP4 experts 0.9 vs 5.0 ms; a 4096x128 FP8 matrix 0.85 vs 3.1 ms). Constant
-# tables, CPU only: on CUDA the arithmetic fuses and a host table would have to be copied inside a graph.
-# [256] float64 entries each holding the two float32 values of a byte (low nibble first): a gather of 8-byte
-# scalars is ~6x faster than one of [2]-float rows (eight 256x64-byte experts: 0.13 vs 0.76 ms)
-_E2M1_PAIRS = _e2m1_pairs().view(torch.float64).view(256)
+# Decoding by table on the CPU: one gather per tensor against a 256-entry table. 1 thread, AVX2: eight 256x128
+# MXFP4 experts 0.13 ms against 5.0 for the E2M1 arithmetic and unpacking (0.76 when the table's rows are
+# [2] floats: hence each entry is a byte's two float32 values read as one float64); a 4096x128 FP8 matrix 0.85
+# ms against 3.1 for torch's float8 -> float32 conversion, which has no vector path on the CPU. Constant
+# tables, CPU only: on CUDA the arithmetic fuses, and a host table would have to be copied inside a graph.
+_E2M1_PAIRS = _e2m1_pairs().view(torch.float64).view(256)  # [256]: (low nibble, high nibble) as float32 pairs
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)  # [256] float32
+_E8M0_VALUES = _e8m0_arithmetic(torch.arange(256, dtype=torch.uint8))  # [256] float32
 
 
 def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -401,7 +401,8 @@ def infer_square_block(shape: tuple[int, int], scale_shape: tuple[int, int], pre
 
 __all__ = [
     "E4M3_MAX", "E2M1_MAX", "MX_BLOCK", "e8m0_to_float", "e2m1_encode", "e2m1_decode", "pack_nibbles",
-    "unpack_nibbles", "decode_e2m1_bytes", "decode_e4m3_bytes", "fake_quant_fp8", "fake_quant_fp4", "pack_fp4_e4m3", "unpack_fp4_e4m3", "pack_fp4_ue8m0",
+    "unpack_nibbles", "decode_e2m1_bytes", "decode_e4m3_bytes", "fake_quant_fp8", "fake_quant_fp4",
+    "pack_fp4_e4m3", "unpack_fp4_e4m3", "pack_fp4_ue8m0",
     "unpack_fp4_ue8m0", "pack_fp8_ue8m0", "unpack_fp8_ue8m0", "quantize_fp8_blocks", "dequantize_fp8_blocks", "dequantize_fp8_grid",
     "quantize_fp8_rows", "dequantize_fp8_rows", "quantize_mxfp4", "dequantize_mxfp4", "infer_block",
     "infer_square_block",
