@@ -14,9 +14,9 @@ from ..config import ConfigError
 METHODS = ("ngram", "mtp", "dspark")
 
 # Above this many decoding sequences a step verifies no drafts. Measured on the embedded model (1 CPU thread,
-# python -m flashserve.bench.spec, docs/speculative.md): DSpark's per-agent speed-up is 1.26x at 4 sequences,
-# 1.44x at 8 and 1.02x at 32, where it stops paying.
-DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+# python -m flashserve.bench.spec, docs/speculative.md; 1,800-step drafter): DSpark's per-agent speed-up is
+# 1.71x at 1 sequence, 1.99x at 4, 1.60x at 8, then 0.88x at 16, 0.96x at 24 and 32: it stops paying past 8.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def test_packed_forward_equals_float_forward_of_its_weights(preset, method):
 
 
 def test_int8_modules_equal_float_modules_of_their_weights():
-    """int8 runs its own kernel (``_weight_int8pack_mm``), whose summation order differs: each packed module
+    """int8 runs its own kernel (``_weight_int8pack_mm`` or chunked conversion), whose summation order differs: each packed module
     against the float module over the same decoded weights, within 1e-5 relative (a whole random model would
     amplify that through near-tied routing)."""
     packed = load_model("tiny-v41", quantization="int8")
@@ -73,7 +73,7 @@ def test_int8_modules_equal_float_modules_of_their_weights():
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-@pytest.mark.parametrize("rows,path", [(1, "_gathered"), (6, "_dense"), (600, "_grouped")])
+@pytest.mark.parametrize("rows,path", [(1, "_gathered"), (6, "_dense"), (33, "_grouped")])
 def test_each_packed_expert_path_equals_float_experts_of_its_weights(fmt, rows, path, monkeypatch):
     """Packed experts pick their path by rows (one pair per expert at most: gathered; a few rows: every
     expert on every row; prefill-sized: the per-expert loop); each equals float experts over the decoded
@@ -97,6 +97,29 @@ def test_each_packed_expert_path_equals_float_experts_of_its_weights(fmt, rows, 
     got = packed(x, idx, w)
     assert taken == [path]
     assert _rel(got, ref._grouped(x, idx, w)) <= 1e-6  # same decoded weights; only the summation order differs
+
+
+@pytest.mark.parametrize("capability,kernel", [("AVX2", False), ("AVX512", True)])
+def test_int8_rows_decode_in_chunks_unless_the_cpu_has_avx512(capability, kernel, monkeypatch):
+    """Without AVX-512 int8 rows are converted a chunk at a time (here 3 rows of 64 columns: 7 chunks and a
+    partial one), each chunk's products scaled by its rows' scales; with it, ``_weight_int8pack_mm`` runs."""
+    from flashserve.model import packed as packed_mod
+    from flashserve.model.packed import ROW_INT8
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(packed_mod, "INT8_CHUNK_VALUES", 3 * 64)
+    calls = []
+    real = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(packed_mod.torch.ops.aten, "_weight_int8pack_mm",
+                        lambda *a: (calls.append(1), real(*a))[1], raising=False)
+    lin = PackedLinear(64, 22, ROW_INT8)
+    g = torch.Generator().manual_seed(1)
+    lin.packed.set_float(torch.randn(22, 64, generator=g))
+    x = torch.randn(2, 5, 64, generator=g)
+    want = x @ lin.packed.dequantize(torch.float32).t()
+    got = lin(x)
+    assert got.shape == (2, 5, 22) and bool(calls) == kernel
+    assert _rel(got, want) <= 1e-6
 
 
 def test_int8_linear_stays_close_to_its_float_weights():
