@@ -52,8 +52,8 @@ def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype, pai
     ``pairs``: :func:`_fp4_pairs` on ``p``'s device."""
     d = p.shape[-1] * 2 * block // (block + 2)  # record = d/2 code bytes + d/block scale bytes
     codes = p[..., : d // 2]
-    # the CPU has a faster table of its own (quant.decode_e2m1_bytes); ``pairs`` serves other devices
-    vals = quant.decode_e2m1_bytes(codes) if p.device.type == "cpu" else pairs[codes.long()].flatten(-2)  # [..., d]
+    # eager on the CPU, quant's own table is faster; ``pairs`` serves compiled graphs and other devices
+    vals = quant.decode_e2m1_bytes(codes) if quant.eager_on_cpu(p) else pairs[codes.long()].flatten(-2)  # [..., d]
     sc = p[..., d // 2:]
     scale = quant.decode_e4m3_bytes(sc) if e4m3 else quant.e8m0_to_float(sc)
     return (vals.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2).to(dtype)

@@ -105,7 +105,10 @@ def _int8_kernel_ok(x: torch.Tensor) -> bool:
     measured faster than fp32 with AVX-512 (a Xeon: LM head at one row 0.62 against 1.36 ms); with AVX2 only it
     is 3-35x slower than :func:`int8_linear` (below), so that runs instead."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")))
+            and _AVX512)
+
+
+_AVX512 = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))  # read once, not while tracing
 
 
 # int8 rows are decoded this many values at a time by int8_linear: 2 MB of float32, which stays in cache

@@ -49,9 +49,15 @@ def e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
     b = b.view(torch.uint8) if b.dtype == E8M0_DTYPE else b
     if b.dtype != torch.uint8:
         raise TypeError(f"e8m0 scales must be uint8 or float8_e8m0fnu, got {b.dtype}")
-    if b.device.type == "cpu":  # one gather instead of five ops (see the tables below)
+    if eager_on_cpu(b):  # one gather instead of five ops (see the tables below)
         return _E8M0_VALUES.index_select(0, b.reshape(-1).long()).view(b.shape)
     return _e8m0_arithmetic(b)
+
+
+def eager_on_cpu(t: torch.Tensor) -> bool:
+    """Whether the CPU's decode tables apply: an eager CPU tensor. Compiled graphs keep the arithmetic, which
+    inductor fuses (and tracing the tables' dtype views over symbolic sizes cost dynamo 30 s per graph)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _e8m0_arithmetic(b: torch.Tensor) -> torch.Tensor:
@@ -119,7 +125,8 @@ def _e2m1_pairs() -> torch.Tensor:
 # MXFP4 experts 0.13 ms against 5.0 for the E2M1 arithmetic and unpacking (0.76 when the table's rows are
 # [2] floats: hence each entry is a byte's two float32 values read as one float64); a 4096x128 FP8 matrix 0.85
 # ms against 3.1 for torch's float8 -> float32 conversion, which has no vector path on the CPU. Constant
-# tables, CPU only: on CUDA the arithmetic fuses, and a host table would have to be copied inside a graph.
+# tables, eager CPU only (eager_on_cpu): compiled, the arithmetic fuses; on CUDA a host table would have to be
+# copied inside a graph.
 _E2M1_PAIRS = _e2m1_pairs().view(torch.float64).view(256)  # [256]: (low nibble, high nibble) as float32 pairs
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)  # [256] float32
 _E8M0_VALUES = _e8m0_arithmetic(torch.arange(256, dtype=torch.uint8))  # [256] float32
@@ -128,14 +135,14 @@ _E8M0_VALUES = _e8m0_arithmetic(torch.arange(256, dtype=torch.uint8))  # [256] f
 def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
     """float32 values ``[..., 2n]`` of packed E2M1 pairs ``uint8 [..., n]`` (low nibble = even column)."""
     p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
-    if p.device.type != "cpu":
+    if not eager_on_cpu(p):
         return e2m1_decode(unpack_nibbles(p))
     return _E2M1_PAIRS.index_select(0, p.reshape(-1).int()).view(torch.float32).view(*p.shape[:-1], 2 * p.shape[-1])
 
 
 def decode_e4m3_bytes(b: torch.Tensor) -> torch.Tensor:
     """float32 values of E4M3 bytes (``uint8`` or ``float8_e4m3fn``), same shape."""
-    if b.device.type != "cpu":
+    if not eager_on_cpu(b):
         return b.view(FP8_DTYPE).to(torch.float32)
     return _E4M3_VALUES.index_select(0, b.view(torch.uint8).reshape(-1).long()).view(b.shape)
 
