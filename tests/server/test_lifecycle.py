@@ -139,10 +139,17 @@ def test_busy_port_is_refused_before_loading():
     assert took < 2.0, took
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT handled by default and not blocked, as a shell's foreground job gets it
+    (a disposition or mask the test worker inherited from its launcher would otherwise pass on to the CLI)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_generate_ctrl_c_exits_130_without_traceback():
     p = subprocess.Popen([sys.executable, "-m", "flashserve", "generate", MODEL, "hello", "--max-tokens", "4000",
                           "--ignore-eos", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         cwd=REPO)
+                         cwd=REPO, preexec_fn=_as_from_a_terminal)
     try:
         assert p.stdout.read(1)  # generation is under way
         p.send_signal(signal.SIGINT)
@@ -156,7 +163,7 @@ def test_generate_ctrl_c_exits_130_without_traceback():
 
 def test_ctrl_c_while_starting_exits_130_without_traceback():
     p = subprocess.Popen([sys.executable, "-m", "flashserve", "serve", MODEL, "--port", "0"], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, cwd=REPO)
+                         stderr=subprocess.STDOUT, cwd=REPO, preexec_fn=_as_from_a_terminal)
     try:
         time.sleep(1.5)  # importing torch or loading
         p.send_signal(signal.SIGINT)
