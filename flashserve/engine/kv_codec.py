@@ -41,15 +41,9 @@ def _unpack_v4_fp8(p: torch.Tensor, dim: int, rope: int, dtype: torch.dtype) -> 
     return torch.cat([q * scale, r], dim=-1).to(dtype)
 
 
-def _fp4_pairs() -> torch.Tensor:
-    """[256, 2] float32: the two E2M1 values (low nibble first) of every byte."""
-    b = torch.arange(256, dtype=torch.uint8)
-    return torch.stack([quant.e2m1_decode(b & 15), quant.e2m1_decode(b >> 4)], dim=-1)
-
-
 def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype, pairs: torch.Tensor) -> torch.Tensor:
     """Table-driven inverse of ``pack_fp4_e4m3`` (``e4m3``) / ``pack_fp4_ue8m0``: same values, fewer ops.
-    ``pairs``: :func:`_fp4_pairs` on ``p``'s device."""
+    ``pairs``: :func:`quant.e2m1_pair_table` on ``p``'s device."""
     d = p.shape[-1] * 2 * block // (block + 2)  # record = d/2 code bytes + d/block scale bytes
     codes = p[..., : d // 2]
     # eager on the CPU, quant's own table is faster; ``pairs`` serves compiled graphs and other devices
@@ -83,7 +77,7 @@ def codecs(cfg: ModelConfig, packed: bool, device: torch.device | str = "cpu") -
     if not packed:
         return {"main": Codec(hd, None, None), "index": Codec(ihd, None, None), "window": Codec(hd, None, None)}
     rec = kv_record(cfg)
-    pairs = _fp4_pairs().to(device)
+    pairs = quant.e2m1_pair_table().to(device)
     scales = quant.e8m0_to_float(torch.arange(256, dtype=torch.uint8)).to(device)
     index = Codec(rec.index, quant.pack_fp4_ue8m0, lambda p, dt: _unpack_fp4(p, 32, False, dt, pairs))
     if cfg.is_v41:

@@ -115,6 +115,16 @@ _AVX512 = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")) 
 INT8_CHUNK_VALUES = 1 << 19
 
 
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
+    """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: torch's int8 kernel where it pays
+    (:func:`_int8_kernel_ok`), :func:`int8_linear` elsewhere."""
+    if not _int8_kernel_ok(x):
+        return int8_linear(x, q, scale_bits)
+    flat = x.reshape(-1, q.shape[-1])
+    y = torch.ops.aten._weight_int8pack_mm(flat, q, scale_bits.view(torch.float32).to(x.dtype))
+    return y.view(*x.shape[:-1], q.shape[0])
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
     """``x @ (q * scale).T`` for int8 rows ``q`` [out, in] and their float32 scales (stored as int32 bits):
     rows converted a cache-sized chunk at a time, each row's scale applied to its products (it factors out of
@@ -185,12 +195,8 @@ class PackedLinear(_PackedMatrix):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
-        if p.fmt.name == INT8 and _int8_kernel_ok(x):
-            flat = x.reshape(-1, self.in_features)
-            y = torch.ops.aten._weight_int8pack_mm(flat, p.qweight, p.scale.view(torch.float32).to(x.dtype))
-            return y.view(*x.shape[:-1], self.out_features)
         if p.fmt.name == INT8:
-            return int8_linear(x, p.qweight, p.scale)
+            return int8_mm(x, p.qweight, p.scale)
         return F.linear(x, p.dequantize(x.dtype))
 
 
@@ -232,10 +238,8 @@ class PackedExperts(Experts):
 
     def expert_mm(self, name: str, h: torch.Tensor, e: int) -> torch.Tensor:
         p = getattr(self, f"{name}_packed")
-        if p.fmt.name == INT8 and _int8_kernel_ok(h):
-            return torch.ops.aten._weight_int8pack_mm(h, p.qweight[e], p.scale[e].view(torch.float32).to(h.dtype))
         if p.fmt.name == INT8:
-            return int8_linear(h, p.qweight[e], p.scale[e])
+            return int8_mm(h, p.qweight[e], p.scale[e])
         return super().expert_mm(name, h, e)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

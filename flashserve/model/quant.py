@@ -116,7 +116,8 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes >= 8, -mag, mag)
 
 
-def _e2m1_pairs() -> torch.Tensor:
+def e2m1_pair_table() -> torch.Tensor:
+    """[256, 2] float32: the two E2M1 values (low nibble first) of every byte."""
     b = torch.arange(256, dtype=torch.uint8)
     return torch.stack([e2m1_decode(b & 15), e2m1_decode(b >> 4)], dim=-1)
 
@@ -127,7 +128,7 @@ def _e2m1_pairs() -> torch.Tensor:
 # ms against 3.1 for torch's float8 -> float32 conversion, which has no vector path on the CPU. Constant
 # tables, eager CPU only (eager_on_cpu): compiled, the arithmetic fuses; on CUDA a host table would have to be
 # copied inside a graph.
-_E2M1_PAIRS = _e2m1_pairs().view(torch.float64).view(256)  # [256]: (low nibble, high nibble) as float32 pairs
+_E2M1_PAIRS = e2m1_pair_table().view(torch.float64).view(256)  # [256]: (low nibble, high nibble) as float32 pairs
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)  # [256] float32
 _E8M0_VALUES = _e8m0_arithmetic(torch.arange(256, dtype=torch.uint8))  # [256] float32
 
@@ -408,7 +409,7 @@ def infer_square_block(shape: tuple[int, int], scale_shape: tuple[int, int], pre
 
 __all__ = [
     "E4M3_MAX", "E2M1_MAX", "MX_BLOCK", "e8m0_to_float", "e2m1_encode", "e2m1_decode", "pack_nibbles",
-    "unpack_nibbles", "decode_e2m1_bytes", "decode_e4m3_bytes", "fake_quant_fp8", "fake_quant_fp4",
+    "unpack_nibbles", "e2m1_pair_table", "decode_e2m1_bytes", "decode_e4m3_bytes", "fake_quant_fp8", "fake_quant_fp4",
     "pack_fp4_e4m3", "unpack_fp4_e4m3", "pack_fp4_ue8m0",
     "unpack_fp4_ue8m0", "pack_fp8_ue8m0", "unpack_fp8_ue8m0", "quantize_fp8_blocks", "dequantize_fp8_blocks", "dequantize_fp8_grid",
     "quantize_fp8_rows", "dequantize_fp8_rows", "quantize_mxfp4", "dequantize_mxfp4", "infer_block",
