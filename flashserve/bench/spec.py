@@ -2,7 +2,8 @@
 
 ``python -m flashserve.bench.spec`` runs the embedded model (or ``--model``) on held-out code prompts (functions
 of standard-library files the model never trained on), greedy, at each batch size; for every configuration it
-reports per-agent decode tokens/s (output tokens after the first / decode seconds, per sequence), the ratio to
+reports per-agent decode tokens/s (output tokens after the first / decode seconds, per sequence; ``--num-prompts``
+prompts decoded batch-size at a time, so batch 1 is not one prompt's luck), the ratio to
 no speculation at the same batch size measured in the same run, and the mean acceptance length. The medians of
 ``--repeats`` runs are reported; configurations alternate within each repeat, so drift on a shared machine hits
 all of them alike. ``--out FILE`` writes the results as JSON.
@@ -42,21 +43,25 @@ def heldout_prompts(n: int, chars: int = 600) -> list[str]:
     return out
 
 
-def run_once(engine, prompts: list[str], max_tokens: int) -> dict:
-    """Decode ``prompts`` together; per-agent decode tokens/s after every prompt has its first token."""
+def run_once(engine, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    """Decode ``prompts`` ``batch`` at a time; per-agent decode tokens/s (tokens after the first, over the time
+    from every prompt of a group having its first token to the group's end) pooled over the groups."""
     from ..engine import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     before = dict(engine.spec_stats.as_dict()) if engine.spec is not None else None
-    for i, p in enumerate(prompts):
-        engine.add_request(f"b{i}", p, sp)
-    while any(not s.prefill_done for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
-    t0 = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    dt = time.perf_counter() - t0
-    res = {"tok_s_per_agent": (max_tokens - 1) / dt}
+    seconds = 0.0
+    for g in range(0, len(prompts), batch):
+        for i, p in enumerate(prompts[g:g + batch]):
+            engine.add_request(f"b{g + i}", p, sp)
+        while any(not s.prefill_done for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        seconds += time.perf_counter() - t0
+    groups = -(-len(prompts) // batch)
+    res = {"tok_s_per_agent": groups * (max_tokens - 1) / seconds}
     if before is not None:
         after = engine.spec_stats.as_dict()
         drafts = after["num_drafts"] - before["num_drafts"]
@@ -65,12 +70,14 @@ def run_once(engine, prompts: list[str], max_tokens: int) -> dict:
     return res
 
 
-def make_engine(model: str | None, method: str, k: int, batch: int, threads: int):
+def make_engine(model: str | None, method: str, k: int, batch: int, threads: int, confidence: float = 0.0):
     from ..engine import EngineConfig, LLMEngine
     from ..models import resolve_model
 
     spec = None if method == "none" else {"method": method, "num_speculative_tokens": k,
                                           "disable_by_batch_size": None}
+    if method == "dspark":
+        spec["confidence_threshold"] = confidence
     return LLMEngine(EngineConfig(model=resolve_model(model), max_num_seqs=max(batch, 1), threads=threads,
                                   kv_memory="256MiB", speculative_config=spec,
                                   max_num_batched_tokens=max(2048, batch * (k + 1))))
@@ -82,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="preset or checkpoint folder (default: the embedded model)")
     p.add_argument("--methods", default="none,ngram,dspark", help=f"comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--num-speculative-tokens", type=int, default=5)
+    p.add_argument("--confidence-threshold", type=float, default=0.0,
+                   help="dspark: end a block at the first draft its confidence head rates lower (default 0: off)")
     p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--num-prompts", type=int, default=8,
+                   help="prompts per measurement, decoded batch-size at a time (at least the batch size; default 8)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -93,18 +104,23 @@ def main(argv: list[str] | None = None) -> int:
     if bad or "none" not in methods:
         p.error(f"--methods: need 'none' (the baseline) and only {', '.join(METHODS)}; got {a.methods!r}")
     sizes = [int(x) for x in a.batch_sizes.split(",")]
-    prompts_all = heldout_prompts(max(sizes))
-    if len(prompts_all) < max(sizes):
-        prompts_all = (prompts_all * max(sizes))[:max(sizes)]
+    if a.num_prompts < 1 or a.max_tokens < 2 or min(sizes) < 1:
+        p.error("--num-prompts and the batch sizes must be at least 1, --max-tokens at least 2")
+    most = max(max(sizes), a.num_prompts)
+    prompts_all = heldout_prompts(most)
+    if len(prompts_all) < most:
+        prompts_all = (prompts_all * most)[:most]
     results = []
     for B in sizes:
-        engines = {m: make_engine(a.model, m, a.num_speculative_tokens, B, a.threads) for m in methods}
+        prompts = prompts_all[:max(B, a.num_prompts) // B * B]  # whole groups of B
+        engines = {m: make_engine(a.model, m, a.num_speculative_tokens, B, a.threads, a.confidence_threshold)
+                   for m in methods}
         for eng in engines.values():  # warm-up: first-call allocations out of the timing
-            run_once(eng, prompts_all[:B], 4)
+            run_once(eng, prompts[:B], B, 4)
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(a.repeats):
             for m in methods:
-                runs[m].append(run_once(engines[m], prompts_all[:B], a.max_tokens))
+                runs[m].append(run_once(engines[m], prompts, B, a.max_tokens))
         base = statistics.median(r["tok_s_per_agent"] for r in runs["none"])
         for m in methods:
             speed = statistics.median(r["tok_s_per_agent"] for r in runs[m])
@@ -114,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             results.append(row)
             print(json.dumps(row), flush=True)
     off = [r["batch"] for r in results if r["method"] != "none" and r["vs_none"] < 1.0]
-    summary = {"k": a.num_speculative_tokens, "max_tokens": a.max_tokens, "repeats": a.repeats,
+    summary = {"k": a.num_speculative_tokens, "confidence_threshold": a.confidence_threshold,
+               "max_tokens": a.max_tokens, "num_prompts": a.num_prompts, "repeats": a.repeats,
                "threads": a.threads, "results": results,
                "first_batch_size_where_speculation_loses": min(off) if off else None}
     if a.out:

@@ -8,7 +8,9 @@ Stages, each resumable from the work folder's files:
    and cosine decay on random windows of the train stream, QAT quantisation points on (straight-through),
    the routed experts' FP4 rounding on for the last part (``qat_from``), auxiliary-loss-free router balancing.
 3. ``drafter``: the DSpark stages with the backbone frozen (:mod:`flashserve.train.drafter`).
-4. ``export``: the released safetensors layout (FP8 dense, MXFP4 experts) with tokenizer and config; the model
+4. ``distill``: the drafter fine-tuned on a mix of the corpus and the served backbone's own greedy
+   continuations (:mod:`flashserve.train.selfgen`), where serving drafts.
+5. ``export``: the released safetensors layout (FP8 dense, MXFP4 experts) with tokenizer and config; the model
    is loaded back as the engine loads it and its held-out perplexity measured, through the reference forward
    on the held-out split and through the engine (prompt logprobs) on a stored held-out sample; ``report.json``.
 
@@ -232,43 +234,107 @@ def _targets(model, batch: torch.Tensor):
 
 
 def stage_drafter(r: Recipe, progress: bool = True) -> dict:
-    from .drafter import drafter_loss, mtp_loss
-    from .qat import training_patches
-
+    """The drafter from scratch on the corpus, starting from the trained backbone."""
     torch.manual_seed(r.seed)
-    data = torch.load(r.work / "data.pt")
-    stream = data["train"].long()
+    stream = torch.load(r.work / "data.pt")["train"].long()
     model = _load_float(r, "backbone.pt")  # rerunning this stage starts again from the trained backbone
+    W, k = model.cfg.sliding_window, model.cfg.dspark_block_size
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = _gen(r.seed, 2, step)
+        ids = _windows(stream, r.drafter_batch, r.seq_len, gen)
+        return ids, torch.randint(W - 1, r.seq_len - k, (r.drafter_batch, r.drafter_anchors), generator=gen)
+
+    return _train_drafter(r, model, "drafter", r.drafter_steps, r.drafter_lr, batch, progress)
+
+
+def stage_distill(r: Recipe, progress: bool = True) -> dict:
+    """Self-distillation (:mod:`flashserve.train.selfgen`): the drafter fine-tuned on a mix of the corpus and
+    the served backbone's own greedy continuations of corpus prompts, anchors inside the continuations."""
+    torch.manual_seed(r.seed)
+    stream = torch.load(r.work / "data.pt")["train"].long()
+    own = _own_text(r, stream)
+    model = _load_float(r, "model.pt")  # the drafter stage's result
+    W, k = model.cfg.sliding_window, model.cfg.dspark_block_size
+    n_own = max(1, round(r.drafter_batch * r.distill_own_fraction))
+    n_text = r.drafter_batch - n_own
+    L = own.shape[1]
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = _gen(r.seed, 5, step)
+        text = _windows(stream, n_text, L, gen) if n_text else own[:0]
+        mine = own[torch.randint(0, own.shape[0], (n_own,), generator=gen)]
+        a_text = torch.randint(W - 1, L - k - 1, (n_text, r.drafter_anchors), generator=gen)
+        a_own = torch.randint(max(W, r.distill_prompt_len) - 1, L - k - 1, (n_own, r.drafter_anchors), generator=gen)
+        return torch.cat([text, mine]), torch.cat([a_text, a_own])
+
+    return _train_drafter(r, model, "distill", r.distill_steps, r.distill_lr, batch, progress)
+
+
+def _own_text(r: Recipe, stream: torch.Tensor) -> torch.Tensor:
+    """[distill_prompts, distill_prompt_len + distill_gen_len] prompts from the train stream and the served
+    backbone's greedy continuations, generated once and kept in the work folder."""
+    from ..model.checkpoint import save_checkpoint
+    from .data import split_files, stdlib_files
+    from .selfgen import greedy_continuations, line_prompts, prompt_windows
+    from .tokenizer import write_tokenizer_files
+
+    path = r.work / "own_text.pt"
+    key = {"seed": r.seed, "prompts": r.distill_prompts, "prompt_len": r.distill_prompt_len,
+           "gen_len": r.distill_gen_len, "threads": r.threads, "line_fraction": r.distill_line_fraction}
+    if path.exists():
+        saved = torch.load(path)
+        if saved["key"] == key:
+            return saved["rows"]
+    t0 = time.time()
+    served = r.work / "served"
+    model = _load_float(r, "model.pt")
+    save_checkpoint(model.checkpoint_tensors(), served, model.cfg)
+    write_tokenizer_files(_tokenizer(r), served)
+    del model
+    n_line = round(r.distill_prompts * r.distill_line_fraction)
+    train, _ = split_files(stdlib_files(limit=r.file_limit), r.heldout_fraction)
+    prompts = line_prompts([t for _, t in train], _tokenizer(r), n_line, r.distill_prompt_len, _gen(r.seed, 7))
+    prompts += prompt_windows(stream, r.distill_prompts - n_line, r.distill_prompt_len, _gen(r.seed, 4))
+    rows = torch.tensor(greedy_continuations(served, prompts, r.distill_gen_len, threads=r.threads),
+                        dtype=torch.int32)
+    torch.save({"key": key, "rows": rows}, path)
+    _log(r, {"stage": "own_text", "rows": rows.shape[0], "length": rows.shape[1],
+             "seconds": round(time.time() - t0, 1)})
+    return rows
+
+
+def _train_drafter(r: Recipe, model, stage: str, steps: int, lr: float, batch, progress: bool) -> dict:
+    """Train the drafter (DSpark stages, or V4's MTP block) with the backbone frozen; ``batch(step)`` gives the
+    step's token windows [B, L] and draft anchors [B, M] (last context position of each block)."""
+    from .drafter import drafter_loss, mtp_loss
+    from .qat import RouterBalancer, training_patches
+
     model.eval()  # no dropout anywhere; eval only documents that the backbone is frozen
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("mtp.") and not name.endswith(("gate.bias", "gate.bias_vl")))
     params = [p for p in model.mtp.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=r.drafter_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    from .qat import RouterBalancer
-
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     balancer = RouterBalancer(model.mtp)
     cfg = model.cfg
-    W, k = cfg.sliding_window, cfg.dspark_block_size
-    lo, hi = W - 1, r.seq_len - k - 1
     losses, top1 = [], []
     t_start = time.time()
-    bar = _progress("drafter") if progress else None
-    task = bar.add_task("drafter", total=r.drafter_steps, loss=float("nan"), tps=0.0) if bar else None
+    bar = _progress(stage) if progress else None
+    task = bar.add_task(stage, total=steps, loss=float("nan"), tps=0.0) if bar else None
     if bar:
         bar.start()
     try:
-        for step in range(r.drafter_steps):
+        for step in range(steps):
             for g in opt.param_groups:
-                g["lr"] = _lr(r, step, r.drafter_lr, r.drafter_steps)
-            gen = _gen(r.seed, 2, step)
-            batch = _windows(stream, r.drafter_batch, r.seq_len, gen)
-            anchors = torch.randint(lo, hi + 1, (r.drafter_batch, r.drafter_anchors), generator=gen)
+                g["lr"] = _lr(r, step, lr, steps)
+            ids, anchors = batch(step)
+            ids = ids.long()
             with training_patches():
                 if cfg.is_v41:
-                    feats, tlogits = _targets(model, batch)
-                    loss, stats = drafter_loss(model, feats, batch, tlogits, anchors)
+                    feats, tlogits = _targets(model, ids)
+                    loss, stats = drafter_loss(model, feats, ids, tlogits, anchors)
                 else:
-                    loss, stats = mtp_loss(model, batch)
+                    loss, stats = mtp_loss(model, ids)
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
@@ -277,11 +343,11 @@ def stage_drafter(r: Recipe, progress: bool = True) -> dict:
             losses.append(loss.item())
             top1.append(stats["top1"])
             elapsed = time.time() - t_start
-            tps = r.drafter_batch * r.seq_len * (step + 1) / elapsed
+            tps = ids.numel() * (step + 1) / elapsed
             if bar:
                 bar.update(task, advance=1, loss=sum(losses[-20:]) / len(losses[-20:]), tps=tps)
-            if step % r.log_every == 0 or step == r.drafter_steps - 1:
-                _log(r, {"stage": "drafter", "step": step, "loss": round(losses[-1], 4), **stats,
+            if step % r.log_every == 0 or step == steps - 1:
+                _log(r, {"stage": stage, "step": step, "loss": round(losses[-1], 4), **stats,
                          "elapsed": round(elapsed, 1)})
     finally:
         if bar:
@@ -289,7 +355,7 @@ def stage_drafter(r: Recipe, progress: bool = True) -> dict:
         balancer.remove()
     torch.save(model.state_dict(), r.work / "model.pt")
     n = min(20, len(losses))
-    info = {"stage": "drafter", "steps": r.drafter_steps, "seconds": round(time.time() - t_start, 1),
+    info = {"stage": stage, "steps": steps, "seconds": round(time.time() - t_start, 1),
             "final_loss": round(sum(losses[-n:]) / n, 4), "final_top1": round(sum(top1[-n:]) / n, 4),
             "losses": [round(x, 4) for x in losses]}
     _log(r, {k: v for k, v in info.items() if k != "losses"})
@@ -350,16 +416,34 @@ def greedy_acceptance(model, stream: torch.Tensor, r: Recipe) -> dict:
     At each anchor p (context = the true text up to p), t0 is the backbone's argmax; the block [t0, N, N, N, N]
     is drafted; the backbone then reads text + t0 + drafts and the drafts are accepted while they equal its
     argmax (spec §5.3). Returns the mean accepted drafts per block and per-position acceptance rates."""
-    cfg = model.cfg
-    W, k = cfg.sliding_window, cfg.dspark_block_size
+    W = model.cfg.sliding_window
     L = min(r.seq_len, stream.numel() - 1)
     g = _gen(r.seed, 3)
     n = r.acceptance_anchors
     starts = torch.randint(0, stream.numel() - L, (n,), generator=g)
     ends = torch.randint(W, L + 1, (n,), generator=g)  # context lengths
+    return _acceptance(model, [stream[s:s + e] for s, e in zip(starts.tolist(), ends.tolist())])
+
+
+@torch.no_grad()
+def own_text_acceptance(model, rows: torch.Tensor, prompt_len: int, r: Recipe) -> dict:
+    """:func:`greedy_acceptance` where the context is a prompt plus the served backbone's own greedy
+    continuation ``rows`` [N, L] and each anchor lies inside the continuation: what drafting meets in serving."""
+    k = model.cfg.dspark_block_size
+    g = _gen(r.seed, 4)
+    n = r.acceptance_anchors
+    which = torch.randint(0, rows.shape[0], (n,), generator=g)
+    ends = torch.randint(prompt_len + 1, rows.shape[1] - k, (n,), generator=g)
+    return _acceptance(model, [rows[i, :e] for i, e in zip(which.tolist(), ends.tolist())])
+
+
+def _acceptance(model, contexts: list[torch.Tensor]) -> dict:
+    cfg = model.cfg
+    k = cfg.dspark_block_size
     accepted, per_pos = [], torch.zeros(k)
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        ctx = stream[s:s + e].long()[None]
+    for c in contexts:
+        e = c.numel()
+        ctx = c.long()[None]
         out = model(ctx, capture=cfg.dspark_target_layer_ids)
         t0 = out.logits[:, -1].argmax(-1)
         positions = torch.arange(e)[None]
@@ -370,6 +454,7 @@ def greedy_acceptance(model, stream: torch.Tensor, r: Recipe) -> dict:
         a = int(ok.cumprod(0).sum())
         accepted.append(a)
         per_pos[:a] += 1
+    n = len(contexts)
     return {"anchors": n, "mean_accepted": round(sum(accepted) / n, 3),
             "per_position": [round(float(x) / n, 3) for x in per_pos]}
 
@@ -423,7 +508,9 @@ def stage_export(r: Recipe, engine: bool = True) -> dict:
     if engine:
         nll, count = engine_nll(out, chunks)
         report["heldout_sample"] = {"file": SAMPLE, "tokens_scored": count, "engine_ppl": round(math.exp(nll), 4)}
-    for name in ("tokenizer", "backbone", "drafter"):
+        if cfg.is_v41:
+            report["drafter_acceptance_own_text"] = _own_text_acceptance(r, served, out)
+    for name in ("tokenizer", "backbone", "drafter", "distill"):
         rec = _last_record(r, name)
         if rec:
             report[name] = rec
@@ -432,6 +519,19 @@ def stage_export(r: Recipe, engine: bool = True) -> dict:
     _log(r, {"stage": "export", "served_ppl": report["heldout"]["served_ppl"],
              "float_ppl": report["heldout"]["float_ppl"], **report.get("heldout_sample", {})})
     return report
+
+
+def _own_text_acceptance(r: Recipe, served, out: Path) -> dict:
+    """Greedy acceptance where the context is the served model's own continuation of held-out prompts that end
+    where a line ends (half of them after a ``def`` line)."""
+    from .data import split_files, stdlib_files
+    from .selfgen import greedy_continuations, line_prompts
+
+    _, held_files = split_files(stdlib_files(limit=r.file_limit), r.heldout_fraction)
+    prompts = line_prompts([t for _, t in held_files], _tokenizer(r), max(r.acceptance_anchors // 4, 1),
+                           r.distill_prompt_len, _gen(r.seed, 6))
+    rows = torch.tensor(greedy_continuations(out, prompts, r.distill_gen_len, threads=r.threads))
+    return {"prompts": len(prompts), **own_text_acceptance(served, rows, r.distill_prompt_len, r)}
 
 
 def _param_counts(model) -> dict:
@@ -466,6 +566,8 @@ def run(r: Recipe, stages=STAGES, progress: bool = True) -> dict:
             results[s] = stage_backbone(r, progress)
         elif s == "drafter":
             results[s] = stage_drafter(r, progress)
+        elif s == "distill":
+            results[s] = stage_distill(r, progress)
         elif s == "export":
             results[s] = stage_export(r)
         else:

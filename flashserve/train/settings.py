@@ -7,7 +7,7 @@ from pathlib import Path
 
 REPORT = "report.json"
 SAMPLE = "heldout_sample.json"
-STAGES = ("tokenizer", "backbone", "drafter", "export")
+STAGES = ("tokenizer", "backbone", "drafter", "distill", "export")
 
 
 @dataclass
@@ -34,6 +34,14 @@ class Recipe:
     drafter_batch: int = 4
     drafter_anchors: int = 32
     drafter_lr: float = 2e-3
+    # self-distillation (stage "distill"): prompts from the train split continued greedily by the served backbone
+    distill_prompts: int = 768
+    distill_line_fraction: float = 0.5  # prompts ending where a line ends (half of those after a def line)
+    distill_prompt_len: int = 128
+    distill_gen_len: int = 128
+    distill_steps: int = 1200
+    distill_lr: float = 1e-3
+    distill_own_fraction: float = 0.75  # rows of each step's batch taken from the backbone's own text
     eval_tokens: int = 32768  # held-out tokens of the reference-forward evaluation
     sample_chunks: int = 4  # held-out sample stored with the model (the engine-perplexity test)
     sample_len: int = 192
@@ -44,7 +52,8 @@ class Recipe:
     def fast(cls, work: Path, out: Path, **kw) -> "Recipe":
         """A few steps on a few files at a tiny width: the recipe's own test, in seconds."""
         base = dict(work=work, out=out, vocab_size=400, hidden=64, window=16, file_limit=6, seq_len=64, batch=2,
-                    steps=4, warmup=2, drafter_steps=2, drafter_batch=1, drafter_anchors=4, eval_tokens=256,
+                    steps=4, warmup=2, drafter_steps=2, drafter_batch=2, distill_prompts=4, distill_prompt_len=32,
+                    distill_gen_len=32, distill_steps=2, drafter_anchors=4, eval_tokens=256,
                     sample_chunks=1, sample_len=48, acceptance_anchors=4, log_every=1)
         base.update(kw)
         return cls(**base)

@@ -19,6 +19,11 @@ def test_fast_recipe_is_deterministic_and_exports_a_loadable_model(tmp_path):
     assert all(torch.isfinite(torch.tensor(first)))
     drafter = run(r, ("drafter",), progress=False)["drafter"]
     assert len(drafter["losses"]) == r.drafter_steps and all(x == x for x in drafter["losses"])
+    distill = run(r, ("distill",), progress=False)["distill"]
+    assert len(distill["losses"]) == r.distill_steps and all(x == x for x in distill["losses"])
+    own = torch.load(r.work / "own_text.pt")["rows"]
+    assert own.shape == (r.distill_prompts, r.distill_prompt_len + r.distill_gen_len)
+    assert run(r, ("distill",), progress=False)["distill"]["losses"] != distill["losses"]  # went on from its result
     report = stage_export(r, engine=False)
     assert report["heldout"]["served_ppl"] > 1 and report["heldout"]["float_ppl"] > 1
     files = {p.name for p in r.out.iterdir()}

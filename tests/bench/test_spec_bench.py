@@ -1,0 +1,39 @@
+"""The speculative decoding benchmark (python -m flashserve.bench.spec) on a preset: every method and batch size
+reported against no speculation from the same run, batch 1 measured over several prompts."""
+
+import json
+
+import pytest
+
+from flashserve.bench import spec
+
+
+def test_reports_each_method_and_batch_size_over_several_prompts(tmp_path, monkeypatch):
+    seen: list[tuple[int, int]] = []
+    run_once = spec.run_once
+
+    def counting(engine, prompts, batch, max_tokens):
+        seen.append((len(prompts), batch))
+        return run_once(engine, prompts, batch, max_tokens)
+
+    monkeypatch.setattr(spec, "run_once", counting)
+    out = tmp_path / "spec.json"
+    assert spec.main(["--model", "tiny-v41", "--methods", "none,ngram", "--batch-sizes", "1,2", "--num-prompts", "3",
+                      "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    rows = {(r["batch"], r["method"]): r for r in summary["results"]}
+    assert set(rows) == {(1, "none"), (1, "ngram"), (2, "none"), (2, "ngram")}
+    assert rows[1, "none"]["vs_none"] == 1.0 and rows[2, "none"]["vs_none"] == 1.0
+    for b in (1, 2):
+        r = rows[b, "ngram"]
+        assert r["vs_none"] == pytest.approx(r["tok_s_per_agent"] / rows[b, "none"]["tok_s_per_agent"], rel=1e-2)
+        assert 1.0 <= r["mean_acceptance_length"] <= 5.0
+    timed = [n for n, b in seen if b == 1][2:]  # after the two warm-ups: three prompts, one at a time
+    assert timed == [3, 3]
+    assert [n for n, b in seen if b == 2][2:] == [2, 2]  # whole groups of the batch size
+
+
+def test_refuses_bad_counts():
+    with pytest.raises(SystemExit) as e:
+        spec.main(["--num-prompts", "0"])
+    assert e.value.code == 2
