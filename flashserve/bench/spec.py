@@ -129,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                 row["mean_acceptance_length"] = round(statistics.median(r["mean_acceptance_length"] for r in runs[m]), 3)
             results.append(row)
             print(json.dumps(row), flush=True)
-    off = [r["batch"] for r in results if r["method"] != "none" and r["vs_none"] < 1.0]
+    loses = {m: min((r["batch"] for r in results if r["method"] == m and r["vs_none"] < 1.0), default=None)
+             for m in methods if m != "none"}
     summary = {"k": a.num_speculative_tokens, "confidence_threshold": a.confidence_threshold,
                "max_tokens": a.max_tokens, "num_prompts": a.num_prompts, "repeats": a.repeats,
                "threads": a.threads, "results": results,
-               "first_batch_size_where_speculation_loses": min(off) if off else None}
+               "first_batch_size_where_speculation_loses": loses}
     if a.out:
         a.out.write_text(json.dumps(summary, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "results"}))

@@ -21,6 +21,7 @@ fixed (steps, not time).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import time
@@ -280,7 +281,8 @@ def _own_text(r: Recipe, stream: torch.Tensor) -> torch.Tensor:
     from .tokenizer import write_tokenizer_files
 
     path = r.work / "own_text.pt"
-    key = {"seed": r.seed, "prompts": r.distill_prompts, "prompt_len": r.distill_prompt_len,
+    backbone = hashlib.sha256((r.work / "backbone.pt").read_bytes()).hexdigest()  # text of this backbone only
+    key = {"seed": r.seed, "prompts": r.distill_prompts, "prompt_len": r.distill_prompt_len, "backbone": backbone,
            "gen_len": r.distill_gen_len, "threads": r.threads, "line_fraction": r.distill_line_fraction}
     if path.exists():
         saved = torch.load(path)

@@ -28,6 +28,8 @@ def test_reports_each_method_and_batch_size_over_several_prompts(tmp_path, monke
         r = rows[b, "ngram"]
         assert r["vs_none"] == pytest.approx(r["tok_s_per_agent"] / rows[b, "none"]["tok_s_per_agent"], rel=1e-2)
         assert 1.0 <= r["mean_acceptance_length"] <= 5.0
+    ngram_loses = [b for b in (1, 2) if rows[b, "ngram"]["vs_none"] < 1.0]
+    assert summary["first_batch_size_where_speculation_loses"] == {"ngram": min(ngram_loses, default=None)}
     timed = [n for n, b in seen if b == 1][2:]  # after the two warm-ups: three prompts, one at a time
     assert timed == [3, 3]
     assert [n for n, b in seen if b == 2][2:] == [2, 2]  # whole groups of the batch size
