@@ -70,3 +70,21 @@ def test_serve_and_generate_parse_without_a_model():
     assert (args.model, args.prompt) == (None, "def f(n):")
     args = p.parse_args(["generate", "tiny-v41", "hi"])
     assert (args.model, args.prompt) == ("tiny-v41", "hi")
+
+
+def test_shipped_drafter_is_trained_on_the_models_own_text():
+    """DSpark on the default model accepts most of its drafts on held-out prompts, where after the first few
+    tokens it drafts after the model's own greedy text, and its output is the model's own. Mean acceptance
+    length here: 3.08 shipped; 2.49 for the drafter before self-distillation, about 1 untrained."""
+    from flashserve import LLM, SamplingParams
+    from flashserve.bench.spec import heldout_prompts
+
+    prompts = heldout_prompts(4)
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    spec = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 5}, threads=1)
+    outs = spec.generate(prompts, params)
+    drafts = sum(o.outputs[0].spec_decode["num_drafts"] for o in outs)
+    accepted = sum(o.outputs[0].spec_decode["num_accepted_tokens"] for o in outs)
+    assert 1 + accepted / drafts >= 2.75
+    plain = LLM(threads=1).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
