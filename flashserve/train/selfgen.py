@@ -2,11 +2,11 @@
 
 Once a request has a few tokens of output, the drafter's context is the backbone's own greedy continuation, not
 human text, and a weak backbone's continuations (repetitive, loop-prone) are where a drafter trained only on the
-corpus accepts least: the shipped 1,800-step drafter accepted 2.42 drafts per block on held-out text but 1.35 on
-the speculative benchmark's prompts. :func:`greedy_continuations` generates that text through the engine (as
-served: packed weights, QAT points), :func:`own_text_windows` cuts it into training windows, and the recipe's
-``distill`` stage fine-tunes the drafter on a mix of it and the corpus (self-distillation, as EAGLE and Medusa
-train their heads on the target's own outputs).
+corpus accepts least: the 1,800-step drafter shipped before accepted 2.42 drafts per block on held-out text but
+1.35 on the speculative benchmark's prompts. :func:`greedy_continuations` generates that text through the
+engine (as served: packed weights, QAT points) after prompts made by :func:`line_prompts` and
+:func:`prompt_windows`, and the recipe's ``distill`` stage fine-tunes the drafter on a mix of it and the corpus
+(self-distillation, as EAGLE and Medusa train their heads on the target's own outputs).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def line_prompts(texts: list[str], tokenizer, n: int, length: int, gen: torch.Ge
                  def_fraction: float = 0.5) -> list[list[int]]:
     """``n`` prompts of ``length`` tokens that end where a line of code ends, as a user's prompt does:
     ``def_fraction`` of them just after a ``def`` line (a function body follows, what the speculative
-    benchmark's prompts ask for), the others after any non-blank line. Lines too early in their file to have
-    ``length`` tokens before them are skipped."""
+    benchmark's prompts ask for), the others after any non-blank line. Lines within a file's first
+    ``4 * length`` characters are skipped; a prompt that still has fewer tokens is led by PAD."""
     ends: tuple[list, list] = ([], [])  # (file, end offset) after any line, after def lines
     for f, text in enumerate(texts):
         pos = 0
@@ -37,6 +37,8 @@ def line_prompts(texts: list[str], tokenizer, n: int, length: int, gen: torch.Ge
                 ends[0].append((f, pos))
                 if line.lstrip().startswith("def "):
                     ends[1].append((f, pos))
+    if not ends[0]:
+        raise ValueError(f"no line of code ends past character {4 * length} of any file: no prompts to make")
     n_def = round(n * def_fraction) if ends[1] else 0
     out = []
     for kind, count in ((1, n_def), (0, n - n_def)):
@@ -66,8 +68,3 @@ def greedy_continuations(model_dir: str | Path, prompts: list[list[int]], max_to
     del llm
     return rows
 
-
-def own_text_windows(rows: torch.Tensor, n: int, gen: torch.Generator) -> torch.Tensor:
-    """``n`` rows of the generated set [N, L], drawn with replacement."""
-    idx = torch.randint(0, rows.shape[0], (n,), generator=gen)
-    return rows[idx]

@@ -87,3 +87,20 @@ def test_anchor_batch_rows():
     assert first.tolist() == [8, 21, 41, 55]
     assert prev[2].tolist() == [30 + 11 + i for i in range(k)]
     assert rows[3].tolist() == [30 + 25 + i for i in range(k)]
+
+
+def test_line_prompts_end_where_a_line_of_code_ends():
+    from flashserve.train.selfgen import line_prompts
+    from flashserve.train.tokenizer import train_tokenizer
+
+    body = "".join(f"    x{i} = compute({i})\n" for i in range(30))
+    texts = [f"import os\n\n\ndef f{j}(a, b):\n{body}\nclass C{j}:\n    def m(self):\n{body}" for j in range(3)]
+    tok = train_tokenizer(texts, 300)
+    g = torch.Generator().manual_seed(0)
+    prompts = line_prompts(texts, tok, 6, 24, g, def_fraction=0.5)
+    assert len(prompts) == 6 and all(len(p) == 24 for p in prompts)
+    lines = [tok.decode(p).splitlines(keepends=True)[-1] for p in prompts]
+    assert all(line.endswith("\n") and line.strip() for line in lines)
+    assert sum(line.lstrip().startswith("def ") for line in lines) >= 3  # half after a def line
+    with pytest.raises(ValueError, match="no line of code"):
+        line_prompts(["x = 1\n"], tok, 2, 24, g)
