@@ -100,15 +100,15 @@ _DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8}
 _SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32}
 
 
+_AVX512 = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))  # read once, not while tracing
+
+
 def _int8_kernel_ok(x: torch.Tensor) -> bool:
     """Whether ``torch.ops.aten._weight_int8pack_mm`` takes ``x`` (CPU, 16- or 32-bit floats) and pays: it was
     measured faster than fp32 with AVX-512 (a Xeon: LM head at one row 0.62 against 1.36 ms); with AVX2 only it
     is 3-35x slower than :func:`int8_linear` (below), so that runs instead."""
     return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and _AVX512)
-
-
-_AVX512 = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))  # read once, not while tracing
 
 
 # int8 rows are decoded this many values at a time by int8_linear: 2 MB of float32, which stays in cache

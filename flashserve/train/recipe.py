@@ -71,6 +71,23 @@ def _tokenizer(r: Recipe):
     return Tokenizer.from_file(str(r.work / "tokenizer" / "tokenizer.json"))
 
 
+def _split_texts(r: Recipe) -> tuple[list[str], list[str]]:
+    """The texts of the train and held-out files."""
+    from .data import split_files, stdlib_files
+
+    train, held = split_files(stdlib_files(limit=r.file_limit), r.heldout_fraction)
+    return [t for _, t in train], [t for _, t in held]
+
+
+def _save_served(r: Recipe, model, folder: Path) -> None:
+    """``model`` in the released layout with the tokenizer files: a folder the engine loads."""
+    from ..model.checkpoint import save_checkpoint
+    from .tokenizer import write_tokenizer_files
+
+    save_checkpoint(model.checkpoint_tensors(), folder, model.cfg)
+    write_tokenizer_files(_tokenizer(r), folder)
+
+
 def _model_config(r: Recipe):
     from ..config.model_config import config_from_dict
     from ..model.engram import compressed_token_map
@@ -275,10 +292,7 @@ def stage_distill(r: Recipe, progress: bool = True) -> dict:
 def _own_text(r: Recipe, stream: torch.Tensor) -> torch.Tensor:
     """[distill_prompts, distill_prompt_len + distill_gen_len] prompts from the train stream and the served
     backbone's greedy continuations, generated once and kept in the work folder."""
-    from ..model.checkpoint import save_checkpoint
-    from .data import split_files, stdlib_files
     from .selfgen import greedy_continuations, line_prompts, prompt_windows
-    from .tokenizer import write_tokenizer_files
 
     path = r.work / "own_text.pt"
     backbone = hashlib.sha256((r.work / "backbone.pt").read_bytes()).hexdigest()  # text of this backbone only
@@ -290,13 +304,9 @@ def _own_text(r: Recipe, stream: torch.Tensor) -> torch.Tensor:
             return saved["rows"]
     t0 = time.time()
     served = r.work / "served"
-    model = _load_float(r, "model.pt")
-    save_checkpoint(model.checkpoint_tensors(), served, model.cfg)
-    write_tokenizer_files(_tokenizer(r), served)
-    del model
+    _save_served(r, _load_float(r, "model.pt"), served)
     n_line = round(r.distill_prompts * r.distill_line_fraction)
-    train, _ = split_files(stdlib_files(limit=r.file_limit), r.heldout_fraction)
-    prompts = line_prompts([t for _, t in train], _tokenizer(r), n_line, r.distill_prompt_len, _gen(r.seed, 7))
+    prompts = line_prompts(_split_texts(r)[0], _tokenizer(r), n_line, r.distill_prompt_len, _gen(r.seed, 7))
     prompts += prompt_windows(stream, r.distill_prompts - n_line, r.distill_prompt_len, _gen(r.seed, 4))
     rows = torch.tensor(greedy_continuations(served, prompts, r.distill_gen_len, threads=r.threads),
                         dtype=torch.int32)
@@ -476,9 +486,7 @@ def mtp_agreement(model, stream: torch.Tensor, r: Recipe) -> dict:
 
 
 def stage_export(r: Recipe, engine: bool = True) -> dict:
-    from ..model.checkpoint import save_checkpoint
     from ..model.loader import load_model
-    from .tokenizer import write_tokenizer_files
 
     t0 = time.time()
     model = _load_float(r)
@@ -488,8 +496,7 @@ def stage_export(r: Recipe, engine: bool = True) -> dict:
         for p in out.iterdir():
             if p.is_file():
                 p.unlink()
-    save_checkpoint(model.checkpoint_tensors(), out, cfg)
-    write_tokenizer_files(_tokenizer(r), out)
+    _save_served(r, model, out)
     data = torch.load(r.work / "data.pt")
     held = data["heldout"].long()
     float_nll, n_eval = heldout_nll(model, held, r.seq_len, r.eval_tokens)
@@ -526,11 +533,9 @@ def stage_export(r: Recipe, engine: bool = True) -> dict:
 def _own_text_acceptance(r: Recipe, served, out: Path) -> dict:
     """Greedy acceptance where the context is the served model's own continuation of held-out prompts that end
     where a line ends (half of them after a ``def`` line)."""
-    from .data import split_files, stdlib_files
     from .selfgen import greedy_continuations, line_prompts
 
-    _, held_files = split_files(stdlib_files(limit=r.file_limit), r.heldout_fraction)
-    prompts = line_prompts([t for _, t in held_files], _tokenizer(r), max(r.acceptance_anchors // 4, 1),
+    prompts = line_prompts(_split_texts(r)[1], _tokenizer(r), max(r.acceptance_anchors // 4, 1),
                            r.distill_prompt_len, _gen(r.seed, 6))
     rows = torch.tensor(greedy_continuations(out, prompts, r.distill_gen_len, threads=r.threads))
     return {"prompts": len(prompts), **own_text_acceptance(served, rows, r.distill_prompt_len, r)}
