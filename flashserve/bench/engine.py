@@ -195,21 +195,36 @@ def long_context_v41(dtype: torch.dtype, positions: int):
     return model
 
 
-def context_step_ms(model, context: int, steps: int, **engine_kw) -> float:
-    """Median decode step (ms, batch 1) after a prompt of ``context`` tokens."""
+def decoding_engine(model, context: int, steps: int, **engine_kw):
+    """A ``tiny-v41`` engine holding one request past its prompt of ``context`` tokens, with ``steps`` decode
+    steps left."""
     from ..engine import SamplingParams
 
     engine = engine_for(model, "tiny-v41", max_num_seqs=2, max_model_len=context + steps + 8, **engine_kw)
-    engine.add_request("ctx", prompts(1, context, 7)[0], SamplingParams(max_tokens=steps + 1, ignore_eos=True,
+    engine.add_request("ctx", prompts(1, context, 7)[0], SamplingParams(max_tokens=steps + 2, ignore_eos=True,
                                                                         temperature=0.0))
     while not any(s.prefill_done for s in engine.scheduler.running):
         engine.step()
+    engine.step()  # the first decode step (warm-up)
+    return engine
+
+
+def step_ms(engine, steps: int) -> float:
+    """Median wall time (ms) of the engine's next ``steps`` steps."""
     times = []
-    while engine.has_unfinished_requests():
+    for _ in range(steps):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
     return 1000 * statistics.median(times)
+
+
+def context_step_pair(model, short: int, long: int, steps: int, repeats: int, **engine_kw) -> tuple[float, float]:
+    """Median decode step (ms, batch 1) after prompts of ``short`` and ``long`` tokens: both requests are
+    prefilled once, then blocks of ``steps`` steps alternate between them (``repeats`` blocks each), so
+    machine noise falls on both alike."""
+    engines = [decoding_engine(model, n, steps * repeats, **engine_kw) for n in (short, long)]
+    return median_pair(lambda: step_ms(engines[0], steps), lambda: step_ms(engines[1], steps), repeats)
 
 
 def median_pair(ours, theirs, repeats: int) -> tuple[float, float]:
@@ -412,8 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     long_model = long_context_v41(dtype, long_ + 1024)
     steps = 16 if args.quick else 32
     # eager: what is measured is how the step scales with context (a compiled step would compile per engine)
-    short_ms, long_ms = median_pair(lambda: context_step_ms(long_model, short, steps, enforce_eager=True),
-                                    lambda: context_step_ms(long_model, long_, steps, enforce_eager=True), R)
+    short_ms, long_ms = context_step_pair(long_model, short, long_, steps, R, enforce_eager=True)
     # steps/s, so the ratio reads like the others (higher is better): within 1.25x slower is a ratio >= 0.8
     print(f"decode step at {long_} context {long_ms:.1f} ms, at {short} {short_ms:.1f} ms", flush=True)
     table(f"decode step at {long_} vs {short} context (tiny-v41)", 1000 / long_ms, 1000 / short_ms,

@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..config import ConfigError
+from ..model.weight_layout import column_major_tall_weights
 
 from . import preflight
 from .cache import KVCache
@@ -51,6 +52,7 @@ class LLMEngine:
                                                                 fake_quant=c.fake_quant, with_mtp=with_mtp,
                                                                 quantization=c.quantization)
         self.dtype = self.model.dtype
+        column_major_tall_weights(self.model)  # the LM head's one-row products run ~2x faster (weight_layout)
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
         set_engram_token_map(self.model, self.tokenizer)

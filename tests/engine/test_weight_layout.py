@@ -1,0 +1,50 @@
+"""Tall float32 weights (the LM head) stored column-major for the decode step: same values, same logits."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from engine_helpers import make_engine, prompt_of, reference_greedy, run_greedy
+from flashserve.config.model_config import config_from_dict
+from flashserve.config.presets import preset_json
+from flashserve.model.init import random_init
+from flashserve.model.transformer import Transformer
+from flashserve.model.weight_layout import column_major_tall_weights, is_tall
+
+
+def test_only_tall_float32_cpu_matrices_are_converted():
+    model = nn.Sequential(nn.Linear(64, 32000, bias=False), nn.Linear(512, 512, bias=False),
+                          nn.Linear(64, 32000, bias=False).to(torch.bfloat16))
+    emb = nn.Embedding(32000, 64)
+    tied = nn.Linear(64, 32000, bias=False)
+    tied.weight = emb.weight
+    model.append(tied)
+    model.append(emb)
+    before = [p.detach().clone() for p in model.parameters()]
+    assert column_major_tall_weights(model) == ["0.weight"]
+    assert model[0].weight.stride() == (1, 32000) and model[0].weight.shape == (32000, 64)
+    assert model[1].weight.is_contiguous() and model[2].weight.is_contiguous() and emb.weight.is_contiguous()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert column_major_tall_weights(model) == []  # already column-major
+    assert not is_tall(torch.zeros(1000, 100)) and is_tall(torch.zeros(20000, 100))
+
+
+@torch.inference_mode()
+def test_column_major_head_gives_the_same_logits_and_tokens():
+    raw = preset_json("tiny-v41")
+    # a head tall and large enough to convert (20000 x 64); no engram (its token classes follow the vocabulary)
+    raw["text_config"].update(vocab_size=20000, engram_layer_ids=[], engram_num_embeddings=[])
+    cfg = config_from_dict(raw)
+    model = random_init(Transformer(cfg, with_mtp=False), seed=3).float().eval()
+    model.fake_quant = False
+    ref = copy.deepcopy(model)  # never given to an engine: stays row-major
+    engine = make_engine(model, "tiny-v41", dtype="float32", cache_dtype="float", exact_prefill=True)
+    assert model.head.weight.stride() == (1, cfg.vocab_size)  # the engine stored it column-major
+    assert ref.head.weight.is_contiguous()
+    ids = torch.tensor([prompt_of(40, seed=2)])
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+    prompts = [prompt_of(17, seed=5), prompt_of(30, seed=6)]
+    assert run_greedy(engine, prompts, 12) == [reference_greedy(ref, p, 12) for p in prompts]
