@@ -6,6 +6,7 @@ tokens (a chat stream's opening role chunk, the final usage chunk) are not token
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -189,7 +190,13 @@ class EngineBackend:
         return result
 
     async def server_metrics(self) -> str | None:
-        return None
+        """The engine's counters as a server's ``/metrics`` would show them (speculative acceptance included),
+        read once the last step's outputs are out (a step holds the engine until its counters are updated)."""
+        from ..server.metrics import ServerMetrics
+
+        metrics = ServerMetrics(self.model)
+        metrics.update_engine(await asyncio.to_thread(self.loop.engine.stats))
+        return metrics.render().decode()
 
     async def close(self) -> None:
         if self.loop is not None:

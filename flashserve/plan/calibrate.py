@@ -26,7 +26,7 @@ BOUNDS: dict[str, tuple[float, float, bool]] = {
     "eta_flop": (0.02, 1.0, True),
     "eta_flop_prefill": (0.02, 1.0, True),
     "eta_comm": (0.05, 1.0, True),
-    "layer_overhead_us": (0.0, 5000.0, False),
+    "layer_overhead_us": (0.0, 50000.0, False),  # a Python engine on a CPU spends ~5 ms per layer per step
     "pass_overhead_us": (0.0, 1e5, False),
     "spec_step_overhead_us": (0.0, 1e5, False),
     "comm_overlap": (0.0, 1.0, False),
@@ -64,6 +64,29 @@ class Calibration:
     fitted: dict[str, float]
     points: tuple[PointError, ...]
 
+    @property
+    def at_bounds(self) -> list[str]:
+        """Fitted terms that ended at an end of their search range: the points did not pin them."""
+        out = []
+        for t, v in self.fitted.items():
+            lo, hi, log = BOUNDS[t]
+            u = (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo)) if log else (v - lo) / (hi - lo)
+            if u < 1e-3 or u > 1 - 1e-3:
+                out.append(t)
+        return out
+
+    def warnings(self) -> list[str]:
+        """What makes the fit weak, in words: fewer fitted points than terms, terms stuck at a bound."""
+        n = sum(not p.held_out for p in self.points)
+        out = []
+        if n < len(self.fitted):
+            out.append(f"{len(self.fitted)} terms fitted on {n} point{'s' * (n != 1)}: more terms than points, so "
+                       f"many values fit equally well; measure more concurrency levels or fit fewer terms (--fit)")
+        for t in self.at_bounds:
+            lo, hi, _ = BOUNDS[t]
+            out.append(f"{t} ended at the end of its search range ({lo:g} to {hi:g}): the points do not pin it")
+        return out
+
     def mean_abs_error(self, held_out: bool) -> float:
         errs = [abs(p.agent_error) for p in self.points if p.held_out == held_out]
         return sum(errs) / len(errs) if errs else float("nan")
@@ -71,6 +94,7 @@ class Calibration:
     def as_dict(self) -> dict[str, object]:
         return {
             "fitted": self.fitted,
+            "warnings": self.warnings(),
             "fit_mean_abs_error": self.mean_abs_error(False),
             "held_out_mean_abs_error": self.mean_abs_error(True),
             "points": [{**p.__dict__, "agent_error": p.agent_error} for p in self.points],

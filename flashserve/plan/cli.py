@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
@@ -25,8 +26,30 @@ DESCRIPTION = ("Predict per-agent decode speed, throughput per GPU, TTFT, sessio
                "million tokens for a DeepSeek-V3/V4/V4.1 deployment, from a roofline with every term visible.")
 
 
+class _Given(argparse.Action):
+    """Mixin of the planner's store actions: also records that the flag was given (``namespace.given``), so a
+    fixed scenario can refuse a flag even when its value equals the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, values, option_string)
+        if option_string is not None:
+            namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+class _StoreGiven(_Given, argparse._StoreAction):
+    pass
+
+
+class _StoreTrueGiven(_Given, argparse._StoreTrueAction):
+    pass
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The planner's flags (shared by ``register`` and ``main``)."""
+    p.register("action", None, _StoreGiven)
+    p.register("action", "store", _StoreGiven)
+    p.register("action", "store_true", _StoreTrueGiven)
+    p.set_defaults(given=frozenset())
     p.add_argument("action", nargs="?", default="run", choices=ACTIONS,
                    help="run (default): one plan; sweep: concurrency curve as JSON + PNG; published: predicted vs "
                         "published points; seed: the V4.1 GB300 headline; verdict: the 1M tok/s and $0.002/M claims")
@@ -119,10 +142,10 @@ def _refuse_misfit(reasons: list[str], allow: bool) -> bool:
         return False
     lead = "does not fit" if allow else "error: this deployment does not fit"
     for reason in reasons:
-        print(f"flashserve plan: {lead}: {reason}", file=sys.stderr)
+        print(textwrap.fill(f"flashserve plan: {lead}: {reason}", 80, subsequent_indent="  "), file=sys.stderr)
     if not allow:
-        print("flashserve plan: no speed or cost printed; change the deployment, or pass --allow-misfit to "
-              "see them anyway", file=sys.stderr)
+        print("flashserve plan: no speed or cost printed; change the deployment, or pass\n"
+              "  --allow-misfit to see them anyway", file=sys.stderr)
     return not allow
 
 
@@ -141,6 +164,8 @@ def _run(a: argparse.Namespace) -> int:
     elif a.explain:
         print_explain(res)
     else:
+        if res.misfit():  # shown under --allow-misfit: say so beside the numbers, not only on stderr
+            print("DOES NOT FIT (numbers shown under --allow-misfit; reasons on stderr)")
         print(_summary(res.as_dict()))
     return 0
 
@@ -187,6 +212,8 @@ def _calibrate(a: argparse.Namespace) -> int:
         print(f"  concurrency {p.concurrency:>6}: measured {p.measured_agent:9.2f} predicted {p.predicted_agent:9.2f} "
               f"tok/s/agent ({p.agent_error:+.1%}){'  held out' if p.held_out else ''}")
     print(f"mean |error|: fit {cal.mean_abs_error(False):.1%}, held out {cal.mean_abs_error(True):.1%}")
+    for w in cal.warnings():
+        print(textwrap.fill(f"warning: {w}", 80, subsequent_indent="  "))
     return 0
 
 
@@ -273,12 +300,16 @@ def _verdict(a: argparse.Namespace) -> int:
 def _check_action_flags(a: argparse.Namespace) -> None:
     """Refuse flags a fixed-scenario action would otherwise silently ignore."""
     allowed = ACTION_FLAGS.get(a.action)
-    if allowed is None or a.calibrate:
+    if allowed is None:
         return
-    defaults = argparse.ArgumentParser()
-    add_arguments(defaults)
-    given = [k for k, v in vars(defaults.parse_args([])).items()
-             if k not in allowed and k != "action" and getattr(a, k, v) != v]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    names = [k for k in defaults if k not in ("action", "given")]
+    if hasattr(a, "given"):  # parsed by add_arguments' parser: every flag given, whatever its value
+        given = [k for k in names if k in a.given and k not in allowed]
+    else:  # a namespace built elsewhere: the flags whose value differs from the default
+        given = [k for k in names if k not in allowed and getattr(a, k, None) != defaults[k]]
     if given:
         flags = ", ".join("--" + k.replace("_", "-") for k in given)
         keep = ", ".join("--" + k for k in sorted(allowed))

@@ -74,6 +74,22 @@ def test_calibrate_recovers_terms_and_reports_held_out_error(tmp_path, capsys) -
     assert d["fitted"]["eta_flop"] == pytest.approx(0.3, rel=0.05)
     assert d["held_out_mean_abs_error"] < 0.02
     assert sum(p["held_out"] for p in d["points"]) == 4
+    assert d["warnings"] == []  # four points pin three terms, none at a bound
+
+
+def test_calibrate_warns_when_the_points_do_not_pin_the_terms(tmp_path, capsys) -> None:
+    base = ["--model", "deepseek-r1", "--hardware", "h200", "--gpus", "8", "--context", "2048"]
+    # one fitted point (the second is held out), and a speed no efficiency reaches: every term runs to a bound
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps([{"concurrency": 1, "tokens_per_s_per_agent": 1e6},
+                                 {"concurrency": 4, "tokens_per_s_per_agent": 1e6}]))
+    d = _json(capsys, base + ["--calibrate", str(bench), "--json"])
+    assert "3 terms fitted on 1 point" in d["warnings"][0]
+    assert sum("ended at the end of its search range" in w for w in d["warnings"]) >= 2
+    assert main(base + ["--calibrate", str(bench)]) == 0
+    out = capsys.readouterr().out
+    warned = out[out.index("warning: "):].splitlines()
+    assert warned[0].startswith("warning: 3 terms fitted on 1 point") and max(map(len, warned)) <= 80
 
 
 @pytest.mark.parametrize("argv,field", [
