@@ -5,7 +5,7 @@
 Measures (a) decode tokens/s per agent at batch 1, (b) aggregate output tokens/s with 16 and 64 concurrent
 requests, end to end (prompt included) and decode only, (c) prefill tokens/s on a 4K-token prompt: V4 (exact)
 against transformers, and V4.1 encoder-only against exact prefill; (d) the machine's bounds that decide
-whether the bars are reachable (one pass over the active weights; large-matmul GFLOP/s). Every figure is
+whether the speed goals are reachable (one pass over the active weights; large-matmul GFLOP/s). Every figure is
 the median of ``--repeats`` runs, the two engines alternating; ratios are of medians. (e) The decode step at
 32K against 1K context. With llama-cpp-python installed, (f) llama.cpp on the same weights (see
 :mod:`flashserve.bench.llamacpp`). Not a test.
@@ -338,11 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     rel = float("nan")
 
-    def table(name, ours_v, theirs_v, unit="tok/s", bar=None, vs="transformers"):
+    def table(name, ours_v, theirs_v, unit="tok/s", goal=None, vs="transformers"):
         ratio = ours_v / theirs_v if theirs_v else float("nan")
         rows.append({"name": name, "flashserve": ours_v, "baseline": theirs_v, "baseline_name": vs,
-                     "unit": unit, "ratio": ratio, "bar": bar, "met": None if bar is None else ratio >= bar})
-        mark = "" if bar is None else f"   goal {bar:g}x {vs}: {'reached' if ratio >= bar else 'NOT reached'}"
+                     "unit": unit, "ratio": ratio, "goal": goal, "met": None if goal is None else ratio >= goal})
+        mark = "" if goal is None else f"   goal {goal:g}x {vs}: {'reached' if ratio >= goal else 'NOT reached'}"
         print(f"{name:<40} flashserve {ours_v:9.1f} {unit}   {vs} {theirs_v:9.1f} {unit}   "
               f"ratio {ratio:5.2f}x{mark}", flush=True)
 
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         fs_run(eng, p1, 4)
         hf_generate(hf, p1, 2)
         ours1, hf1 = median_pair(lambda: fs_decode_rate(eng, plen, new1), lambda: hf_decode_rate(hf, plen, new1), R)
-        table("decode per agent, batch 1", ours1, hf1, bar=5)
+        table("decode per agent, batch 1", ours1, hf1, goal=5)
         bound1 = active_pass_rate(ours, R)
         floor = statistics.median(model_floor_rate(ours, plen, new1) for _ in range(R))
         print(f"  the model alone, without the engine's scheduler and paged cache: {floor:.1f} tok/s (the engine "
@@ -394,9 +394,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(R):
                 o.append(ours_b())
                 h.append(hf_b())
-            bar = 20 if b == 64 else None
+            goal = 20 if b == 64 else None
             table(f"aggregate output, {b} concurrent", statistics.median(x[0] for x in o),
-                  statistics.median(x[0] for x in h), bar=bar)
+                  statistics.median(x[0] for x in h), goal=goal)
             table(f"  decode only, {b} concurrent", statistics.median(x[1] for x in o),
                   statistics.median(x[1] for x in h))
             if b == 64:
@@ -431,13 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     # steps/s, so the ratio reads like the others (higher is better): within 1.25x slower is a ratio >= 0.8
     print(f"decode step at {long_} context {long_ms:.1f} ms, at {short} {short_ms:.1f} ms", flush=True)
     table(f"decode step at {long_} vs {short} context (tiny-v41)", 1000 / long_ms, 1000 / short_ms,
-          unit="step/s", bar=0.8, vs=f"{short} context")
+          unit="step/s", goal=0.8, vs=f"{short} context")
     v41 = load_model("tiny-v41", dtype=dtype, with_mtp=False)
     L = min(args.prefill_len, v41.cfg.max_position_embeddings - 8)
     enc_engine = engine_for(v41, "tiny-v41", max_num_seqs=4)
     exact_engine = engine_for(v41, "tiny-v41", max_num_seqs=4, exact_prefill=True)
     enc, exact = median_pair(lambda: fs_prefill_rate(enc_engine, L, 1), lambda: fs_prefill_rate(exact_engine, L, 1), R)
-    table(f"prefill {L} tokens (V4.1)", enc, exact, bar=1.6, vs="exact prefill")
+    table(f"prefill {L} tokens (V4.1)", enc, exact, goal=1.6, vs="exact prefill")
     if args.json:
         report = {"dtype": args.dtype, "repeats": R, "threads": torch.get_num_threads(), "logits_rel_diff": rel,
                   "rows": rows}

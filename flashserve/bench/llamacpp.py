@@ -375,5 +375,5 @@ def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tu
                 a.append(b * (new - 1) / dec)
                 c.append(peer.decode_rate(fmt, batch, new, kv, fa))
             # goals: batch 1 at 1.0x in each matched format, 16 concurrent at 2x llama.cpp's defaults
-            bar = 1.0 if b == 1 and q is not None else (2.0 if b == 16 and q is None else None)
-            table(f"{label}, batch {b}", statistics.median(a), statistics.median(c), bar=bar, vs="llama.cpp")
+            goal = 1.0 if b == 1 and q is not None else (2.0 if b == 16 and q is None else None)
+            table(f"{label}, batch {b}", statistics.median(a), statistics.median(c), goal=goal, vs="llama.cpp")
