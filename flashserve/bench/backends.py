@@ -7,6 +7,7 @@ tokens (a chat stream's opening role chunk, the final usage chunk) are not token
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import time
@@ -167,11 +168,28 @@ class EngineBackend:
         self.loop = EngineLoop(create_engine(EngineConfig(model=self.model, **self.options)))
         self.loop.start()
 
-    async def send(self, req: SampleRequest, sampling: Sampling) -> RequestResult:
+    @staticmethod
+    def params(output_len: int, sampling: Sampling) -> Any:
+        """The request's ``SamplingParams``: the run's settings, then ``--extra-body`` fields by the engine's
+        names (vLLM's: ``top_p``, ``top_k``, ``min_p``, ``stop``, ``repetition_penalty``, ...), as a server
+        merges the body; a field the engine does not have is a :class:`UserError`."""
         from ..engine import SamplingParams
 
-        params = SamplingParams(max_tokens=req.output_len, temperature=sampling.temperature,
-                                ignore_eos=sampling.ignore_eos, seed=sampling.seed, output_kind="delta")
+        known = {f.name for f in dataclasses.fields(SamplingParams)} - {"output_kind"}
+        unknown = sorted(set(sampling.extra_body) - known)
+        if unknown:
+            raise UserError(f"--extra-body: {', '.join(unknown)} {'is not a' if len(unknown) == 1 else 'are not'} "
+                            f"sampling parameter{'s' * (len(unknown) > 1)} of the in-process engine "
+                            f"(it takes {', '.join(sorted(known))})")
+        fields = {"max_tokens": output_len, "temperature": sampling.temperature, "ignore_eos": sampling.ignore_eos,
+                  "seed": sampling.seed, **sampling.extra_body}
+        try:
+            return SamplingParams(**fields, output_kind="delta")
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"--extra-body: {exc}") from None
+
+    async def send(self, req: SampleRequest, sampling: Sampling) -> RequestResult:
+        params = self.params(req.output_len, sampling)
         times: list[float] = []
         text, n_out = [], 0
         start = time.perf_counter()

@@ -119,6 +119,7 @@ def build_requests(cfg: ServeConfig, tok: Any, n: int, seed: int) -> list[Sample
 
 def make_backend(cfg: ServeConfig, tok: Any) -> Backend:
     if cfg.model is not None:
+        EngineBackend.params(1, cfg.sampling)  # a bad --extra-body fails here, before the engine loads
         return EngineBackend(cfg.model, **cfg.engine_options)
     return OpenAIBackend(cfg.base_url or "", cfg.endpoint, cfg.served_model or "", tok.encode, cfg.api_key)
 

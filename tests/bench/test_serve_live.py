@@ -144,3 +144,22 @@ def test_in_process_engine_reports_speculative_acceptance(tmp_path):
     assert r["spec_decode_num_drafts"] > 0 and r["spec_decode_draft_tokens"] >= r["spec_decode_num_drafts"]
     assert r["spec_decode_acceptance_length"] == 1 + r["spec_decode_accepted_tokens"] / r["spec_decode_num_drafts"]
     assert 0 <= r["spec_decode_acceptance_rate"] <= 100
+
+
+def test_in_process_engine_takes_extra_body_sampling_fields(tmp_path, capsys):
+    def texts(*flags: str) -> list[str]:
+        out = tmp_path / "r.json"
+        assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--max-concurrency",
+                     "1", "--save-detailed", "--result-file", str(out), *flags]) == 0
+        r = json.loads(out.read_text())
+        assert r["completed"] == 4
+        return r["generated_texts"]
+
+    # top_k 1 at temperature 1 through --extra-body (the engine's own field, as a server merges the body) is greedy
+    greedy = texts("--temperature", "0")
+    assert texts("--temperature", "1", "--extra-body", '{"top_k": 1}') == greedy
+    assert texts("--temperature", "1", "--request-seed", "3") != greedy  # seeded: the same draw every run
+    capsys.readouterr()
+    assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--extra-body", '{"top_q": 1}']) == 2
+    err = capsys.readouterr().err
+    assert "--extra-body: top_q is not a sampling parameter of the in-process engine" in err
