@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -163,7 +164,7 @@ async def _timed_run(backend: Backend, cfg: ServeConfig, requests: list[SampleRe
 
     gaps = arrival_gaps(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
     with Progress(TextColumn("requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not cfg.progress, transient=True) as bar:
+                  disable=not (cfg.progress and sys.stdout.isatty()), transient=True) as bar:  # piped: no bar
         task = bar.add_task("bench", total=len(requests))
         start = time.perf_counter()
         results = await run_load(requests, lambda r: backend.send(r, cfg.sampling), gaps, cfg.max_concurrency,
