@@ -13,6 +13,7 @@ as vLLM's switch does.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -23,6 +24,13 @@ from .cache import KVCache
 from .fixed_state import FixedBatchState
 
 log = logging.getLogger("flashserve.engine")
+
+# Dynamo keeps at most ``recompile_limit`` graphs per code object, and every compiled DecodeStep in a process
+# shares ``_eager``'s: past the limit a later engine's step silently runs uncompiled (seen in the engine
+# benchmark, whose fourth compiled engine fell back to eager). Each compiled step makes room for its own graphs
+# (batch 1, every batch from 2, the MoE's switch to all experts, and again with verification rows).
+GRAPHS_PER_STEP = 8
+_compiled_steps = itertools.count(1)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -73,6 +81,9 @@ class DecodeStep:
             for t in cache.storage.tensors():
                 torch._dynamo.mark_static_address(t)
         mode = "reduce-overhead" if self.cuda_graphs else None
+        if not enforce_eager:
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_STEP * next(_compiled_steps))
         self._forward = (self._eager if enforce_eager
                          else torch.compile(self._eager, backend=backend, mode=mode, dynamic=False))
         self.warmup_s = 0.0

@@ -140,6 +140,20 @@ def test_no_recompiles_after_warm_up():
     assert 1 in sizes and set(padded) <= {1, 2, 4, 8} and 1 in padded and 3 not in padded
 
 
+def test_every_compiled_engine_in_a_process_compiles_its_step(monkeypatch):
+    """Engines built one after another in one process (a benchmark, a notebook) share the step's code object,
+    whose graphs dynamo caps (8 by default; 2 here, so two engines show it): each engine's warm-up still
+    compiles graphs of its own instead of running eager."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    for dtype in (torch.float32, torch.float64):  # two graphs each (batch 1, batches from 2)
+        before = counters["stats"]["unique_graphs"]
+        make_engine(compact_v41(dtype, layers=SMALL), "tiny-v41", dtype=str(dtype).removeprefix("torch."),
+                    max_num_seqs=4, enforce_eager=False, compile_backend="eager")
+        assert counters["stats"]["unique_graphs"] > before, dtype
+
+
 class HostSync(AssertionError):
     pass
 
