@@ -125,25 +125,18 @@ def test_serve_in_process_engine_starts_and_closes_it(tmp_path, capsys):
 
     before = engine_threads()
     out = tmp_path / "inproc.json"
+    # prompt lookup from one token: any token seen before in the prompt or the answer gives a draft
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
     assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--max-concurrency", "2",
-                 "--result-file", str(out)]) == 0
+                 "--speculative-config", spec, "--result-file", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["backend"] == "flashserve-engine" and r["completed"] == 4 and r["failed"] == 0
     assert r["output_lens"] == [6] * 4 and r["max_concurrency"] == 2 and r["median_tpot_ms"] > 0
-    assert engine_threads() == before  # run() stopped the engine loop it started
-    assert "per-agent decode speed" in capsys.readouterr().out
-
-
-def test_in_process_engine_reports_speculative_acceptance(tmp_path):
-    out = tmp_path / "spec.json"
-    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    # prompt lookup from one token: any token seen before in the prompt or the answer gives a draft
-    assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--max-concurrency", "1",
-                 "--speculative-config", spec, "--result-file", str(out)]) == 0
-    r = json.loads(out.read_text())
+    # acceptance read from the engine's own counters, as from a server's /metrics
     assert r["spec_decode_num_drafts"] > 0 and r["spec_decode_draft_tokens"] >= r["spec_decode_num_drafts"]
     assert r["spec_decode_acceptance_length"] == 1 + r["spec_decode_accepted_tokens"] / r["spec_decode_num_drafts"]
-    assert 0 <= r["spec_decode_acceptance_rate"] <= 100
+    assert engine_threads() == before  # run() stopped the engine loop it started
+    assert "per-agent decode speed" in capsys.readouterr().out
 
 
 def test_in_process_engine_takes_extra_body_sampling_fields(tmp_path, capsys):
