@@ -149,9 +149,7 @@ def test_in_process_engine_takes_extra_body_sampling_fields(tmp_path, capsys):
         return r["generated_texts"]
 
     # top_k 1 at temperature 1 through --extra-body (the engine's own field, as a server merges the body) is greedy
-    greedy = texts("--temperature", "0")
-    assert texts("--temperature", "1", "--extra-body", '{"top_k": 1}') == greedy
-    assert texts("--temperature", "1", "--request-seed", "3") != greedy  # seeded: the same draw every run
+    assert texts("--temperature", "1", "--extra-body", '{"top_k": 1}') == texts("--temperature", "0")
     capsys.readouterr()
     assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--extra-body", '{"top_q": 1}']) == 2
     err = capsys.readouterr().err
