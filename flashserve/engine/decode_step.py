@@ -13,7 +13,6 @@ as vLLM's switch does.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -25,12 +24,11 @@ from .fixed_state import FixedBatchState
 
 log = logging.getLogger("flashserve.engine")
 
-# Dynamo keeps at most ``recompile_limit`` graphs per code object, and every compiled DecodeStep in a process
-# shares ``_eager``'s: past the limit a later engine's step silently runs uncompiled (seen in the engine
-# benchmark, whose fourth compiled engine fell back to eager). Each compiled step makes room for its own graphs
-# (batch 1, every batch from 2, the MoE's switch to all experts, and again with verification rows).
+# Graphs one step may compile: batch 1, every batch from 2, the MoE's switch to all experts, and again with
+# verification rows. Each step's compile keeps its own graphs (``isolate_recompiles``): by default every
+# compiled DecodeStep in a process shares ``_eager``'s code object and dynamo's cap of 8 graphs on it, and past
+# the cap a later engine's step ran uncompiled without a word (seen in the engine benchmark's fourth engine).
 GRAPHS_PER_STEP = 8
-_compiled_steps = itertools.count(1)
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -80,13 +78,19 @@ class DecodeStep:
         if self.cuda_graphs:  # replays write the cache in place: its tensors must keep their addresses
             for t in cache.storage.tensors():
                 torch._dynamo.mark_static_address(t)
-        mode = "reduce-overhead" if self.cuda_graphs else None
-        if not enforce_eager:
-            config = torch._dynamo.config
-            config.recompile_limit = max(config.recompile_limit, GRAPHS_PER_STEP * next(_compiled_steps))
-        self._forward = (self._eager if enforce_eager
-                         else torch.compile(self._eager, backend=backend, mode=mode, dynamic=False))
+        self._forward = self._eager if enforce_eager else self._compile(backend)
         self.warmup_s = 0.0
+
+    def _compile(self, backend: str):
+        """``_eager`` compiled with guards on the tensors it is given only. Dynamo would also check every
+        parameter and attribute of the model before each call (1.2 ms of a 20 ms step on the engine
+        benchmark's checkpoint); the engine never changes its model after start-up, so those checks are
+        skipped. ``triton.cudagraphs`` is what ``mode="reduce-overhead"`` sets."""
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        if self.cuda_graphs:
+            options["triton.cudagraphs"] = True
+        return torch.compile(self._eager, backend=backend, options=options, dynamic=False,
+                             recompile_limit=GRAPHS_PER_STEP, isolate_recompiles=True)
 
     def bucket(self, n: int) -> int:
         """Rows a batch of ``n`` requests is padded to (eager steps are not padded)."""
