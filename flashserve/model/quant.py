@@ -55,8 +55,9 @@ def e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
 
 
 def eager_on_cpu(t: torch.Tensor) -> bool:
-    """Whether the CPU's decode tables apply: an eager CPU tensor. Compiled graphs keep the arithmetic, which
-    inductor fuses (and tracing the tables' dtype views over symbolic sizes cost dynamo 30 s per graph)."""
+    """Whether the CPU's decode tables apply: an eager CPU tensor. Traced code keeps the arithmetic (tracing the
+    tables' dtype views over symbolic sizes cost dynamo 30 s per graph); a compiled CPU graph does not trace
+    either, it calls the tables through ``packed.decode``'s opaque op."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
