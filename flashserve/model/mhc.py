@@ -31,13 +31,14 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """``iters`` alternating normalisations of ``comb`` [.., n, n] in place: columns first, then rows and
-    columns ``iters - 1`` times, each dividing by (sum + eps).
+    """``iters`` alternating normalisations of ``comb`` [.., n, n]: columns first, then rows and columns
+    ``iters - 1`` times, each dividing by (sum + eps).
 
-    At decode this loop is most of mHC's op count, so each half-step is two ops: ``baddbmm`` gives
-    eps + the sums as one batched product with a ones vector, then an in-place divide.
+    At decode this loop is most of mHC's op count, so eager inference works in place with two ops per
+    half-step: ``baddbmm`` gives eps + the sums as one batched product with a ones vector, then a divide.
+    Training (autograd) and compiled steps take :func:`_sinkhorn_sums` (the same values).
     """
-    if torch.compiler.is_compiling():  # sums inductor fuses; baddbmm would be ~600 extern calls a step
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and comb.requires_grad):
         return _sinkhorn_sums(comb, iters, eps)
     n = comb.shape[-1]
     c = comb.view(-1, n, n)
@@ -45,12 +46,6 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     ones_row = c.new_ones(1, 1, n).expand(c.shape[0], 1, n)
     eps_col = c.new_full((1, n, 1), eps).expand(c.shape[0], n, 1)
     eps_row = c.new_full((1, 1, n), eps).expand(c.shape[0], 1, n)
-    if torch.is_grad_enabled() and c.requires_grad:  # training: the same arithmetic out of place
-        c = c / torch.baddbmm(eps_row, ones_row, c)
-        for _ in range(iters - 1):
-            c = c / torch.baddbmm(eps_col, c, ones_col)
-            c = c / torch.baddbmm(eps_row, ones_row, c)
-        return c.view_as(comb)
     c.div_(torch.baddbmm(eps_row, ones_row, c))  # eps + column sums [.., 1, n]
     for _ in range(iters - 1):
         c.div_(torch.baddbmm(eps_col, c, ones_col))  # eps + row sums [.., n, 1]
@@ -59,9 +54,9 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def _sinkhorn_sums(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """:func:`sinkhorn` out of place as plain sums: for a compiled step, where inductor fuses each half-step
-    into its neighbours but calls ``baddbmm`` as an external kernel (3.4 us and a copy each, ~2.5 ms of a
-    20 ms step on the benchmark's peers checkpoint)."""
+    """:func:`sinkhorn` out of place as plain sums: for autograd, and for a compiled step, where inductor fuses
+    each half-step into its neighbours but calls ``baddbmm`` as an external kernel (3.4 us and a copy each,
+    ~2.5 ms of a 20 ms step on the benchmark's peers checkpoint)."""
     c = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(-1, keepdim=True) + eps)
