@@ -8,6 +8,7 @@ import json
 import sys
 from typing import Sequence
 
+from .config import layout
 from .errors import UserError
 
 
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--enable-expert-parallel", action="store_true", help="experts partitioned over the ranks")
     info.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
     info.add_argument("--dtype", default="bfloat16", help="compute dtype of float weights (with --memory)")
-    info.add_argument("--quantization", default=None, choices=("int8", "fp8", "mxfp4", "float"),
+    info.add_argument("--quantization", default=None, choices=layout.QUANTIZATIONS,
                       help="weight format (default: the release's, mxfp4, for real-dimension presets; float for "
                            "the tiny ones; a checkpoint as stored)")
     info.add_argument("--cache-dtype", default=None, choices=("packed", "float"), help="KV cache layout")

@@ -282,7 +282,7 @@ def llama_cpp_rows(model, work: Path, table, args, repeats: int, prompt_len: int
     try:
         llamacpp.compare(model, work, table, threads=torch.get_num_threads(), repeats=repeats,
                          batches=tuple(args.llama_batches), prompt_len=prompt_len, new=new,
-                         engine_kw=dict(enforce_eager=args.enforce_eager))
+                         engine_kw=dict(enforce_eager=args.enforce_eager), rows=tuple(args.llama_rows))
     except Exception as exc:  # a peer that breaks must not end the benchmark
         print(f"llama.cpp peer failed: {type(exc).__name__}: {exc}", flush=True)
 
@@ -317,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare with llama.cpp through llama-cpp-python when it is installed (default on)")
     ap.add_argument("--llama-batches", type=int, nargs="+", default=[1, 8, 16],
                     help="concurrent sequences of the llama.cpp rows")
+    ap.add_argument("--llama-rows", nargs="+", choices=("f32", "defaults", "int8", "w8a8"),
+                    default=["f32", "defaults", "int8", "w8a8"],
+                    help="the llama.cpp comparisons to run (each compiled flashserve engine compiles on its own)")
     ap.add_argument("--sweep-json", default=None, metavar="PATH",
                     help="also write the measured points as a bench sweep (PATH) and the checkpoint's config "
                          "(PATH.config.json), the input of `flashserve plan --calibrate`")

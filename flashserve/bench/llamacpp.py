@@ -338,14 +338,16 @@ if __name__ == "__main__":
 
 # --------------------------------------------------------------------------- rows of the engine benchmark
 
-# (label, flashserve's weights, llama.cpp's GGUF, its KV type, its flash attention)
-ROWS = (("F32 weights, F32 KV, flash-attn off", "float", "f32", "f32", "off"),
-        ("defaults: MXFP4 experts, F16 KV, flash-attn auto", None, "mxfp4", "f16", "auto"),
-        ("8-bit: int8 vs Q8_0 (F16 KV)", "int8", "q8_0", "f16", "auto"))
+# name -> (label, flashserve's weights, llama.cpp's GGUF, its KV type, its flash attention). Q8_0 is compared
+# with both 8-bit formats: int8 (weight-only) and w8a8 (8-bit activations too, as Q8_0's own products).
+ROWS = {"f32": ("F32 weights, F32 KV, flash-attn off", "float", "f32", "f32", "off"),
+        "defaults": ("defaults: MXFP4 experts, F16 KV, flash-attn auto", None, "mxfp4", "f16", "auto"),
+        "int8": ("8-bit: int8 vs Q8_0 (F16 KV)", "int8", "q8_0", "f16", "auto"),
+        "w8a8": ("8-bit: w8a8 vs Q8_0 (F16 KV)", "w8a8", "q8_0", "f16", "auto")}
 
 
 def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tuple[int, ...], prompt_len: int,
-            new: int, engine_kw: dict) -> None:
+            new: int, engine_kw: dict, rows: tuple[str, ...] = tuple(ROWS)) -> None:
     """llama.cpp's rows of the engine benchmark: the logits agreement of the matched configuration, then
     decode-only tokens/s per format and batch, flashserve in this process and llama.cpp in a fresh one per
     block, alternating, medians of ``repeats``."""
@@ -356,7 +358,7 @@ def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tu
 
     peer = Peer(model, work, threads)
     load = dict(fake_quant=False, with_mtp=False, dtype=model.dtype)
-    ours = {q: load_model(peer.folder, quantization=q, **load) for q in ("float", None, "int8")}
+    ours = {q: load_model(peer.folder, quantization=q, **load) for q in {"float"} | {ROWS[r][1] for r in rows}}
     ids = prompts(1, 40, 5)[0]
     with torch.no_grad():
         want = ours["float"](torch.tensor([ids])).logits[0, -1].float()
@@ -364,7 +366,7 @@ def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tu
     rel = float((got - want).abs().max() / want.abs().max())
     print(f"llama.cpp (F32 GGUF, F32 KV, flash-attn off) vs flashserve float logits: max rel diff {rel:.2e}",
           flush=True)
-    for label, q, fmt, kv, fa in ROWS:
+    for label, q, fmt, kv, fa in (ROWS[r] for r in rows):
         engine = engine_for(ours[q], str(peer.folder), max_num_seqs=max(batches), **engine_kw)
         for b in batches:
             batch = prompts(b, prompt_len, 40 + b)

@@ -39,8 +39,8 @@ class EngineConfig:
     # as static addresses); False compiles without them. Ignored on the CPU and with enforce_eager.
     cuda_graphs: bool = True
     compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
-    # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "fp8" | "mxfp4"
-    # pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
+    # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "w8a8" | "fp8" |
+    # "mxfp4" pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
     quantization: str | None = None
     # Speculative decoding, as vLLM's ``speculative_config``: {"method": "ngram" | "mtp" | "dspark",
     # "num_speculative_tokens": k, ...} (dict or its JSON text; see flashserve.engine.spec_config). None: off.

@@ -9,6 +9,7 @@ import time
 import torch
 
 from ..config import ConfigError
+from ..model.packed import prepare_kernels
 from ..model.weight_layout import column_major_tall_weights
 
 from . import preflight
@@ -53,6 +54,7 @@ class LLMEngine:
                                                                 quantization=c.quantization)
         self.dtype = self.model.dtype
         column_major_tall_weights(self.model)  # the LM head's one-row products run ~2x faster (weight_layout)
+        prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
         set_engram_token_map(self.model, self.tokenizer)

@@ -12,6 +12,7 @@ import dataclasses
 import typing
 from typing import Any
 
+from ..config import layout
 from .engine_config import EngineConfig
 from .threads import DEFAULT_THREADS
 
@@ -23,7 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "cache_dtype": ("packed", "float"),
     "prefix_replay": ("exact", "window"),
-    "quantization": ("int8", "fp8", "mxfp4", "float"),
+    "quantization": layout.QUANTIZATIONS,
 }
 
 HELP = {
@@ -55,8 +56,9 @@ HELP = {
                           "(needs --enable-expert-parallel)",
     "worker_timeout": "seconds a sharded engine waits on a worker before it stops with an error",
     "startup_timeout": "seconds a sharded engine waits at start-up for its workers to join and load their shards",
-    "quantization": "pack float weights at load (int8, fp8, mxfp4) or unpack a packed checkpoint (float); "
-                    "default: as the checkpoint stores them",
+    "quantization": "pack float weights at load (int8, fp8, mxfp4; w8a8: int8 weights times activations "
+                    "quantized per token) or unpack a packed checkpoint (float); default: as the checkpoint "
+                    "stores them",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
                           "(methods: ngram, mtp, dspark; see docs/speculative.md)",
 }

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError, ModelConfig, load_config
+from ..config import layout
 from ..config.arithmetic import kv_record
 
 if TYPE_CHECKING:
@@ -84,6 +85,10 @@ def _check_layout(c: EngineConfig, cfg: ModelConfig) -> None:
     from ..parallel.layout import layout_of
 
     layout_of(c).check(cfg)
+    if c.quantization == "w8a8" and c.tensor_parallel_size > 1:
+        # a rank holding some input columns would quantize its slice of each token on its own absmax
+        raise ConfigError("quantization: w8a8 quantizes each token's whole activation row, which tensor "
+                          "parallelism splits; use --tensor-parallel-size 1 or --quantization int8")
     for name in ("worker_timeout", "startup_timeout"):
         v = getattr(c, name)
         if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0):
@@ -98,7 +103,7 @@ def _check_scalars(c: EngineConfig) -> None:
     if c.prefill_chunk is not None and (not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk: must be an integer >= 1, got {c.prefill_chunk!r}")
     for name, allowed in (("cache_dtype", ("packed", "float")), ("prefix_replay", ("exact", "window")),
-                          ("quantization", ("int8", "fp8", "mxfp4", "float"))):
+                          ("quantization", layout.QUANTIZATIONS)):
         v = getattr(c, name)
         if v is not None and v not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}")

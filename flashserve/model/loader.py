@@ -103,8 +103,9 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     window rows and FP4 main/index rows (spec §2.1); V4's FP8 KV on non-RoPE dims and Hadamard+FP4
     indexer (spec Appendix A).
     ``quantization``: unset keeps a checkpoint's weights as stored (FP8 blocks and MXFP4 experts stay packed;
-    float checkpoints and presets stay float); ``"int8"``, ``"fp8"`` or ``"mxfp4"`` packs float weights at
-    load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference path).
+    float checkpoints and presets stay float); ``"int8"``, ``"w8a8"``, ``"fp8"`` or ``"mxfp4"`` packs float
+    weights at load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference
+    path).
     Shards are streamed into the model's parameters one tensor at a time; packed weights never exist as floats.
     ``prepare(model)`` (checkpoint folders only) runs on the still-empty ``meta`` model before anything is
     allocated or read: an expert-parallel rank keeps its experts there (``Experts.first``), so only their

@@ -8,6 +8,8 @@ Three formats, each a pair of integer buffers so that ``model.to(dtype)`` never 
 * ``int8``: symmetric per-row ``int8 [..., out, in]`` + float32 scales kept as their bit pattern (``int32``);
   dense layers run ``torch.ops.aten._weight_int8pack_mm`` on CPUs with AVX-512 (0.62 ms against 1.36 ms for
   fp32 on the benchmark's LM head), :func:`int8_linear` elsewhere.
+* ``w8a8``: the ``int8`` bytes; dense layers multiply them by activations quantized per token (:mod:`.w8a8`,
+  fbgemm's int8 kernel on x86), experts stay weight-only ``int8``.
 
 Dense FP8/MXFP4 dequantize the whole matrix per call (a temporary in the compute dtype); experts dequantize
 only the experts a step gathers. The float model stays the reference: :func:`dequantized_state` gives the
@@ -25,13 +27,14 @@ from torch import nn
 
 from ..config import layout
 from ..config.model_config import ModelConfig
-from . import quant
+from . import quant, w8a8
 from .moe import Experts, clamped_swiglu
 from .norms import fp32
 
-FP8, MXFP4, INT8 = "fp8", "mxfp4", "int8"
+FP8, MXFP4, INT8, W8A8 = "fp8", "mxfp4", "int8", "w8a8"
 FLOAT = "float"  # unpack a packed checkpoint into the compute dtype (the reference path)
-QUANTIZATIONS = (INT8, FP8, MXFP4, FLOAT)
+QUANTIZATIONS = layout.QUANTIZATIONS
+INT8_ROWS = (INT8, W8A8)  # formats stored as int8 rows + a float32 scale per row
 _STORED_FP8 = ("F8_E4M3",)
 _STORED_FP4 = ("I8", "U8")
 
@@ -71,7 +74,7 @@ def decode(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torc
     """Float weights ``[..., out, cols]`` in ``dtype`` from packed bytes and scales (any leading dims)."""
     if q.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.ops.flashserve.decode_packed(q, s, fmt.name, fmt.row_block, fmt.col_block, cols, dtype)
-    if fmt.name == INT8:
+    if fmt.name in INT8_ROWS:
         return (q.to(torch.float32) * s.view(torch.float32)[..., None]).to(dtype)
     scale = quant.e8m0_to_float(s)
     if fmt.name == MXFP4:
@@ -113,8 +116,8 @@ def packed_shapes(shape: tuple[int, ...], fmt: Format) -> tuple[tuple[int, ...],
     return shape, lead + (rows,)
 
 
-_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8}
-_SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32}
+_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8, W8A8: torch.int8}
+_SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32, W8A8: torch.int32}
 
 
 _AVX512 = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))  # read once, not while tracing
@@ -209,12 +212,27 @@ class PackedLinear(_PackedMatrix):
     def __init__(self, in_features: int, out_features: int, fmt: Format):
         super().__init__((out_features, in_features), fmt)
         self.in_features, self.out_features = in_features, out_features
+        self.kernel: w8a8.Int8Kernel | None = None  # w8a8 on x86: fbgemm's copy of the weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
+        if p.fmt.name == W8A8:
+            if not torch.compiler.is_compiling():  # a compiled step uses the kernel made at start-up
+                self.prepare_kernel()
+            return w8a8.linear(x, p.qweight, p.scale, self.kernel)
         if p.fmt.name == INT8:
             return int8_mm(x, p.qweight, p.scale)
         return F.linear(x, p.dequantize(x.dtype))
+
+    def prepare_kernel(self) -> None:
+        """w8a8 on an x86 CPU: pack fbgemm's copy of the weights, again when they changed since (a load, a
+        ``set_float``); other formats have no kernel."""
+        p = self.packed
+        if p.fmt.name != W8A8 or not w8a8.FBGEMM or p.qweight.device.type != "cpu":
+            return
+        k = self.kernel
+        if k is None or k.source != w8a8.Int8Kernel.identity(p.qweight, p.scale):
+            self.kernel = w8a8.Int8Kernel(p.qweight, p.scale)
 
 
 class PackedEmbedding(_PackedMatrix):
@@ -300,6 +318,7 @@ class PackedExperts(Experts):
 TABLE_FP8 = Format(FP8, 1, quant.MX_BLOCK)  # engram tables: FP8 rows, a scale per row per 32 columns
 EXPERT_FP4 = Format(MXFP4, 1, quant.MX_BLOCK)
 ROW_INT8 = Format(INT8)
+ROW_W8A8 = Format(W8A8)
 
 
 def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
@@ -307,15 +326,17 @@ def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
 
     ``mxfp4`` is the released layout (dense FP8 blocks, MXFP4 experts, FP8 engram tables); ``fp8`` puts the
     experts in FP8 blocks too (V4's base layout); ``int8`` covers the same dense layers and experts and the
-    LM head, per row, leaving the engram tables float.
+    LM head, per row, leaving the engram tables float; ``w8a8`` is ``int8`` with the dense layers and the head
+    multiplying activations quantized per token (the experts' products stay weight-only: a compiled step picks
+    them by tensor index, which fbgemm's per-matrix kernels cannot take).
     """
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if method == FLOAT:
         return {}
     block = cfg.quantization.weight_block_size
-    dense = ROW_INT8 if method == INT8 else Format(FP8, block, block)
-    experts = {INT8: ROW_INT8, FP8: dense, MXFP4: EXPERT_FP4}[method]
+    dense = {INT8: ROW_INT8, W8A8: ROW_W8A8}.get(method, Format(FP8, block, block))
+    experts = {INT8: ROW_INT8, W8A8: ROW_INT8, FP8: dense, MXFP4: EXPERT_FP4}[method]
     out: dict[str, Format] = {}
     for spec in layout.checkpoint_layout(cfg):
         if spec.kind not in (layout.FP8, layout.FP4, layout.FP8_TABLE) or not spec.name.endswith(".weight"):
@@ -324,12 +345,12 @@ def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
         if ".experts." in path:
             out[path.split(".experts.")[0] + ".experts"] = experts
         elif spec.kind == layout.FP8_TABLE:
-            if method != INT8:
+            if method not in INT8_ROWS:
                 out[path] = TABLE_FP8
         else:
             out[path] = dense
-    if method == INT8:
-        out["head"] = ROW_INT8
+    if method in INT8_ROWS:
+        out["head"] = dense
     return out
 
 
@@ -438,6 +459,14 @@ def dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
             packed_destinations(model).items()}
 
 
+def prepare_kernels(model: nn.Module) -> int:
+    """Make every w8a8 layer's kernel copy of its weights (before a step is compiled); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed.fmt.name == W8A8]
+    for m in layers:
+        m.prepare_kernel()
+    return sum(m.kernel is not None for m in layers)
+
+
 def resident_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer, computed tables (RoPE, engram hashing) excluded."""
     total = 0
@@ -447,6 +476,6 @@ def resident_bytes(model: nn.Module) -> int:
     return total
 
 
-__all__ = ["QUANTIZATIONS", "INT8", "FP8", "MXFP4", "FLOAT", "Format", "PackedLinear", "PackedEmbedding",
+__all__ = ["QUANTIZATIONS", "INT8", "W8A8", "FP8", "MXFP4", "FLOAT", "Format", "PackedLinear", "PackedEmbedding",
            "PackedExperts", "PackedSlot", "plan", "plan_as_stored", "pack_model", "packed_destinations",
-           "dequantized_state", "resident_bytes", "encode", "decode"]
+           "dequantized_state", "prepare_kernels", "resident_bytes", "encode", "decode"]

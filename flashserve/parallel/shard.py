@@ -55,7 +55,7 @@ def slice_packed(p, lead: tuple[int, int] | None = None, rows: tuple[int, int] |
     """A :class:`~flashserve.model.packed.PackedWeights` holding a slice of ``p``'s logical ``[..., out, in]``
     weights: experts ``lead``, output ``rows``, input ``cols`` (on the format's scale blocks), bytes copied as
     they are (no re-quantization)."""
-    from ..model.packed import FP8, INT8, MXFP4, PackedWeights
+    from ..model.packed import INT8_ROWS, FP8, MXFP4, PackedWeights
 
     fmt, shape = p.fmt, list(p.shape)
     q, sc = p.qweight, p.scale
@@ -67,7 +67,7 @@ def slice_packed(p, lead: tuple[int, int] | None = None, rows: tuple[int, int] |
         rb = fmt.row_block if fmt.name == FP8 else 1
         _check_block(r0, r1, rb, what)
         q = q[..., r0:r1, :]
-        sc = sc[..., r0:r1] if fmt.name == INT8 else sc[..., r0 // rb:r1 // rb, :]
+        sc = sc[..., r0:r1] if fmt.name in INT8_ROWS else sc[..., r0 // rb:r1 // rb, :]
         shape[-2] = r1 - r0
     if cols is not None:
         c0, c1 = cols

@@ -13,7 +13,7 @@ def test_bench_script_reports_medians_and_ratios(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert bench.main(["--shape", "tiny", "--quick", "--repeats", "1", "--prefill-len", "96",
                        "--concurrency", "4", "--contexts", "64", "256", "--llama-batches", "1",
-                       "--json", str(out)]) == 0
+                       "--llama-rows", "f32", "w8a8", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["logits_rel_diff"] < 1e-4  # the two engines run the same checkpoint to float precision
     names = [r["name"] for r in report["rows"]]
@@ -28,7 +28,7 @@ def test_bench_script_reports_medians_and_ratios(tmp_path, capsys):
     assert "logits max rel diff" in printed and "large-matmul ceiling" in printed
     assert "goal 5x transformers: " in printed and "bar " not in printed  # goals in words, no internal names
     assert "decode step at 256 vs 64 context" in printed and "decode step at 256 context" in printed
-    assert "llama.cpp peer skipped: " in printed or ("batch 1" in printed and "llama.cpp" in printed)
+    assert "llama.cpp peer skipped: " in printed or ("w8a8 vs Q8_0" in printed and "MXFP4" not in printed)
 
 
 def test_bench_rejects_zero_repeats():

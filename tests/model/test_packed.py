@@ -149,6 +149,23 @@ def test_a_compiled_graph_decodes_through_the_eager_tables(fmt, shape):
     assert "flashserve.decode_packed" in ops
 
 
+def test_a_compiled_int8_layer_equals_eager():
+    """int8 dense products (rows converted a chunk at a time) traced whole: the eager layer's numbers."""
+    from flashserve.model.packed import ROW_INT8
+
+    lin = PackedLinear(64, 9000, ROW_INT8)  # two chunks of INT8_CHUNK_VALUES (8192 rows of 64)
+    lin.packed.set_float(torch.randn(9000, 64, generator=torch.Generator().manual_seed(4)))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5))
+    graphs = []
+
+    def recording(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    assert torch.equal(torch.compile(lin, backend=recording, fullgraph=True)(x), lin(x))
+    assert graphs
+
+
 def test_int8_linear_stays_close_to_its_float_weights():
     """Per-row int8 rounds each weight by at most half a step: outputs stay within 1% of the float layer's."""
     float_model = load_model("tiny-v41")
@@ -197,7 +214,7 @@ def test_mixed_checkpoint_keeps_each_tensor_as_stored(tmp_path):
     assert torch.equal(model(IDS).logits, load_model(tmp_path, quantization=FLOAT)(IDS).logits)
 
 
-@pytest.mark.parametrize("method", ["int8", "mxfp4"])
+@pytest.mark.parametrize("method", ["int8", "w8a8", "mxfp4"])
 def test_float_checkpoint_quantizes_at_load_as_in_memory(method, tmp_path):
     """Quantizing through the loader (one tensor at a time) gives the bytes that packing the float model gives."""
     model = load_model("tiny-v41")
@@ -211,7 +228,7 @@ def test_float_checkpoint_quantizes_at_load_as_in_memory(method, tmp_path):
 
 
 def test_unknown_quantization_is_refused_before_loading():
-    with pytest.raises(ConfigError, match="unknown quantization 'int4'.*int8, fp8, mxfp4, float"):
+    with pytest.raises(ConfigError, match="unknown quantization 'int4'.*int8, w8a8, fp8, mxfp4, float"):
         load_model("tiny-v41", quantization="int4")
     run = subprocess.run([sys.executable, "-m", "flashserve", "generate", "tiny-v41", "hi", "--quantization", "q4"],
                          capture_output=True, text=True, timeout=120)
