@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.packed import PackedLinear
 from .cache import KVCache
 from .fixed_state import FixedBatchState
 
@@ -29,6 +30,12 @@ log = logging.getLogger("flashserve.engine")
 # compiled DecodeStep in a process shares ``_eager``'s code object and dynamo's cap of 8 graphs on it, and past
 # the cap a later engine's step ran uncompiled without a word (seen in the engine benchmark's fourth engine).
 GRAPHS_PER_STEP = 8
+
+
+def _python_object_ops(model) -> bool:
+    """Whether the model calls ops that take a Python object (w8a8's fbgemm kernels), which inductor's C++
+    wrapper cannot pass yet ("arg type PyObject is not yet supported by custom_op_wrapper", torch 2.13)."""
+    return any(isinstance(m, PackedLinear) and m.kernel is not None for m in model.modules())
 
 
 def decode_buckets(max_num_seqs: int) -> list[int]:
@@ -89,6 +96,11 @@ class DecodeStep:
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if self.cuda_graphs:
             options["triton.cudagraphs"] = True
+        if backend == "inductor" and self.cache.device.type == "cpu" and not _python_object_ops(self.model):
+            # inductor's C++ wrapper calls the step's kernels and external matmuls from C++ instead of from a
+            # Python function: batch 1 on the benchmark's peers checkpoint 53.5 -> 74 tok/s (2 threads, two
+            # alternating pairs of processes, medians of 5); the first compile of batch 1 alone took 380 s
+            options["cpp_wrapper"] = True
         return torch.compile(self._eager, backend=backend, options=options, dynamic=False,
                              recompile_limit=GRAPHS_PER_STEP, isolate_recompiles=True)
 

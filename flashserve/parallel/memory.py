@@ -81,7 +81,7 @@ def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantiza
     from ..engine.spec_config import SpeculativeConfig
     from ..engine.storage import CacheStorage
     from ..model.loader import keep_fp32, resolve_dtype
-    from ..model.packed import pack_model
+    from ..model.packed import PackedLinear, pack_model
     from ..model.transformer import Transformer
     from .shard import shard_model
 
@@ -112,6 +112,14 @@ def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantiza
             host += n
         elif is_split(name) and layout.tp > 1:
             split_d += n
+        else:
+            repl += n
+    for name, m in net.named_modules():  # w8a8 on x86: fbgemm's copy of each dense int8 matrix (never split)
+        n = m.kernel_bytes() if isinstance(m, PackedLinear) else 0
+        if name.startswith(VISION):
+            vision += n
+        elif name.startswith(DRAFTER):
+            drafter += n
         else:
             repl += n
     packed = (cache_dtype or ("packed" if cfg.is_v41 else "float")) == "packed"

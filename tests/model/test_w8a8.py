@@ -119,3 +119,31 @@ def test_w8a8_is_refused_with_tensor_parallelism_before_loading():
 
     with pytest.raises(ConfigError, match="w8a8 quantizes each token's whole activation row"):
         preflight.check(EngineConfig(model="tiny-v41", quantization="w8a8", tensor_parallel_size=2))
+
+
+def test_memory_counts_the_kernel_copies():
+    """fbgemm keeps its own copy of each matrix: the process grows by what ``kernel_bytes`` says, and
+    ``resident_bytes`` and ``flashserve info --memory`` count it."""
+    from flashserve.parallel.layout import Layout
+    from flashserve.parallel.memory import rank_memory
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    big = PackedLinear(4096, 8192, Format(W8A8))
+    big.packed.set_float(torch.randn(8192, 4096, generator=torch.Generator().manual_seed(6)))
+    before = rss()
+    big.prepare_kernel()
+    grown = rss() - before
+    assert 0.9 * big.kernel_bytes() <= grown <= 1.2 * big.kernel_bytes()
+
+    model = load_model("tiny-v41", quantization="w8a8", with_mtp=False)
+    bare = resident_bytes(model)
+    prepare_kernels(model)
+    copies = sum(m.kernel_bytes() for m in model.modules() if isinstance(m, PackedLinear))
+    assert copies > sum(m.packed.qweight.numel() for m in model.modules() if isinstance(m, PackedLinear))
+    assert resident_bytes(model) == bare + copies
+    planned = rank_memory("tiny-v41", Layout(1, False, 1), dtype="float32", quantization="w8a8")
+    int8 = rank_memory("tiny-v41", Layout(1, False, 1), dtype="float32", quantization="int8")
+    assert planned.resident_weight_bytes == int8.resident_weight_bytes + copies
