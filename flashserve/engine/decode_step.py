@@ -7,8 +7,9 @@ start positions, slots, page table), so nothing inside the forward reads a value
 page-table widths are marked dynamic, so one graph serves every bucket from 2 and every context length (plus
 one for batch 1, and one where the MoE switches from gathered experts to all experts). On CUDA the compiled
 step replays CUDA graphs (``cuda_graphs``; inductor's ``triton.cudagraphs``, what the "reduce-overhead" mode
-sets, records one per shape, the cache's tensors marked as static addresses). ``enforce_eager`` runs the same
-step without compiling or padding, as vLLM's switch does.
+sets, records one per shape, the cache's tensors marked as static addresses); on the CPU inductor's C++ wrapper
+calls the step's kernels. ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch
+does.
 """
 
 from __future__ import annotations
