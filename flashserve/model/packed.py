@@ -1,6 +1,6 @@
 """Weights kept packed in memory and dequantized where they are used (issue 9, item 3).
 
-Three formats, each a pair of integer buffers so that ``model.to(dtype)`` never converts them:
+Four formats, each a pair of integer buffers so that ``model.to(dtype)`` never converts them:
 
 * ``fp8``: E4M3 bytes ``uint8 [..., out, in]`` + one UE8M0 scale byte per ``block x block`` tile (the released
   checkpoints' dense format; V4's FP8 experts).
