@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from . import llamacpp
 from .hf_reference import randomize_hf_v4
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -273,8 +274,6 @@ def matmul_gflops(dtype: torch.dtype, repeats: int) -> float:
 def llama_cpp_rows(model, work: Path, table, args, repeats: int, prompt_len: int, new: int) -> None:
     """llama.cpp's rows (see :mod:`flashserve.bench.llamacpp`); skipped with the reason when it cannot run,
     and a failure of the peer is reported, never raised."""
-    from . import llamacpp
-
     reason = llamacpp.unavailable()
     if reason:
         print(f"llama.cpp peer skipped: {reason}", flush=True)
@@ -317,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare with llama.cpp through llama-cpp-python when it is installed (default on)")
     ap.add_argument("--llama-batches", type=int, nargs="+", default=[1, 8, 16],
                     help="concurrent sequences of the llama.cpp rows")
-    ap.add_argument("--llama-rows", nargs="+", choices=("f32", "defaults", "int8", "w8a8"),
-                    default=["f32", "defaults", "int8", "w8a8"],
+    ap.add_argument("--llama-rows", nargs="+", choices=tuple(llamacpp.ROWS), default=list(llamacpp.ROWS),
                     help="the llama.cpp comparisons to run (each compiled flashserve engine compiles on its own)")
     ap.add_argument("--sweep-json", default=None, metavar="PATH",
                     help="also write the measured points as a bench sweep (PATH) and the checkpoint's config "
