@@ -14,11 +14,15 @@ DEFAULT_THREADS = 1
 
 
 def set_threads(threads: object) -> None:
-    """Validate ``threads`` (an integer >= 1) and set torch's intra-op thread count, process-wide."""
+    """Validate ``threads`` (an integer >= 1) and set torch's intra-op thread count, process-wide (numpy's
+    OpenBLAS: one thread, see :func:`flashserve.model.blas.limit_threads`)."""
     from ..config import ConfigError
 
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ConfigError(f"threads: must be an integer >= 1, got {threads!r}")
     import torch
 
+    from ..model import blas
+
     torch.set_num_threads(threads)
+    blas.limit_threads()  # the single-row products' OpenBLAS (numpy's) runs on one

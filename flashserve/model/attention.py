@@ -9,10 +9,10 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config.model_config import ModelConfig
+from . import blas
 from .context import ForwardContext
 from .norms import fp32, RMSNorm, rms
 from .quant import fake_quant_fp4, fake_quant_fp8
@@ -82,8 +82,8 @@ class Compressor(nn.Module):
         super().__init__()
         width = 2 * dim if overlap else dim
         self.ratio, self.dim, self.overlap = ratio, dim, overlap
-        self.wkv = nn.Linear(dim_in, width, bias=False)
-        self.wgate = nn.Linear(dim_in, width, bias=False) if gate else None
+        self.wkv = blas.Linear(dim_in, width, bias=False)
+        self.wgate = blas.Linear(dim_in, width, bias=False) if gate else None
         self.ape = nn.Parameter(torch.zeros(ratio, width)) if ape else None
         self.norm = RMSNorm(dim, eps)
 
@@ -91,8 +91,8 @@ class Compressor(nn.Module):
         """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
         state, ratio = ctx.state, self.ratio
         xf = fp32(x)  # compressor weights are applied in fp32 (spec §2.7)
-        c = F.linear(xf, fp32(self.wkv.weight))
-        raw = c if self.wgate is None else torch.cat([c, F.linear(xf, fp32(self.wgate.weight))], dim=-1)
+        c = blas.linear(xf, fp32(self.wkv.weight))
+        raw = c if self.wgate is None else torch.cat([c, blas.linear(xf, fp32(self.wgate.weight))], dim=-1)
         start = ctx.positions[:, 0]
         end = ctx.positions[:, -1] + 1
         first_group = start // ratio  # groups before this one were emitted by earlier forwards
@@ -143,13 +143,13 @@ class Indexer(nn.Module):
         self.n_heads, self.head_dim, self.topk = nih, ihd, cfg.index_topk
         if cfg.is_v41:
             if keys:
-                self.wk = nn.Linear(cfg.head_dim, ihd, bias=False)
+                self.wk = blas.Linear(cfg.head_dim, ihd, bias=False)
                 self.k_norm = RMSNorm(ihd, cfg.rms_norm_eps)
         elif keys:
             self.compressor = Compressor(D, ihd, ratio, overlap=True, ape=True, gate=True, eps=cfg.rms_norm_eps)
         if queries:
-            self.wq_b = nn.Linear(cfg.q_lora_rank, nih * ihd, bias=False)
-            self.weights_proj = nn.Linear(D, nih, bias=False)
+            self.wq_b = blas.Linear(cfg.q_lora_rank, nih * ihd, bias=False)
+            self.weights_proj = blas.Linear(D, nih, bias=False)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
                fake_quant: bool | str) -> torch.Tensor:
@@ -162,7 +162,7 @@ class Indexer(nn.Module):
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
         if fake_quant == "v4":
             q = v4_fake_quant_index(q)
-        w = F.linear(fp32(x), fp32(self.weights_proj.weight)) * self.n_heads ** -0.5
+        w = blas.linear(fp32(x), fp32(self.weights_proj.weight)) * self.n_heads ** -0.5
         s = torch.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
         return torch.einsum("bsht,bsh->bst", s, w)
 
@@ -228,13 +228,13 @@ class Attention(nn.Module):
         self.o_groups = cfg.o_groups  # heads and output groups of this rank (tensor parallel: a slice of each)
         self.v41 = cfg.is_v41
         self.rope_kind = "compress" if ratio > 0 else "main"
-        self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+        self.wq_a = blas.Linear(D, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, H * hd, bias=False)
-        self.wkv = nn.Linear(D, hd, bias=False)
+        self.wq_b = blas.Linear(cfg.q_lora_rank, H * hd, bias=False)
+        self.wkv = blas.Linear(D, hd, bias=False)
         self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
+        self.wo_a = blas.Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = blas.Linear(cfg.o_groups * cfg.o_lora_rank, D, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
@@ -271,7 +271,7 @@ class Attention(nn.Module):
         if self.v41:
             if ctx.fake_quant:
                 main = fake_quant_fp4(main, block=16, e4m3_scale=True)
-            index = self.indexer.k_norm(F.linear(fp32(latent), fp32(self.indexer.wk.weight)))
+            index = self.indexer.k_norm(blas.linear(fp32(latent), fp32(self.indexer.wk.weight)))
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)

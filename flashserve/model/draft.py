@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..config.model_config import ModelConfig
+from . import blas
 from .block import Block
 from .context import ForwardContext
 from .mhc import HyperHead, collapse
@@ -24,7 +25,7 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int):
         super().__init__()
         self.embed = nn.Embedding(vocab, rank)
-        self.head = nn.Linear(rank, vocab, bias=False)
+        self.head = blas.Linear(rank, vocab, bias=False)
 
 
 class ConfidenceHead(nn.Module):
@@ -32,7 +33,7 @@ class ConfidenceHead(nn.Module):
 
     def __init__(self, dim: int):
         super().__init__()
-        self.proj = nn.Linear(dim, 1, bias=False)
+        self.proj = blas.Linear(dim, 1, bias=False)
 
 
 class DSparkStage(Block):
@@ -44,7 +45,7 @@ class DSparkStage(Block):
                          top_k=cfg.dspark_num_experts_per_tok)
         D = cfg.hidden_size
         if stage == 0:
-            self.main_proj = nn.Linear(len(cfg.dspark_target_layer_ids) * D, D, bias=False)
+            self.main_proj = blas.Linear(len(cfg.dspark_target_layer_ids) * D, D, bias=False)
             self.main_norm = RMSNorm(D, cfg.rms_norm_eps)
         if stage == cfg.num_nextn_predict_layers - 1:
             self.norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -161,8 +162,8 @@ class MTPBlock(Block):
     def __init__(self, cfg: ModelConfig, stage: int):
         super().__init__(cfg, cfg.num_hidden_layers + stage)
         D = cfg.hidden_size
-        self.e_proj = nn.Linear(D, D, bias=False)
-        self.h_proj = nn.Linear(D, D, bias=False)
+        self.e_proj = blas.Linear(D, D, bias=False)
+        self.h_proj = blas.Linear(D, D, bias=False)
         self.enorm = RMSNorm(D, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)

@@ -11,6 +11,7 @@ from torch import nn
 from ..config.engram_primes import engram_primes
 from ..config.model_config import ModelConfig
 from ..errors import UserError
+from . import blas
 from .norms import fp32
 
 _SPACE_SENTINEL = "\ue000"
@@ -142,7 +143,7 @@ class Engram(nn.Module):
         lookups = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.n, self.dim, self.eps = n, D, cfg.rms_norm_eps
         self.embed = nn.Embedding(rows, d)
-        self.wkv = nn.Linear(lookups * d, (n + 1) * D, bias=False)
+        self.wkv = blas.Linear(lookups * d, (n + 1) * D, bias=False)
         self.q_weight = nn.Parameter(torch.ones(n, D))
         self.k_weight = nn.Parameter(torch.ones(n, D))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import blas
 from .norms import fp32, rms
 
 
@@ -21,7 +22,7 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
               n: int, iters: int, hc_eps: float, norm_eps: float) -> HyperMix:
     """Compute (pre, post, comb) from the streams ``x`` [.., n, D] in fp32."""
     f = rms(fp32(x.flatten(-2)), norm_eps)
-    m = f @ fp32(fn).t()
+    m = blas.linear(f, fp32(fn))
     base, scale = fp32(base), fp32(scale)
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -87,6 +88,6 @@ class HyperHead(nn.Module):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = rms(fp32(x.flatten(-2)), self.norm_eps) @ fp32(self.hc_head_fn).t()
+        m = blas.linear(rms(fp32(x.flatten(-2)), self.norm_eps), fp32(self.hc_head_fn))
         pre = torch.sigmoid(m * fp32(self.hc_head_scale) + fp32(self.hc_head_base)) + self.hc_eps
         return collapse(x, pre)

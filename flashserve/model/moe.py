@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.model_config import ModelConfig
+from . import blas
 from .norms import fp32
 
 
@@ -40,7 +41,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]."""
-        scores = torch.sqrt(F.softplus(F.linear(fp32(x), fp32(self.weight)) / self.temp))
+        scores = torch.sqrt(F.softplus(blas.linear(fp32(x), fp32(self.weight)) / self.temp))
         if self.hash_routed:
             idx = self.tid2eid[ids]
         else:
@@ -161,9 +162,9 @@ class SharedExpert(nn.Module):
 
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.w1 = blas.Linear(dim, inter, bias=False)
+        self.w2 = blas.Linear(inter, dim, bias=False)
+        self.w3 = blas.Linear(dim, inter, bias=False)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from typing import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import layout
 from ..config.model_config import ModelConfig
-from . import quant, w8a8
+from . import blas, quant, w8a8
 from .moe import Experts, clamped_swiglu
 from .norms import fp32
 
@@ -120,15 +119,43 @@ _DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8, W8A8: torch.i
 _SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32, W8A8: torch.int32}
 
 
-_AVX512 = torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX"))  # read once, not while tracing
+def _int8pack_pays(rows: int) -> bool:
+    """Whether ``torch.ops.aten._weight_int8pack_mm`` beats :func:`int8_linear` at ``rows`` rows on this CPU,
+    timed once at import (a few ms, on a 1024x512 matrix). It has fast code for AVX-512 only, and even there
+    it varies: on a Xeon the LM head at one row took 0.62 against fp32's 1.36 ms; on an AMD EPYC (Zen 5,
+    AVX-512) 6.1 ms against 2.4, and at 16 rows 111 against 9 ms, so its int8 engine ran 1.7x slower at
+    batch 1 than with :func:`int8_linear` (71.7 against 121.8 tok/s, compiled, peers checkpoint). With AVX2
+    only it is 3-35x slower."""
+    if not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")):
+        return False
+    import time
+
+    from threadpoolctl import threadpool_limits
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (1024, 512), dtype=torch.int8, generator=g)
+    bits, x = torch.rand(1024, generator=g).view(torch.int32), torch.randn(rows, 512, generator=g)
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    with torch.inference_mode(), threadpool_limits(limits=1, user_api="blas"):  # as the engine runs it
+        kernel = best(lambda: torch.ops.aten._weight_int8pack_mm(x, q, bits.view(torch.float32)))
+        return kernel < best(lambda: int8_linear(x, q, bits))
 
 
 def _int8_kernel_ok(x: torch.Tensor) -> bool:
-    """Whether ``torch.ops.aten._weight_int8pack_mm`` takes ``x`` (CPU, 16- or 32-bit floats) and pays: it was
-    measured faster than fp32 with AVX-512 (a Xeon: LM head at one row 0.62 against 1.36 ms); with AVX2 only it
-    is 3-35x slower than :func:`int8_linear` (below), so that runs instead."""
-    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and _AVX512)
+    """Whether ``torch.ops.aten._weight_int8pack_mm`` takes ``x`` (CPU, 16- or 32-bit floats) and pays here at
+    its number of rows (:data:`INT8PACK_PAYS`); :func:`int8_linear` runs otherwise."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return INT8PACK_PAYS["one row" if x.numel() == x.shape[-1] else "rows"]
 
 
 # int8 rows are decoded this many values at a time by int8_linear: 2 MB of float32, which stays in cache
@@ -151,9 +178,13 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> t
     the dot product). AVX2, 1 thread, a 32000x512 head: 5.9 ms at 1 row (fp32 7.6, _weight_int8pack_mm 25.7),
     15 ms at 16 rows (fp32 25, int8pack 548); a 1024x512 matrix at 16 rows 0.44 ms (int8pack 19)."""
     rows = max(1, INT8_CHUNK_VALUES // q.shape[-1])
-    parts = [F.linear(x, q[i:i + rows].to(x.dtype)) for i in range(0, q.shape[0], rows)]
+    parts = [blas.linear(x, q[i:i + rows].to(x.dtype)) for i in range(0, q.shape[0], rows)]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y * scale_bits.view(torch.float32).to(x.dtype)
+
+
+# measured once at import, not while a step is traced: one row (decode at batch 1), and 16 (a batch)
+INT8PACK_PAYS = {"one row": _int8pack_pays(1), "rows": _int8pack_pays(16)}
 
 
 class PackedWeights(nn.Module):
@@ -222,7 +253,7 @@ class PackedLinear(_PackedMatrix):
             return w8a8.linear(x, p.qweight, p.scale, self.kernel)
         if p.fmt.name == INT8:
             return int8_mm(x, p.qweight, p.scale)
-        return F.linear(x, p.dequantize(x.dtype))
+        return blas.linear(x, p.dequantize(x.dtype))
 
     def kernel_bytes(self) -> int:
         """Bytes of fbgemm's copy (w8a8): the int8 matrix again plus an int32 column sum per output (measured:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..config.model_config import ModelConfig
+from . import blas
 from .block import Block
 from .context import ForwardContext
 from .engram import EngramHasher
@@ -47,7 +48,7 @@ class Transformer(nn.Module):
                   hash_routed=i in cfg.hash_layer_ids, engram_rows=rows.get(i))
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.head = nn.Linear(D, V, bias=False)
+        self.head = blas.Linear(D, V, bias=False)
         self.hc_head = None if cfg.is_v41 else HyperHead(n, D, cfg.hc_eps, cfg.rms_norm_eps)
         self.rope = RotaryTables(cfg)
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None

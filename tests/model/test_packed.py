@@ -99,14 +99,15 @@ def test_each_packed_expert_path_equals_float_experts_of_its_weights(fmt, rows, 
     assert _rel(got, ref._grouped(x, idx, w)) <= 1e-6  # same decoded weights; only the summation order differs
 
 
-@pytest.mark.parametrize("avx512,kernel", [(False, False), (True, True)])
-def test_int8_rows_decode_in_chunks_unless_the_cpu_has_avx512(avx512, kernel, monkeypatch):
-    """Without AVX-512 int8 rows are converted a chunk at a time (here 3 rows of 64 columns: 7 chunks and a
-    partial one), each chunk's products scaled by its rows' scales; with it, ``_weight_int8pack_mm`` runs."""
+@pytest.mark.parametrize("pays,kernel", [(False, False), (True, True)])
+def test_int8_rows_decode_in_chunks_unless_torchs_int8_kernel_pays(pays, kernel, monkeypatch):
+    """Where torch's int8 kernel is slower (no AVX-512, or measured so at import) int8 rows are converted a
+    chunk at a time (here 3 rows of 64 columns: 7 chunks and a partial one), each chunk's products scaled by
+    its rows' scales; where it pays, ``_weight_int8pack_mm`` runs."""
     from flashserve.model import packed as packed_mod
     from flashserve.model.packed import ROW_INT8
 
-    monkeypatch.setattr(packed_mod, "_AVX512", avx512)
+    monkeypatch.setattr(packed_mod, "INT8PACK_PAYS", {"one row": pays, "rows": pays})
     monkeypatch.setattr(packed_mod, "INT8_CHUNK_VALUES", 3 * 64)
     calls = []
     real = torch.ops.aten._weight_int8pack_mm

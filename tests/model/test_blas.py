@@ -1,0 +1,110 @@
+"""Single-row float32 products through numpy's OpenBLAS (flashserve.model.blas)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flashserve.model import blas
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Shapes of the products that went through numpy."""
+    seen = []
+    real = blas._mm_np
+    monkeypatch.setattr(blas, "_mm_np", lambda x, w: (seen.append((tuple(x.shape), tuple(w.shape))), real(x, w))[1])
+    return seen
+
+
+def test_numpys_blas_is_openblas():
+    """numpy's wheels ship OpenBLAS, which the engine's single-row products rely on."""
+    assert blas.OPENBLAS
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_a_single_row_goes_through_openblas_with_torchs_values(column_major, calls):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 64, generator=g)
+    if column_major:  # the LM head's layout (weight_layout)
+        w = w.t().contiguous().t()
+    x = torch.randn(1, 1, 64, generator=g)
+    with torch.inference_mode():
+        got = blas.linear(x, w)
+        lin = blas.Linear(64, 300, bias=False)
+        lin.weight.data = w
+        by_module = lin(x)
+    want = x @ w.t()
+    assert calls == [((1, 64), (300, 64))] * 2
+    assert got.shape == (1, 1, 300) and _rel(got, want) <= 1e-6
+    assert torch.equal(by_module, got)
+
+
+def test_several_rows_gradients_and_other_dtypes_stay_torchs(calls):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 32, generator=g)
+    with torch.inference_mode():
+        rows = blas.linear(torch.randn(2, 32, generator=g), w)
+        double = blas.linear(torch.randn(1, 32, dtype=torch.float64), w.double())
+    x = torch.randn(1, 32, requires_grad=True)
+    y = blas.linear(x, w)  # gradients on: torch's product, which autograd can differentiate
+    y.sum().backward()
+    assert calls == [] and rows.shape == (2, 40) and double.dtype == torch.float64
+    assert torch.allclose(x.grad, w.sum(0))
+
+
+def test_a_linear_module_keeps_its_bias():
+    lin = blas.Linear(16, 8, bias=True)
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        assert _rel(lin(x), F.linear(x, lin.weight, lin.bias)) <= 1e-6
+
+
+def test_a_compiled_graph_calls_one_opaque_op_and_matches_eager():
+    """Inside ``torch.compile`` the product is ``flashserve::blas_linear``, whatever inductor does around it."""
+    g = torch.Generator().manual_seed(2)
+    w1, w2 = torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)
+    x = torch.randn(1, 32, generator=g)
+
+    def f(x):
+        return blas.linear(torch.tanh(blas.linear(x, w1)), w2)
+
+    graphs = []
+
+    def recording(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.inference_mode():
+        want = f(x)
+        torch._dynamo.reset()
+        torch.compile(f, backend=recording, fullgraph=True)(x)
+        got = torch.compile(f, backend="inductor", fullgraph=True)(x)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count("flashserve.blas_linear") == 2
+    assert _rel(got, want) <= 1e-6
+
+
+def test_the_engines_threads_keep_openblas_at_one_thread():
+    """torch's second thread spins between its parallel regions; a second OpenBLAS thread would fight it for
+    the core (the compiled batch-1 step fell 3x), so setting the engine's threads holds OpenBLAS at one."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from flashserve.engine.threads import set_threads
+
+    def numpys() -> list[int]:
+        return [i["num_threads"] for i in threadpool_info() if "numpy" in i["filepath"] and i["user_api"] == "blas"]
+
+    before = torch.get_num_threads()
+    with threadpool_limits(limits=2, user_api="blas"):
+        assert numpys() == [2]
+        set_threads(2)
+        try:
+            assert numpys() == [1] and torch.get_num_threads() == 2
+        finally:
+            torch.set_num_threads(before)
