@@ -238,9 +238,13 @@ def median_pair(ours, theirs, repeats: int) -> tuple[float, float]:
 
 
 @torch.inference_mode()
+@torch.inference_mode()
 def active_pass_rate(model, repeats: int) -> float:
-    """Tokens/s bound at batch 1 in the model's dtype: one single-row ``mm`` over every weight matrix a decode
-    token touches (attention and mHC matrices, shared expert, top-k routed experts, LM head)."""
+    """Tokens/s bound at batch 1 in the model's dtype: one single-row product (the engine's,
+    :func:`flashserve.model.blas.linear`) by every weight matrix a decode token touches (attention and mHC
+    matrices, shared expert, top-k routed experts, LM head)."""
+    from ..model import blas
+
     mats = []
     for name, p in model.named_parameters():
         if p.dim() == 2 and "embed" not in name:
@@ -252,7 +256,7 @@ def active_pass_rate(model, repeats: int) -> float:
     for _ in range(max(repeats, 3)):
         t = time.perf_counter()
         for p in mats:
-            x[p.shape[1], p.dtype] @ p.t()
+            blas.linear(x[p.shape[1], p.dtype], p)
         times.append(time.perf_counter() - t)
     return 1 / statistics.median(times)
 

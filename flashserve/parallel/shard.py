@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError
+from ..model import blas
 from ..model.moe import Experts, MoE, SharedExpert
 from ..model.norms import fp32
 from .comm import Comm
@@ -31,7 +32,7 @@ def _param(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t.detach().clone(), requires_grad=False)
 
 
-def _linear(weight: torch.Tensor, cls=nn.Linear, **kw) -> nn.Linear:
+def _linear(weight: torch.Tensor, cls=blas.Linear, **kw) -> nn.Linear:
     """A bias-free linear layer holding ``weight`` [out, in]."""
     out_f, in_f = weight.shape
     lin = cls(in_f, out_f, bias=False, device="meta", dtype=weight.dtype, **kw)
@@ -93,7 +94,7 @@ def slice_linear(mod: nn.Module, rows: tuple[int, int] | None = None, cols: tupl
     """The same kind of bias-free linear layer (float or packed) over a slice of ``mod``'s weight."""
     from ..model.packed import PackedLinear
 
-    if type(mod) is nn.Linear and mod.bias is None:
+    if type(mod) in (nn.Linear, blas.Linear) and mod.bias is None:
         w = mod.weight
         if rows is not None:
             w = w[rows[0]:rows[1]]
