@@ -49,7 +49,9 @@ def test_json_schema_outputs_validate(client):
 
 
 def test_json_object_output_is_an_object(client):
-    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=200, temperature=0,
+    # the random default model's greedy object closes after 226 tokens (single-row products through OpenBLAS
+    # round differently from torch's: it closed within 200 before); the budget leaves room for such shifts
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=400, temperature=0,
                                        response_format={"type": "json_object"}, extra_body=NO_THINK)
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
