@@ -240,9 +240,10 @@ def median_pair(ours, theirs, repeats: int) -> tuple[float, float]:
 @torch.inference_mode()
 @torch.inference_mode()
 def active_pass_rate(model, repeats: int) -> float:
-    """Tokens/s bound at batch 1 in the model's dtype: one single-row product (the engine's,
-    :func:`flashserve.model.blas.linear`) by every weight matrix a decode token touches (attention and mHC
-    matrices, shared expert, top-k routed experts, LM head)."""
+    """Tokens/s bound at batch 1 in the model's dtype: one single-row product
+    (:func:`flashserve.model.blas.linear`, the engine's for its linear layers; its step multiplies the picked
+    experts with torch) by every weight matrix a decode token touches (attention and mHC matrices, shared
+    expert, top-k routed experts, LM head)."""
     from ..model import blas
 
     mats = []

@@ -6,8 +6,8 @@ the memory bandwidth on the AMD CPUs measured here; the OpenBLAS that numpy ship
 matrices under 1M values that a batch-1 token of the engine benchmark's peers checkpoint reads (82 MB),
 float32, inference mode, median of 9 (AMD EPYC Zen 5, AVX-512, 2 threads): ``torch.mm`` 6.6 ms, OpenBLAS
 3.6 ms, 4.1 through :func:`linear`, 5.0 as the compiled step's op. No MKL setting changed its figures
-(``MKL_ENABLE_INSTRUCTIONS``, ``MKL_CBWR``, ``MKL_DEBUG_CPU_TYPE``). In the compiled batch-1 step: 109 ->
-126 tok/s (7 alternating runs, one process).
+(``MKL_ENABLE_INSTRUCTIONS``, ``MKL_CBWR``, ``MKL_DEBUG_CPU_TYPE``). The compiled batch-1 step gains less,
+1.02-1.06x (alternating engines in one process): each call there goes back through Python (~10 us).
 
 :func:`linear` takes this path for single-row float32 CPU products when gradients are off and numpy's BLAS
 is OpenBLAS; everything else (several rows, other dtypes, training, CUDA) stays torch's. Inside a compiled
@@ -26,17 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _numpy_blas() -> str | None:
-    """The BLAS numpy calls (``openblas`` for numpy's wheels), as threadpoolctl reports it."""
+def _numpy_uses_openblas() -> bool:
+    """Whether numpy's BLAS is OpenBLAS (as numpy's wheels ship it), as threadpoolctl reports it."""
     from threadpoolctl import threadpool_info
 
     np.ones((2, 2)) @ np.ones((2, 2))  # numpy's BLAS is loaded before asking
-    apis = {i.get("internal_api") for i in threadpool_info()
-            if i.get("user_api") == "blas" and "numpy" in str(i.get("filepath", ""))}
-    return "openblas" if "openblas" in apis else (min(apis) if apis else None)
+    return any(i.get("user_api") == "blas" and i.get("internal_api") == "openblas"
+               and "numpy" in str(i.get("filepath", "")) for i in threadpool_info())
 
 
-OPENBLAS = _numpy_blas() == "openblas"  # read once at import, not while a step is traced
+OPENBLAS = _numpy_uses_openblas()  # read once at import, not while a step is traced
 
 # More than one row and OpenBLAS runs a general GEMM whose lead is gone or small. One pass over the peers
 # checkpoint's matrices (216 at 1 row; all 504 from 2 rows, as a batch's tokens pick most experts), 2 threads,

@@ -152,10 +152,10 @@ def _int8pack_pays(rows: int) -> bool:
 
 def _int8_kernel_ok(x: torch.Tensor) -> bool:
     """Whether ``torch.ops.aten._weight_int8pack_mm`` takes ``x`` (CPU, 16- or 32-bit floats) and pays here at
-    its number of rows (:data:`INT8PACK_PAYS`); :func:`int8_linear` runs otherwise."""
+    its number of rows (:data:`INT8PACK_PAYS_ONE_ROW`, :data:`INT8PACK_PAYS_ROWS`); :func:`int8_linear` runs otherwise."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return INT8PACK_PAYS["one row" if x.numel() == x.shape[-1] else "rows"]
+    return INT8PACK_PAYS_ONE_ROW if x.numel() == x.shape[-1] else INT8PACK_PAYS_ROWS
 
 
 # int8 rows are decoded this many values at a time by int8_linear: 2 MB of float32, which stays in cache
@@ -184,7 +184,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> t
 
 
 # measured once at import, not while a step is traced: one row (decode at batch 1), and 16 (a batch)
-INT8PACK_PAYS = {"one row": _int8pack_pays(1), "rows": _int8pack_pays(16)}
+INT8PACK_PAYS_ONE_ROW, INT8PACK_PAYS_ROWS = _int8pack_pays(1), _int8pack_pays(16)
 
 
 class PackedWeights(nn.Module):

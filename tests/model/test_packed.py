@@ -107,7 +107,8 @@ def test_int8_rows_decode_in_chunks_unless_torchs_int8_kernel_pays(pays, kernel,
     from flashserve.model import packed as packed_mod
     from flashserve.model.packed import ROW_INT8
 
-    monkeypatch.setattr(packed_mod, "INT8PACK_PAYS", {"one row": pays, "rows": pays})
+    monkeypatch.setattr(packed_mod, "INT8PACK_PAYS_ONE_ROW", pays)
+    monkeypatch.setattr(packed_mod, "INT8PACK_PAYS_ROWS", pays)
     monkeypatch.setattr(packed_mod, "INT8_CHUNK_VALUES", 3 * 64)
     calls = []
     real = torch.ops.aten._weight_int8pack_mm
