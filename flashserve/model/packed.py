@@ -119,13 +119,14 @@ _DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int8, W8A8: torch.i
 _SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32, W8A8: torch.int32}
 
 
-def _int8pack_pays(rows: int) -> bool:
-    """Whether ``torch.ops.aten._weight_int8pack_mm`` beats :func:`int8_linear` at ``rows`` rows on this CPU,
-    timed once at import (a few ms, on a 1024x512 matrix). It has fast code for AVX-512 only, and even there
-    it varies: on a Xeon the LM head at one row took 0.62 against fp32's 1.36 ms; on an AMD EPYC (Zen 5,
-    AVX-512) 6.1 ms against 2.4, and at 16 rows 111 against 9 ms, so its int8 engine ran 1.7x slower at
-    batch 1 than with :func:`int8_linear` (71.7 against 121.8 tok/s, compiled, peers checkpoint). With AVX2
-    only it is 3-35x slower."""
+def _int8pack_pays(rows: int, matrices: int) -> bool:
+    """Whether ``torch.ops.aten._weight_int8pack_mm`` is clearly (1.25x) faster than :func:`int8_linear` at
+    ``rows`` rows on this CPU, timed once at import over ``matrices`` 1024x512 matrices (more than one, so the
+    weights stream as in a step: one matrix alone in cache gave either answer from one run to the next). It has
+    fast code for AVX-512 only, and even there it varies: on a Xeon the LM head at one row took 0.62 against
+    fp32's 1.36 ms; on an AMD EPYC (Zen 5, AVX-512) 16 matrices at one row 3.2-3.5 against 1.2-1.6 ms, at 16
+    rows 17x slower, and its int8 engine ran at half the speed at batch 1 (71.7 against 121.8 tok/s, compiled,
+    peers checkpoint). With AVX2 only it is 3-35x slower."""
     if not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")):
         return False
     import time
@@ -133,21 +134,21 @@ def _int8pack_pays(rows: int) -> bool:
     from threadpoolctl import threadpool_limits
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randint(-127, 128, (1024, 512), dtype=torch.int8, generator=g)
+    qs = [torch.randint(-127, 128, (1024, 512), dtype=torch.int8, generator=g) for _ in range(matrices)]
     bits, x = torch.rand(1024, generator=g).view(torch.int32), torch.randn(rows, 512, generator=g)
 
-    def best(f) -> float:
-        f()
+    def best(product) -> float:
         times = []
-        for _ in range(5):
+        for _ in range(4):  # the first pass warms up
             t = time.perf_counter()
-            f()
+            for q in qs:
+                product(q)
             times.append(time.perf_counter() - t)
-        return min(times)
+        return min(times[1:])
 
     with torch.inference_mode(), threadpool_limits(limits=1, user_api="blas"):  # as the engine runs it
-        kernel = best(lambda: torch.ops.aten._weight_int8pack_mm(x, q, bits.view(torch.float32)))
-        return kernel < best(lambda: int8_linear(x, q, bits))
+        kernel = best(lambda q: torch.ops.aten._weight_int8pack_mm(x, q, bits.view(torch.float32)))
+        return 1.25 * kernel < best(lambda q: int8_linear(x, q, bits))
 
 
 def _int8_kernel_ok(x: torch.Tensor) -> bool:
@@ -184,7 +185,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> t
 
 
 # measured once at import, not while a step is traced: one row (decode at batch 1), and 16 (a batch)
-INT8PACK_PAYS_ONE_ROW, INT8PACK_PAYS_ROWS = _int8pack_pays(1), _int8pack_pays(16)
+INT8PACK_PAYS_ONE_ROW, INT8PACK_PAYS_ROWS = _int8pack_pays(1, matrices=16), _int8pack_pays(16, matrices=2)
 
 
 class PackedWeights(nn.Module):
