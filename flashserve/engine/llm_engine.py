@@ -53,7 +53,6 @@ class LLMEngine:
                                                                 fake_quant=c.fake_quant, with_mtp=with_mtp,
                                                                 quantization=c.quantization)
         self.dtype = self.model.dtype
-        column_major_tall_weights(self.model)  # the LM head's one-row products run ~2x faster (weight_layout)
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
@@ -80,6 +79,8 @@ class LLMEngine:
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
+        if eager:  # torch's one-row products over the LM head run ~2x faster column-major (weight_layout); a
+            column_major_tall_weights(self.model)  # compiled CPU step's own products want it row-major (blas)
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),

@@ -68,23 +68,35 @@ def _mm_np(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("flashserve::blas_linear", mutates_args=())
-def _blas_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _mm_np(x, w)
+def compiled_cpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` is traced into a compiled CPU step, where :func:`reduce_linear` makes one-row products."""
+    return torch.compiler.is_compiling() and x.device.type == "cpu"
 
 
-@_blas_linear.register_fake
-def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
+def compiled_row(x: torch.Tensor) -> bool:
+    """:func:`compiled_cpu` and ``x`` is one row."""
+    return compiled_cpu(x) and x.numel() == x.shape[-1]
+
+
+def reduce_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ w [..., N, K].T`` [..., N] written as a broadcast product summed over ``K``; an int8
+    ``w`` is converted as it is read. Compiled, inductor makes it one vectorised reduction kernel that streams
+    ``w`` once (its own GEMV, called from the step's C++ with no dispatch), with an int8 conversion or an
+    expert gather fused into the read. Eager it would materialise the product: use it inside compiled steps."""
+    if w.dim() == 2 and w.stride(0) == 1 and w.shape[0] > 1:  # column-major (weight_layout): sum over rows
+        return (x.unsqueeze(-1) * w.t().to(x.dtype)).sum(-2)
+    return (x.unsqueeze(-2) * w.to(x.dtype)).sum(-1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias): OpenBLAS where :func:`takes` says so, torch otherwise."""
-    if not takes(x, w):
+    """``F.linear(x, w)`` (no bias): one row in a compiled CPU step :func:`reduce_linear`, eager OpenBLAS where
+    :func:`takes` says so, torch otherwise."""
+    if compiled_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype:
+        return reduce_linear(x, w)
+    if not takes(x, w) or torch.compiler.is_compiling():
         return F.linear(x, w)
     flat = x.reshape(-1, x.shape[-1])
-    y = torch.ops.flashserve.blas_linear(flat, w) if torch.compiler.is_compiling() else _mm_np(flat, w)
-    return y.view(*x.shape[:-1], w.shape[0])
+    return _mm_np(flat, w).view(*x.shape[:-1], w.shape[0])
 
 
 class Linear(nn.Linear):

@@ -135,10 +135,14 @@ class Experts(nn.Module):
         """Few (token, expert) pairs (decode): gather each pair's weights and batch-multiply, no host sync."""
         T, k = idx.shape
         flat, dt = idx.flatten(), x.dtype
-        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1], 1)
-        gate = torch.bmm(self.expert_weights("w1", dt, flat), h).squeeze(-1)
-        up = torch.bmm(self.expert_weights("w3", dt, flat), h).squeeze(-1)
-        y = torch.bmm(self.expert_weights("w2", dt, flat), clamped_swiglu(gate, up, self.limit).unsqueeze(-1)).squeeze(-1)
+        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])  # [pairs, D]
+
+        def mm(name: str, inp: torch.Tensor) -> torch.Tensor:  # [pairs, in] -> [pairs, out]
+            if blas.compiled_cpu(inp):  # compiled on the CPU: each expert read in place by the product
+                return blas.reduce_linear(inp, self.expert_weights(name, dt, flat))
+            return torch.bmm(self.expert_weights(name, dt, flat), inp.unsqueeze(-1)).squeeze(-1)
+
+        y = mm("w2", clamped_swiglu(mm("w1", h), mm("w3", h), self.limit))
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,8 @@ INT8_CHUNK_VALUES = 1 << 19
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
     """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: torch's int8 kernel where it pays
     (:func:`_int8_kernel_ok`), :func:`int8_linear` elsewhere."""
+    if blas.compiled_row(x):  # compiled on the CPU: inductor's product reads the int8 bytes and converts them
+        return blas.reduce_linear(x, q) * scale_bits.view(torch.float32).to(x.dtype)
     if not _int8_kernel_ok(x):
         return int8_linear(x, q, scale_bits)
     flat = x.reshape(-1, q.shape[-1])
@@ -341,12 +343,15 @@ class PackedExperts(Experts):
         T, k = idx.shape
         flat, dt = idx.flatten(), x.dtype
 
-        def mm(name: str, inp: torch.Tensor) -> torch.Tensor:  # [pairs, in, 1] -> [pairs, out]
+        def mm(name: str, inp: torch.Tensor) -> torch.Tensor:  # [pairs, in] -> [pairs, out]
             p = getattr(self, f"{name}_packed")
-            return torch.bmm(p.qweight[flat].to(dt), inp).squeeze(-1) * p.scale[flat].view(torch.float32).to(dt)
+            q, scale = p.qweight[flat], p.scale[flat].view(torch.float32).to(dt)
+            if blas.compiled_cpu(inp):  # compiled on the CPU: int8 read in place and converted in the product
+                return blas.reduce_linear(inp, q) * scale
+            return torch.bmm(q.to(dt), inp.unsqueeze(-1)).squeeze(-1) * scale
 
-        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1], 1)
-        y = mm("w2", clamped_swiglu(mm("w1", h), mm("w3", h), self.limit).unsqueeze(-1))
+        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])
+        y = mm("w2", clamped_swiglu(mm("w1", h), mm("w3", h), self.limit))
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
 
 

@@ -65,29 +65,62 @@ def test_a_linear_module_keeps_its_bias():
         assert _rel(lin(x), F.linear(x, lin.weight, lin.bias)) <= 1e-6
 
 
-def test_a_compiled_graph_calls_one_opaque_op_and_matches_eager():
-    """Inside ``torch.compile`` the product is ``flashserve::blas_linear``, whatever inductor does around it."""
-    g = torch.Generator().manual_seed(2)
-    w1, w2 = torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)
-    x = torch.randn(1, 32, generator=g)
-
-    def f(x):
-        return blas.linear(torch.tanh(blas.linear(x, w1)), w2)
-
+def _compiled(f, *args):
+    """``f(*args)`` compiled by inductor, and the call targets of the graph dynamo traced."""
     graphs = []
 
     def recording(gm, _inputs):
         graphs.append(gm)
         return gm.forward
 
+    torch._dynamo.reset()
+    torch.compile(f, backend=recording, fullgraph=True)(*args)
+    got = torch.compile(f, backend="inductor", fullgraph=True)(*args)
+    return got, {str(n.target) for g in graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")}
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_a_compiled_row_is_inductors_own_product_with_eagers_values(column_major, calls):
+    """Inside ``torch.compile`` on the CPU one row's product is a multiply and a sum (inductor's reduction
+    kernel, no matmul call or Python op), equal to the eager product to float32 rounding."""
+    g = torch.Generator().manual_seed(2)
+    w1, w2 = torch.randn(48, 32, generator=g), torch.randn(32, 48, generator=g)
+    if column_major:
+        w1 = w1.t().contiguous().t()
+    x = torch.randn(1, 32, generator=g)
+
+    def f(x):
+        return blas.linear(torch.tanh(blas.linear(x, w1)), w2)
+
     with torch.inference_mode():
         want = f(x)
-        torch._dynamo.reset()
-        torch.compile(f, backend=recording, fullgraph=True)(x)
-        got = torch.compile(f, backend="inductor", fullgraph=True)(x)
-    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert targets.count("flashserve.blas_linear") == 2
+        got, targets = _compiled(f, x)
+    assert not any(t.endswith(("linear", "mm", "matmul", "blas_linear")) for t in targets), targets
+    assert "sum" in targets
     assert _rel(got, want) <= 1e-6
+
+
+def test_compiled_rows_of_int8_weights_and_gathered_experts_equal_eager():
+    """The int8 weight-only product and the gathered experts, compiled on the CPU (int8 bytes converted and
+    experts picked inside inductor's product), equal their eager forms."""
+    from flashserve.model.moe import Experts
+    from flashserve.model.packed import ROW_INT8, PackedExperts, encode, int8_mm
+
+    g = torch.Generator().manual_seed(3)
+    q, scale = encode(torch.randn(40, 32, generator=g), ROW_INT8)
+    x = torch.randn(1, 1, 32, generator=g)
+    experts, packed = Experts(6, 32, 16, 7.0), PackedExperts(6, 32, 16, 7.0, ROW_INT8)
+    for name in ("w1", "w2", "w3"):
+        w = torch.randn(getattr(experts, name).shape, generator=g)
+        getattr(experts, name).data = w
+        getattr(packed, f"{name}_packed").set_float(w)
+    idx, weights = torch.tensor([[4, 1]]), torch.tensor([[0.7, 0.3]])
+    with torch.inference_mode():
+        for f, args in ((int8_mm, (x, q, scale)), (experts, (x[0], idx, weights)), (packed, (x[0], idx, weights))):
+            want = f(*args)
+            got, targets = _compiled(f, *args)
+            assert not any(t.endswith(("mm", "bmm", "linear")) for t in targets), targets
+            assert got.shape == want.shape and _rel(got, want) <= 1e-6
 
 
 def test_the_engines_threads_keep_openblas_at_one_thread():
