@@ -384,8 +384,5 @@ class Attention(nn.Module):
                                          None if comp_logits is None else comp_logits[:, :, a:b], vals, False))
             out = torch.cat(outs, dim=1)
         out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
-        G = self.o_groups
-        grouped = out.reshape(B, S, G, -1)
-        wa = self.wo_a.weight.view(G, -1, grouped.shape[-1])
-        u = torch.einsum("bsgi,goi->bsgo", grouped, wa)
+        u = self.wo_a.grouped(out.reshape(B, S, self.o_groups, -1))  # [B, S, G, o_lora_rank]
         return self.wo_b(u.flatten(2))

@@ -99,9 +99,26 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _mm_np(flat, w).view(*x.shape[:-1], w.shape[0])
 
 
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Group ``g`` of ``x [..., G, K]`` times group ``g`` of ``w``'s rows (``w [G * N, K]``, optional per-row
+    ``scale``): [..., G, N]. One token in a compiled CPU step: :func:`reduce_linear` (an int8 ``w`` read as is)."""
+    G, K = x.shape[-2], x.shape[-1]
+    wg = w.view(G, -1, K)
+    sg = None if scale is None else scale.view(G, -1)
+    if compiled_cpu(x) and x.numel() == G * K:
+        y = reduce_linear(x, wg)
+    else:
+        y = torch.einsum("...gk,gnk->...gn", x, wg.to(x.dtype))
+    return y if sg is None else y * sg.to(y.dtype)
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose single-row float32 CPU products run through :func:`linear`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., G, in / G]`` by the weight's G row groups (the grouped output projection): [..., G, out / G]."""
+        return grouped_linear(x, self.weight)

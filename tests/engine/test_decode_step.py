@@ -112,11 +112,17 @@ def test_inductor_step_equals_eager(caplog):
     with caplog.at_level(logging.INFO, logger="flashserve.engine"):
         compiled = make_engine(model, "tiny-v41", enforce_eager=False, **kw)
     assert any("decode step compiled" in r.getMessage() for r in caplog.records)
-    assert compiled.runner.decode_step.warmup_s > 0
+    step = compiled.runner.decode_step
+    assert step.warmup_s > 0
+    through_dynamo, forward, known = [], step._forward, len(step._direct)
+    step._forward = lambda *a: through_dynamo.append(a[-1].shape[1]) or forward(*a)
     a_logits, b_logits = _recording(eager), _recording(compiled)
     assert _staggered(eager) == _staggered(compiled)
     for a, b in zip(a_logits, b_logits, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+    # the graph is called directly: dynamo only ran the step once for each new table width
+    assert step._plans and all(plan is not None for plan in step._plans.values())
+    assert len(through_dynamo) == len(step._direct) - known == len(set(through_dynamo)) < len(b_logits)
 
 
 def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(monkeypatch):
@@ -131,7 +137,9 @@ def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(
     for weights in (None, "mxfp4", "w8a8"):
         make_engine(compact_v41(torch.float32, weights, TWO), "tiny-v41", **kw)
     make_engine(compact_v41(torch.float32, None, TWO), "tiny-v41", compile_backend="eager", **kw)
-    assert [(b, o.get("cpp_wrapper", False)) for b, o in seen] == [
+    # inductor runs behind the step's recording backend, which holds its options
+    named = [("inductor", b.options) if isinstance(b, decode_step._Recorder) else (b, o) for b, o in seen]
+    assert [(b, o.get("cpp_wrapper", False)) for b, o in named] == [
         ("inductor", True), ("inductor", True), ("inductor", False), ("eager", False)]
 
 
