@@ -1,21 +1,23 @@
-"""Single-row float32 products on the CPU through OpenBLAS (numpy's build) rather than torch's MKL.
+"""Single-row products on the CPU: inductor's own reduction kernels in a compiled step, OpenBLAS eagerly.
 
 At batch 1 a decode step multiplies one row by every weight matrix it reads, so on the CPU its speed is
 mostly the speed of those matrix-vector products, and torch's statically linked MKL runs them well below
-the memory bandwidth on the AMD CPUs measured here; the OpenBLAS that numpy ships does better. The 215
-matrices under 1M values that a batch-1 token of the engine benchmark's peers checkpoint reads (82 MB),
-float32, inference mode, median of 9 (AMD EPYC Zen 5, AVX-512, 2 threads): ``torch.mm`` 6.6 ms, OpenBLAS
-3.6 ms, 4.1 through :func:`linear`, 5.0 as the compiled step's op. No MKL setting changed its figures
-(``MKL_ENABLE_INSTRUCTIONS``, ``MKL_CBWR``, ``MKL_DEBUG_CPU_TYPE``). The compiled batch-1 step gains less,
-1.02-1.06x (alternating engines in one process): each call there goes back through Python (~10 us).
+the memory bandwidth on the AMD CPUs measured here (LM head 32000x512 at one row: 4.7 ms, OpenBLAS 1.06).
 
-:func:`linear` takes this path for single-row float32 CPU products when gradients are off and numpy's BLAS
-is OpenBLAS; everything else (several rows, other dtypes, training, CUDA) stays torch's. Inside a compiled
-step it is one opaque op (``flashserve::blas_linear``). The two paths sum in different orders, so a prompt's
-forward and the decode step's agree to float32 rounding (about 1e-7 relative per product), not bit for bit.
+* **Compiled** (:func:`compiled_row`): the product is written as a broadcast multiply summed over the inputs
+  (:func:`reduce_linear`), which inductor turns into one vectorised reduction kernel per product, called from
+  the step's C++ with no dispatch; an int8 weight's conversion and an expert's gather are fused into its read.
+  216 one-row products of the peers checkpoint's shapes (127 MB float32) in one compiled graph, C++ wrapper,
+  2 threads, median of 15 (AMD EPYC Zen 5): 3.6 ms, against 8.7 through an OpenBLAS op (each call back through
+  Python) and 11.6 with ``mm``; int8 weights 2.8 ms. At 16 rows it equals ``mm`` (16.8 / 16.1 ms), so
+  several rows stay torch's.
+* **Eager** (:func:`takes`): numpy's OpenBLAS for one float32 row with gradients off (the same 215 matrices
+  streamed: ``torch.mm`` 6.6 ms, OpenBLAS 3.6). No MKL setting changed MKL's figures
+  (``MKL_ENABLE_INSTRUCTIONS``, ``MKL_CBWR``, ``MKL_DEBUG_CPU_TYPE``).
 
-Experts stay torch's: each picked expert as its own OpenBLAS product, read in place, made the compiled step
-slower (24 calls a step took 3.0 ms, against the gathered copy and batched product they replaced).
+Everything else (several rows, other dtypes, training, CUDA) stays torch's. The paths sum in different
+orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative per
+product), not bit for bit.
 """
 
 from __future__ import annotations

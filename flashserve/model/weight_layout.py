@@ -7,7 +7,9 @@ reads the same bytes twice as fast. Measured with 1 and 2 threads, float32, medi
 32000x512 5.2-7.0 -> 2.9-3.3 ms at one row, 129280x64 3.2-4.2 -> 1.45 ms; square and moderately tall matrices
 (16384x2048, 512x128) within noise; bfloat16 column-major is 4-40x *slower* (no fast kernel), so only float32
 is converted. At one row the head is most of the step's matmul time (5.2 of 6.6 ms on the benchmark's peers
-checkpoint).
+checkpoint). The engine converts only for an eager decode step: a compiled CPU step multiplies one row by its
+own reduction kernel (:func:`flashserve.model.blas.reduce_linear`), which reads a row-major head faster
+(32000x512 in one graph, 2 threads: 1.9-2.0 ms row-major against 2.9-3.1 column-major).
 """
 
 from __future__ import annotations

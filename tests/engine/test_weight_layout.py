@@ -48,3 +48,19 @@ def test_column_major_head_gives_the_same_logits_and_tokens():
     torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
     prompts = [prompt_of(17, seed=5), prompt_of(30, seed=6)]
     assert run_greedy(engine, prompts, 12) == [reference_greedy(ref, p, 12) for p in prompts]
+
+
+def test_a_compiled_step_keeps_the_head_row_major():
+    """A compiled CPU step's one-row products (inductor's reduction kernels) read a row-major head faster, so
+    only an eager step's engine converts it."""
+    raw = preset_json("tiny-v41")
+    raw["text_config"].update(vocab_size=20000, engram_layer_ids=[], engram_num_embeddings=[], num_hidden_layers=2,
+                              compress_ratios=[0, 2], kv_source_layer_ids=[1], index_source_layer_ids=[1],
+                              candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=[])
+    cfg = config_from_dict(raw)
+    model = random_init(Transformer(cfg, with_mtp=False), seed=3).float().eval()
+    model.fake_quant = False
+    make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
+    assert model.head.weight.is_contiguous()
+    make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=True)
+    assert model.head.weight.stride() == (1, cfg.vocab_size)
