@@ -8,8 +8,9 @@ page-table widths are marked dynamic, so one graph serves every bucket from 2 an
 one for batch 1, and one where the MoE switches from gathered experts to all experts). On CUDA the compiled
 step replays CUDA graphs (``cuda_graphs``; inductor's ``triton.cudagraphs``, what the "reduce-overhead" mode
 sets, records one per shape, the cache's tensors marked as static addresses); on the CPU inductor's C++ wrapper
-calls the step's kernels. ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch
-does.
+calls the step's kernels. Once dynamo has run a graph for a set of input shapes, later steps of those shapes
+call that graph directly (:mod:`.graph_call`: no guards, no argument gathering). ``enforce_eager`` runs the
+same step without compiling or padding, as vLLM's switch does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from ..model.packed import PackedLinear
 from .cache import KVCache
 from .fixed_state import FixedBatchState
+from .graph_call import DirectCall, GraphRecorder, tensors_within
 
 log = logging.getLogger("flashserve.engine")
 
@@ -61,87 +63,6 @@ class StepInputs:
     table: torch.Tensor  # [Bp, P] page ids (padding: the scratch page)
 
 
-class _Recorder:
-    """A dynamo backend (inductor with ``options``) that notes each call of a graph it compiled, so that a step
-    can call that graph again without dynamo (:class:`_DirectCall`)."""
-
-    def __init__(self, options: dict):
-        self.options = options
-        self.calls: list[tuple] = []  # (graph module, compiled graph, its arguments, its outputs) since cleared
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        compiled = compile_fx(gm, example_inputs, config_patches=self.options)
-
-        def noted(*args):
-            out = compiled(*args)
-            self.calls.append((gm, compiled, args, out))
-            return out
-
-        return noted
-
-
-_INPUTS = ("ids", "start", "slots", "table")
-
-
-class _DirectCall:
-    """One compiled graph called as dynamo's code would call it, for inputs of the shapes it was seen with.
-
-    Dynamo's own call costs 0.6-1.0 ms of a 3.4-5.2 ms batch-1 step on the benchmark's peers checkpoint (its
-    guards, and bytecode that gathers the model's 300-400 parameter and cache tensors as the graph's arguments):
-    measured per call, float32 5.19 ms through dynamo against 4.57 calling the graph, int8 4.38 against 3.40.
-    The arguments other than the step's inputs are the model's and the cache's tensors, which the engine never
-    replaces after start-up (the assumption its guards already make: ``skip_guard_on_all_nn_modules_unsafe``).
-    """
-
-    def __init__(self, compiled, args: list, tensors: dict[int, str], sizes: dict[int, tuple[str, int]],
-                 outputs: tuple[int, int | None]):
-        self.compiled, self.args, self.tensors, self.sizes, self.outputs = compiled, args, tensors, sizes, outputs
-
-    @classmethod
-    def plan(cls, calls: list[tuple], inp: "StepInputs", logits: torch.Tensor,
-             feats: torch.Tensor | None) -> "_DirectCall | None":
-        """From the graph calls one dynamo call made: None unless it was one graph whose arguments are the step's
-        inputs (by identity), sizes of them, and other tensors, and whose outputs are exactly the step's."""
-        if len(calls) != 1:
-            return None
-        gm, compiled, args, out = calls[0]
-        holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        given = {name: getattr(inp, name) for name in _INPUTS}
-        tensors = {i: name for i, a in enumerate(args) for name, t in given.items() if a is t}
-        dims = {}  # symbol of an input's size -> (input, dim)
-        for i, name in tensors.items():
-            for d, size in enumerate(holders[i].meta["example_value"].shape):
-                if isinstance(size, torch.SymInt):
-                    dims.setdefault(size.node.expr, (name, d))
-        sizes = {}
-        for i, a in enumerate(args):
-            if i in tensors or isinstance(a, torch.Tensor):
-                continue
-            value = holders[i].meta.get("example_value")
-            if not isinstance(value, torch.SymInt) or value.node.expr not in dims:
-                return None
-            sizes[i] = dims[value.node.expr]
-        results = [logits] + ([] if feats is None else [feats])
-        if not isinstance(out, (list, tuple)) or len(out) != len(results):
-            return None
-        where = [next((j for j, o in enumerate(out) if o is r), None) for r in results]
-        if None in where:
-            return None
-        return cls(compiled, list(args), tensors, sizes, (where[0], where[1] if feats is not None else None))
-
-    def __call__(self, inp: "StepInputs") -> tuple[torch.Tensor, torch.Tensor | None]:
-        args = list(self.args)
-        for i, name in self.tensors.items():
-            args[i] = getattr(inp, name)
-        for i, (name, d) in self.sizes.items():
-            args[i] = getattr(inp, name).shape[d]
-        out = self.compiled(*args)
-        li, fi = self.outputs
-        return out[li], (None if fi is None else out[fi])
-
-
 class DecodeStep:
     """Runs padded decode forwards: ``torch.compile`` per bucket, or eager with ``enforce_eager``."""
 
@@ -167,11 +88,11 @@ class DecodeStep:
         if self.cuda_graphs:  # replays write the cache in place: its tensors must keep their addresses
             for t in cache.storage.tensors():
                 torch._dynamo.mark_static_address(t)
-        self._recorder: _Recorder | None = None
+        self._recorder: GraphRecorder | None = None
         # steps by input shapes (batch, rows, table width) -> the graph dynamo ran for them, called directly
         # (None: through dynamo), and those plans by compiled graph
-        self._direct: dict[tuple, _DirectCall | None] = {}
-        self._plans: dict[int, _DirectCall | None] = {}
+        self._direct: dict[tuple, DirectCall | None] = {}
+        self._plans: dict[int, DirectCall | None] = {}
         self._forward = self._eager if enforce_eager else self._compile(backend)
         self.warmup_s = 0.0
 
@@ -189,7 +110,7 @@ class DecodeStep:
             # alternating pairs of processes, medians of 5); the first compile of batch 1 alone took 380 s
             options["cpp_wrapper"] = True
         if backend == "inductor":
-            self._recorder = _Recorder(options)
+            self._recorder = GraphRecorder(options)
             backend, options = self._recorder, {}
         return torch.compile(self._eager, backend=backend, dynamic=False, recompile_limit=GRAPHS_PER_STEP,
                              options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
@@ -242,7 +163,7 @@ class DecodeStep:
 
     def _forward_noting(self, inp: StepInputs, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step as ``torch.compile`` runs it (compiling when the shapes are new); the first time for ``key``,
-        a plan to call the same graph directly next time (:class:`_DirectCall`)."""
+        a plan to call the same graph directly next time (:class:`DirectCall`)."""
         if not self.enforce_eager:  # one graph for every batch size from 2 and every context length
             if inp.ids.shape[0] > 1:
                 for t in (inp.ids, inp.start, inp.slots, inp.table):
@@ -255,9 +176,20 @@ class DecodeStep:
         if rec is not None and key not in self._direct:
             graph = id(rec.calls[0][1]) if len(rec.calls) == 1 else None
             if graph not in self._plans:
-                self._plans[graph] = _DirectCall.plan(rec.calls, inp, logits, feats)
+                self._plans[graph] = DirectCall.plan(rec.calls, inp, logits, feats, self._fixed_tensors())
             self._direct[key] = self._plans[graph]
         return logits, feats
+
+    def _fixed_tensors(self) -> set[int]:
+        """Ids of the tensors a step may read that stay the same objects: the model's (parameters, buffers,
+        tensor attributes; the engine never changes its model after start-up) and the cache layers' (allocated
+        at start-up, kept at their addresses for CUDA graphs too, and their codecs' tables)."""
+        out = {id(t) for t in self.cache.storage.tensors()}
+        out.update(id(t) for t in tensors_within(self.cache.storage.layers))
+        for m in self.model.modules():
+            out.update(id(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+            out.update(id(t) for t in vars(m).values() if isinstance(t, torch.Tensor))
+        return out
 
     def _eager(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -128,7 +128,7 @@ def test_inductor_step_equals_eager(caplog):
 def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(monkeypatch):
     """The C++ wrapper (1.4x at batch 1 on the benchmark's checkpoint) for every CPU step inductor compiles,
     except w8a8's, whose kernel op takes a Python object the C++ wrapper cannot pass."""
-    from flashserve.engine import decode_step
+    from flashserve.engine import decode_step, graph_call
 
     seen = []
     monkeypatch.setattr(decode_step.torch, "compile",
@@ -138,7 +138,7 @@ def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(
         make_engine(compact_v41(torch.float32, weights, TWO), "tiny-v41", **kw)
     make_engine(compact_v41(torch.float32, None, TWO), "tiny-v41", compile_backend="eager", **kw)
     # inductor runs behind the step's recording backend, which holds its options
-    named = [("inductor", b.options) if isinstance(b, decode_step._Recorder) else (b, o) for b, o in seen]
+    named = [("inductor", b.options) if isinstance(b, graph_call.GraphRecorder) else (b, o) for b, o in seen]
     assert [(b, o.get("cpp_wrapper", False)) for b, o in named] == [
         ("inductor", True), ("inductor", True), ("inductor", False), ("eager", False)]
 
