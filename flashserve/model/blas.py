@@ -101,6 +101,17 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _mm_np(flat, w).view(*x.shape[:-1], w.shape[0])
 
 
+def pairs_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Row ``p`` of ``x [P, K]`` times its own matrix ``w[p]`` (``w [P, N, K]``, optional per-row ``scale [P, N]``):
+    [P, N], the gathered experts' product. Compiled on the CPU: :func:`reduce_linear`, each ``w[p]`` read in place
+    (an int8 ``w`` converted as read); otherwise a batched product."""
+    if compiled_cpu(x):
+        y = reduce_linear(x, w)
+    else:
+        y = torch.bmm(w.to(x.dtype), x.unsqueeze(-1)).squeeze(-1)
+    return y if scale is None else y * scale.to(y.dtype)
+
+
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Group ``g`` of ``x [..., G, K]`` times group ``g`` of ``w``'s rows (``w [G * N, K]``, optional per-row
     ``scale``): [..., G, N]. One token in a compiled CPU step: :func:`reduce_linear` (an int8 ``w`` read as is)."""

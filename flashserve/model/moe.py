@@ -134,16 +134,15 @@ class Experts(nn.Module):
     def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Few (token, expert) pairs (decode): gather each pair's weights and batch-multiply, no host sync."""
         T, k = idx.shape
-        flat, dt = idx.flatten(), x.dtype
+        flat = idx.flatten()
         h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])  # [pairs, D]
-
-        def mm(name: str, inp: torch.Tensor) -> torch.Tensor:  # [pairs, in] -> [pairs, out]
-            if blas.compiled_cpu(inp):  # compiled on the CPU: each expert read in place by the product
-                return blas.reduce_linear(inp, self.expert_weights(name, dt, flat))
-            return torch.bmm(self.expert_weights(name, dt, flat), inp.unsqueeze(-1)).squeeze(-1)
-
-        y = mm("w2", clamped_swiglu(mm("w1", h), mm("w3", h), self.limit))
+        gate, up = self.pair_products("w1", h, flat), self.pair_products("w3", h, flat)
+        y = self.pair_products("w2", clamped_swiglu(gate, up, self.limit), flat)
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
+
+    def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row ``p`` of ``h [pairs, in]`` by projection ``name`` of expert ``experts[p]``: [pairs, out]."""
+        return blas.pairs_linear(h, self.expert_weights(name, h.dtype, experts))
 
     def _grouped(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Many pairs (prefill): group tokens by expert and loop over the experts that were hit."""

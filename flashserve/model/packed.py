@@ -343,24 +343,13 @@ class PackedExperts(Experts):
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
         return False  # it would decode every expert each step; the loop decodes only the experts hit
 
-    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
         the [pairs, out] products are scaled (one pass less over the weights than decoding them first)."""
-        if self.w1_packed.fmt.name != INT8:
-            return super()._gathered(x, idx, w)
-        T, k = idx.shape
-        flat, dt = idx.flatten(), x.dtype
-
-        def mm(name: str, inp: torch.Tensor) -> torch.Tensor:  # [pairs, in] -> [pairs, out]
-            p = getattr(self, f"{name}_packed")
-            q, scale = p.qweight[flat], p.scale[flat].view(torch.float32).to(dt)
-            if blas.compiled_cpu(inp):  # compiled on the CPU: int8 read in place and converted in the product
-                return blas.reduce_linear(inp, q) * scale
-            return torch.bmm(q.to(dt), inp.unsqueeze(-1)).squeeze(-1) * scale
-
-        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])
-        y = mm("w2", clamped_swiglu(mm("w1", h), mm("w3", h), self.limit))
-        return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
+        p = getattr(self, f"{name}_packed")
+        if p.fmt.name != INT8:
+            return super().pair_products(name, h, experts)
+        return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
 
 
 # ---------------------------------------------------------------------------- which tensors, which format
