@@ -208,11 +208,11 @@ class Transformer(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Released checkpoint name → tensor (views into stacked experts for per-expert names), or a
         :class:`~flashserve.model.packed.PackedSlot` for packed modules."""
-        from .packed import packed_destinations
+        from .packed import PACKED_BUFFERS, packed_destinations
 
         out: dict[str, torch.Tensor] = dict(packed_destinations(self))  # packed modules take stored bytes
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.startswith(("rope.", "engram_hasher.")) or name.endswith(("packed.qweight", "packed.scale")):
+            if name.startswith(("rope.", "engram_hasher.")) or name.endswith(PACKED_BUFFERS):
                 continue
             if ".experts.w" in name:
                 prefix, w = name.rsplit(".experts.", 1)

@@ -151,6 +151,71 @@ def test_a_compiled_graph_decodes_through_the_eager_tables(fmt, shape):
     assert "flashserve.decode_packed" in ops
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "int8"])
+def test_every_expert_on_every_row_runs_in_chunks_compiled_equal_to_eager(fmt, monkeypatch):
+    """The all-experts path decodes DENSE_CHUNK_BYTES of experts at a time (here 3 of 8: chunks of 3, 3 and 2),
+    equal to float experts of the decoded weights; compiled, its chunks decode in inductor's own kernels (no
+    opaque decode op) and give eager's numbers."""
+    from torch._inductor.compile_fx import compile_fx
+
+    from flashserve.model import moe
+    from flashserve.model.moe import Experts
+    from flashserve.model.packed import EXPERT_FP4, ROW_INT8
+
+    E, D, I = 8, 64, 32
+    monkeypatch.setattr(moe, "DENSE_CHUNK_BYTES", 3 * 3 * I * D * 4)
+    g = torch.Generator().manual_seed(7)
+    packed = PackedExperts(E, D, I, 7.0, EXPERT_FP4 if fmt == "mxfp4" else ROW_INT8)
+    ref = Experts(E, D, I, 7.0)
+    for name in ("w1", "w2", "w3"):
+        getattr(packed, f"{name}_packed").set_float(torch.randn(getattr(ref, name).shape, generator=g))
+        getattr(ref, name).data.copy_(packed.expert_weights(name, torch.float32))
+    x = torch.randn(6, D, generator=g)
+    idx = torch.rand(6, E, generator=g).topk(2, dim=-1).indices
+    w = torch.rand(6, 2, generator=g)
+    asked = []
+    real = PackedExperts.expert_weights
+    monkeypatch.setattr(PackedExperts, "expert_weights",
+                        lambda self, n, dt, i=None: (asked.append(i), real(self, n, dt, i))[1])
+    eager = packed._dense(x, idx, w)
+    monkeypatch.setattr(PackedExperts, "expert_weights", real)
+    assert [(i.start, i.stop) for i in asked[::3]] == [(0, 3), (3, 6), (6, 8)]
+    assert _rel(eager, ref._grouped(x, idx, w)) <= 1e-6
+    graphs = []
+
+    def inductor(gm, inputs):
+        graphs.append(gm)
+        return compile_fx(gm, inputs)
+
+    compiled = torch.compile(packed._dense, backend=inductor, fullgraph=True)(x, idx, w)
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert ops and "flashserve.decode_packed" not in ops
+    assert _rel(compiled, eager) <= 1e-6
+
+
+def test_compiled_whole_mxfp4_decode_is_inductors_lookup_and_exact():
+    """Decoding every expert (the step that runs all experts at several rows) is traced, not the opaque op:
+    inductor's kernel gives eager's values bit for bit, for every byte value and for a zero (2^-127) scale."""
+    from flashserve.model.packed import EXPERT_FP4, PackedWeights
+
+    pw = PackedWeights((2, 16, 512), EXPERT_FP4)
+    pw.set_float(torch.randn(2, 16, 512, generator=torch.Generator().manual_seed(6)))
+    pw.qweight.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every pair of E2M1 codes
+    pw.scale[0, 0, 0], pw.scale[1, 3, 5] = 0, 254
+    want = pw.dequantize(torch.float32)
+    graphs = []
+
+    def recording(gm, inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, inputs)
+
+    got = torch.compile(lambda: pw.dequantize(torch.float32), backend=recording, fullgraph=True)()
+    assert torch.equal(got, want)
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+    assert ops and "flashserve.decode_packed" not in ops
+
+
 def test_a_compiled_int8_layer_equals_eager():
     """int8 dense products (rows converted a chunk at a time) traced whole: the eager layer's numbers."""
     from flashserve.model.packed import ROW_INT8
