@@ -12,8 +12,10 @@ Four formats, each a pair of integer buffers so that ``model.to(dtype)`` never c
   fbgemm's int8 kernel on x86), experts stay weight-only ``int8``.
 
 Dense FP8/MXFP4 dequantize the whole matrix per call (a temporary in the compute dtype); experts dequantize
-only the experts a step gathers. The float model stays the reference: :func:`dequantized_state` gives the
-float weights a packed model computes with, and the tests compare the two forwards.
+only the experts a step gathers, or a few experts at a time when a step runs every expert on its rows (a
+compiled CPU step decodes those in inductor's own kernels: :func:`decode_mxfp4_traced`). The float model stays
+the reference: :func:`dequantized_state` gives the float weights a packed model computes with, and the tests
+compare the two forwards.
 """
 
 from __future__ import annotations
@@ -109,9 +111,9 @@ def decode_mxfp4_traced(q: torch.Tensor, s: torch.Tensor, e2m1_bits: torch.Tenso
     """:func:`decode` of MXFP4 written for inductor: each nibble looks its value up in ``e2m1_bits`` (the 16
     values' float32 bits), times its block's power-of-two scale, in one generated kernel. Decoding all 16 experts
     of a peers-checkpoint projection (2M values), 2 threads: 0.43 ms against 0.98 for the opaque op's eager
-    table lookups (and 2.4 ms a call measured inside a 16-row step, whose fresh temporaries fault their pages
-    in): what a step that runs every expert (:meth:`Experts._dense`) decodes. Gathered experts keep the opaque
-    op: inductor fused this lookup into the gathered product and made it slower (0.43 against 0.26 ms)."""
+    table lookups (which took about 2.5 ms a call inside a profiled 16-row step): what a step that runs every expert
+    (:meth:`Experts._dense`) decodes. Gathered experts keep the opaque op: inductor fused this lookup into the
+    gathered product and made it slower (0.43 against 0.26 ms)."""
     table = e2m1_bits.view(torch.float32)
     lo, hi = table[(q & 15).long()], table[(q >> 4).long()]  # [..., out, in / 2] each
     values = torch.stack([lo, hi], -1).flatten(-2)  # [..., out, in]: low nibble = even column
