@@ -21,7 +21,8 @@ GROUPED_MM_ROWS = 64
 # packed chunk's decoded copy is still in cache when its products read it. Peers checkpoint (16 MXFP4 experts of
 # 3 x 256x512), one layer at 16 rows compiled, 2 threads, median ms with the cache flushed between calls / not:
 # all 16 at once 9.1-13.6 / 5.4-10.2, 2 at a time 3.8 / 3.5, 4 at a time 3.6-4.8 / 3.7-4.4, 8 at a time 4.3 / 3.2.
-# (Inside a whole 16-row step the difference was lost in this machine's noise: docs/engine-speed.md.)
+# Inside a whole compiled 16-row step no difference showed (inductor fuses the chunks' decodes into one kernel:
+# docs/engine-speed.md); the chunks also bound the decoded temporaries whatever the number of experts.
 DENSE_CHUNK_BYTES = 6 << 20
 
 
