@@ -76,7 +76,7 @@ def decode(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torc
     if q.device.type == "cpu" and torch.compiler.is_compiling():
         return torch.ops.flashserve.decode_packed(q, s, fmt.name, fmt.row_block, fmt.col_block, cols, dtype)
     if fmt.name in INT8_ROWS:
-        return (q.to(torch.float32) * s.view(torch.float32)[..., None]).to(dtype)
+        return _int8_rows(q, s, dtype)
     scale = quant.e8m0_to_float(s)
     if fmt.name == MXFP4:
         values = quant.decode_e2m1_bytes(q)  # [..., out, 2 * packed]
@@ -104,6 +104,11 @@ def _decode_packed(q: torch.Tensor, s: torch.Tensor, name: str, row_block: int, 
 def _(q: torch.Tensor, s: torch.Tensor, name: str, row_block: int, col_block: int, cols: int,
       dtype: torch.dtype) -> torch.Tensor:
     return q.new_empty((*q.shape[:-1], cols), dtype=dtype)
+
+
+def _int8_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 rows times their float32 scales (stored as int32 bits), in ``dtype``."""
+    return (q.to(torch.float32) * s.view(torch.float32)[..., None]).to(dtype)
 
 
 def decode_mxfp4_traced(q: torch.Tensor, s: torch.Tensor, e2m1_bits: torch.Tensor, cols: int,
@@ -207,7 +212,8 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> t
 INT8PACK_PAYS_ONE_ROW, INT8PACK_PAYS_ROWS = _int8pack_pays(1, matrices=16), _int8pack_pays(16, matrices=2)
 
 
-PACKED_BUFFERS = ("packed.qweight", "packed.scale", "packed.e2m1_bits")  # names' ends: not checkpoint tensors
+E2M1_TABLE = "packed.e2m1_bits"  # name's end of the computed E2M1 table buffers
+PACKED_BUFFERS = ("packed.qweight", "packed.scale", E2M1_TABLE)  # names' ends: not checkpoint tensors
 
 
 class PackedWeights(nn.Module):
@@ -219,7 +225,9 @@ class PackedWeights(nn.Module):
         q_shape, s_shape = packed_shapes(self.shape, fmt)
         self.register_buffer("qweight", torch.zeros(q_shape, dtype=_DTYPES[fmt.name]))
         self.register_buffer("scale", torch.zeros(s_shape, dtype=_SCALE_DTYPES[fmt.name]))
-        if fmt.name == MXFP4:  # the 16 E2M1 values as float32 bits (an integer buffer: model.to keeps it)
+        # the 16 E2M1 values as float32 bits: an integer buffer (model.to keeps it) of this module, so a compiled
+        # step reads it as a model tensor (a module-level table would be a graph argument the direct call refuses)
+        if fmt.name == MXFP4:
             self.register_buffer("e2m1_bits", quant.e2m1_decode(torch.arange(16, dtype=torch.uint8)).view(torch.int32),
                                  persistent=False)
 
@@ -230,7 +238,7 @@ class PackedWeights(nn.Module):
             if self.fmt.name == MXFP4:
                 return decode_mxfp4_traced(q, s, self.e2m1_bits, self.shape[-1], dtype)
             if self.fmt.name in INT8_ROWS:  # a conversion and a product, one vectorised kernel
-                return (q.to(torch.float32) * s.view(torch.float32)[..., None]).to(dtype)
+                return _int8_rows(q, s, dtype)
         return decode(q, s, self.fmt, self.shape[-1], dtype)
 
     @torch.no_grad()
@@ -541,7 +549,7 @@ def resident_bytes(model: nn.Module) -> int:
     of the w8a8 kernels' copies made so far."""
     total = sum(m.kernel_bytes() for m in model.modules() if isinstance(m, PackedLinear) and m.kernel is not None)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not name.startswith(("rope.", "engram_hasher.")) and not name.endswith(".e2m1_bits"):
+        if not name.startswith(("rope.", "engram_hasher.")) and not name.endswith(E2M1_TABLE):
             total += t.numel() * t.element_size()
     return total
 
