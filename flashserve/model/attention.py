@@ -163,8 +163,8 @@ class Indexer(nn.Module):
         if fake_quant == "v4":
             q = v4_fake_quant_index(q)
         w = blas.linear(fp32(x), fp32(self.weights_proj.weight)) * self.n_heads ** -0.5
-        s = torch.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
-        return torch.einsum("bsht,bsh->bst", s, w)
+        s = blas.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
+        return blas.einsum("bsht,bsh->bst", s, w)
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,18 +322,18 @@ class Attention(nn.Module):
         kp = kpos[:, None, :]
         win_ok = (kp >= 0) if noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
         kf = fp32(keys)
-        window_scores = torch.einsum("bshd,btd->bhst", q, kf) * hd ** -0.5
+        window_scores = blas.einsum("bshd,btd->bhst", q, kf) * hd ** -0.5
         logits = [window_scores.masked_fill(~win_ok[:, None], NEG_INF)]
         if comp_logits is not None:
             logits.append(comp_logits)
         sink = fp32(self.attn_sink).view(1, H, 1, 1).expand(B, H, s, 1)
         probs = torch.softmax(torch.cat(logits + [sink], dim=-1), dim=-1)[..., :-1]
         tw = keys.shape[1]
-        out = torch.einsum("bhst,btd->bshd", probs[..., :tw], kf)
+        out = blas.einsum("bhst,btd->bshd", probs[..., :tw], kf)
         if values is not None:
             kind, v = values
             pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
-            out = out + torch.einsum(pattern, probs[..., tw:], fp32(v))
+            out = out + blas.einsum(pattern, probs[..., tw:], fp32(v))
         return out
 
     # -------------------------------------------------------------- forward
@@ -359,7 +359,7 @@ class Attention(nn.Module):
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
                 entries, n_entries = ctx.state.compressed(self.src_main)
-                comp = torch.einsum("bshd,btd->bhst", qf, fp32(entries)) * hd ** -0.5
+                comp = blas.einsum("bshd,btd->bhst", qf, fp32(entries)) * hd ** -0.5
                 comp_logits = comp.masked_fill(~self._visible(t, entries.shape[1], n_entries)[:, None], NEG_INF)
                 values = ("dense", entries)
             else:
@@ -368,7 +368,7 @@ class Attention(nn.Module):
                 else:
                     idx, valid = ctx.topk[idx_src]
                 picked = ctx.state.compressed_rows(self.src_main, idx)  # [B,S,k,hd]: only the rows picked
-                comp = torch.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * hd ** -0.5
+                comp = blas.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * hd ** -0.5
                 comp_logits = comp.masked_fill(~valid[:, None], NEG_INF)
                 values = ("sparse", picked)
         block = max(WINDOW_BLOCK, self.window)

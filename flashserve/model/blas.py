@@ -80,14 +80,56 @@ def compiled_row(x: torch.Tensor) -> bool:
     return compiled_cpu(x) and x.numel() == x.shape[-1]
 
 
+def materialized(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself (an identity view), which a compiled graph stores as a buffer of its own before the reduction
+    reading it. Otherwise inductor inlines a cheap producer into the reduction's inner loop and recomputes it for
+    every output row: an RMSNorm in front of a product (a square root and a division per element per row) made
+    the LM head's int8 product 3-7x slower (32000x512, 2 threads: 1.2-2.3 ms against 0.34). ``as_strided``
+    is the view inductor can only make of a stored buffer. Non-contiguous ``x`` is left as it is (its stored
+    layout could differ from the strides traced)."""
+    if not x.is_contiguous():
+        return x
+    return x.as_strided(x.shape, x.stride())
+
+
 def reduce_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ w [..., N, K].T`` [..., N] written as a broadcast product summed over ``K``; an int8
     ``w`` is converted as it is read. Compiled, inductor makes it one vectorised reduction kernel that streams
     ``w`` once (its own GEMV, called from the step's C++ with no dispatch), with an int8 conversion or an
     expert gather fused into the read. Eager it would materialise the product: use it inside compiled steps."""
+    x = materialized(x)
     if w.dim() == 2 and w.stride(0) == 1 and w.shape[0] > 1:  # column-major (weight_layout): sum over rows
         return (x.unsqueeze(-1) * w.t().to(x.dtype)).sum(-2)
     return (x.unsqueeze(-2) * w.to(x.dtype)).sum(-1)
+
+
+def _aligned(t: torch.Tensor, labels: str, order: list[str]) -> torch.Tensor:
+    """``t`` (dims named by ``labels``) permuted to ``order`` with size-1 dims for the labels it lacks."""
+    present = [c for c in order if c in labels]
+    t = t.permute([labels.index(c) for c in present])
+    return t.reshape([t.shape[present.index(c)] if c in labels else 1 for c in order])
+
+
+def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.einsum(eq, a, b)`` for two operands (no label repeated within one). In a compiled CPU step it is
+    written as a broadcast product summed over the contracted labels, which inductor fuses into its kernels:
+    as ``bmm`` each was an external MKL call with a parallel region of its own (45 a batch-1 step of the peers
+    checkpoint, about 4 us each, for products of a few KB: attention scores and values, the indexer, the
+    hyper-connection mixing). Elsewhere torch's ``einsum``."""
+    if not compiled_cpu(a):
+        return torch.einsum(eq, a, b)
+    ins, out = eq.replace(" ", "").split("->")
+    la, lb = ins.split(",")
+    if "..." in eq:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
+        n = max(a.dim() - len(la) + 3 if "..." in la else 0, b.dim() - len(lb) + 3 if "..." in lb else 0)
+        caps = "ABCDEFGHIJ"[10 - n:]
+        la = la.replace("...", caps[n - (a.dim() - len(la) + 3):])
+        lb = lb.replace("...", caps[n - (b.dim() - len(lb) + 3):])
+        out = out.replace("...", caps)
+    summed = [c for c in dict.fromkeys(la + lb) if c not in out]
+    order = list(out) + summed
+    prod = _aligned(a, la, order) * _aligned(b, lb, order)
+    return prod.sum(tuple(range(len(out), len(order)))) if summed else prod
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

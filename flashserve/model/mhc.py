@@ -73,7 +73,7 @@ def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def expand(y: torch.Tensor, x: torch.Tensor, mix: HyperMix) -> torch.Tensor:
     """``post_k · y + Σ_j comb[j, k] · x_j`` (sum over the FIRST index of comb)."""
     xf = fp32(x)
-    mixed = torch.einsum("...jk,...jd->...kd", mix.comb.to(xf.dtype), xf)
+    mixed = blas.einsum("...jk,...jd->...kd", mix.comb.to(xf.dtype), xf)
     return (mix.post.to(xf.dtype).unsqueeze(-1) * fp32(y).unsqueeze(-2) + mixed).to(x.dtype)
 
 

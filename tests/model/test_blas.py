@@ -123,6 +123,67 @@ def test_compiled_rows_of_int8_weights_and_gathered_experts_equal_eager():
             assert got.shape == want.shape and _rel(got, want) <= 1e-6
 
 
+EINSUMS = [("bshd,btd->bsht", (2, 1, 8, 16), (2, 40, 16)), ("bsht,bsh->bst", (2, 1, 8, 40), (2, 1, 8)),
+           ("bshd,btd->bhst", (2, 3, 8, 16), (2, 40, 16)), ("bhst,btd->bshd", (2, 8, 3, 40), (2, 40, 16)),
+           ("bhsk,bskd->bshd", (2, 8, 3, 5), (2, 3, 5, 16)), ("bshd,bskd->bhsk", (2, 3, 8, 16), (2, 3, 5, 16)),
+           ("...jk,...jd->...kd", (2, 1, 4, 4), (2, 1, 4, 32)), ("...jk,jd->...kd", (2, 1, 4, 4), (4, 32)),
+           ("ij,jk->ikj", (3, 4), (4, 5))]
+
+
+@pytest.mark.parametrize("eq,sa,sb", EINSUMS)
+def test_compiled_einsum_is_a_fused_product_with_torchs_values(eq, sa, sb):
+    """The model's two-operand einsums (attention, indexer, hyper-connection mixing), compiled on the CPU, are a
+    broadcast product and a sum (no ``bmm`` or ``einsum`` call left in the graph) with torch.einsum's values
+    and shape; eager they are torch.einsum itself."""
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(sa, generator=g, dtype=torch.float64), torch.randn(sb, generator=g, dtype=torch.float64)
+    want = torch.einsum(eq, a, b)
+    assert torch.equal(blas.einsum(eq, a, b), want)
+    got, targets = _compiled(lambda a, b: blas.einsum(eq, a, b), a, b)
+    assert not any(t.endswith(("bmm", "mm", "einsum", "matmul")) for t in targets), targets
+    assert got.shape == want.shape and _rel(got, want) <= 1e-12
+
+
+def _reduction_loops(code: str) -> list[str]:
+    """The bodies of the generated C++ loops that accumulate a reduction (from the loop's ``for`` to the
+    accumulating line)."""
+    lines, bodies = code.splitlines(), []
+    for i, line in enumerate(lines):
+        if "tmp_acc" in line and "_vec = " in line and "tmp_acc" in line.split("=", 1)[1]:
+            j = i
+            while j > 0 and "for(" not in lines[j]:
+                j -= 1
+            bodies.append("\n".join(lines[j:i + 1]))
+    return bodies
+
+
+def test_a_compiled_product_reads_its_normalised_row_once_stored():
+    """An RMSNorm in front of a one-row product is computed once into a buffer of its own: inductor would
+    otherwise inline it into the product's reduction and take a square root for every output row (the LM
+    head 3-7x slower). Checked in inductor's C++ for an int8 weight, and the values equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flashserve.model.packed import ROW_INT8, encode, int8_mm
+
+    g = torch.Generator().manual_seed(6)
+    q, scale = encode(torch.randn(64, 32, generator=g), ROW_INT8)
+    nw, x = torch.rand(32, generator=g), torch.randn(1, 32, generator=g)
+
+    def f(x):
+        return int8_mm(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * nw, q, scale)
+
+    with torch.inference_mode():
+        want = f(x)
+        torch._dynamo.reset()
+        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
+    loops = _reduction_loops("\n".join(code))
+    assert any("int8" in body for body in loops), loops  # the product is inductor's reduction ...
+    assert not any("sqrt" in body for body in loops if "int8" in body), loops  # ... over the stored row
+    assert _rel(got, want) <= 1e-6
+    view = blas.materialized(x)
+    assert torch.equal(view, x) and view.data_ptr() == x.data_ptr()
+
+
 def test_the_engines_threads_keep_openblas_at_one_thread():
     """torch's second thread spins between its parallel regions; a second OpenBLAS thread would fight it for
     the core (the compiled batch-1 step fell 3x), so setting the engine's threads holds OpenBLAS at one."""
