@@ -127,12 +127,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generat
     return result
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``; numpy's on the CPU, where torch's took 21 us for one row of 32000 float32 logits against
+    numpy's 1.6 (2 threads; about 1% of a batch-1 step). Both return the first maximum, and a NaN wins."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return x.argmax(-1)
+    return torch.from_numpy(x.numpy().argmax(-1))
+
+
 def _sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Generator | None) -> SampleResult:
     N, V = logits.shape
     dev = logits.device
     raw = logits if logits.dtype == torch.float64 else logits.float()
     lg = _apply_bias_and_masks(_apply_penalties(raw, rows), rows)
-    chosen = lg.argmax(-1)
+    chosen = argmax(lg)
     if not all(r.params.greedy for r in rows):
         greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
         probs = sampling_probs(lg, [r.params for r in rows])

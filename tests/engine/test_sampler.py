@@ -135,3 +135,19 @@ def test_a_guide_waiting_for_its_start_forbids_ending_the_sequence():
     assert sample(logits.clone(), [row]).token_ids == [think]
     first = sample(logits.clone(), [row]).token_ids[0]
     assert first not in (tok.eos_token_id, 7) and tok.decode([first]).lstrip().startswith("{")
+
+
+def test_the_cpu_argmax_is_torchs_first_maximum():
+    """The sampler's argmax (numpy's on the CPU) picks what ``torch.argmax`` picks: the first of equal maxima,
+    the first NaN, in float32 and float64, on strided rows."""
+    from flashserve.engine.sampler import argmax
+
+    g = torch.Generator().manual_seed(7)
+    cases = [torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0]]),
+             torch.tensor([[1.0, float("nan"), 5.0, float("nan")]]),
+             torch.randn(3, 700, generator=g, dtype=torch.float64),
+             torch.randn(5, 4, generator=g).t(),
+             torch.randint(0, 3, (4, 50), generator=g).float()]
+    for x in cases:
+        got = argmax(x)
+        assert got.dtype == torch.long and got.tolist() == x.argmax(-1).tolist()
