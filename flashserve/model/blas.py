@@ -14,6 +14,8 @@ the memory bandwidth on the AMD CPUs measured here (LM head 32000x512 at one row
 * **Eager** (:func:`takes`): numpy's OpenBLAS for one float32 row with gradients off (the same 215 matrices
   streamed: ``torch.mm`` 6.6 ms, OpenBLAS 3.6). No MKL setting changed MKL's figures
   (``MKL_ENABLE_INSTRUCTIONS``, ``MKL_CBWR``, ``MKL_DEBUG_CPU_TYPE``).
+* **Small batched products** (:func:`einsum`: attention scores and values, the indexer, the hyper-connection
+  mixing) are broadcast sums in a compiled CPU step too, fused into inductor's kernels instead of MKL calls.
 
 Everything else (several rows, other dtypes, training, CUDA) stays torch's. The paths sum in different
 orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative per
