@@ -156,7 +156,7 @@ def _sample(logits: torch.Tensor, rows: list[SampleRow], generator: torch.Genera
         for i, r in enumerate(rows):
             if r.generator is not None and not r.params.greedy:
                 noise[i] = torch.empty(V, device=dev, dtype=noise.dtype).exponential_(generator=r.generator)
-        sampled = (probs / noise.clamp(min=1e-20)).argmax(-1)
+        sampled = argmax(probs / noise.clamp(min=1e-20))
         chosen = torch.where(greedy, chosen, sampled)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     logprobs: list[dict[int, float] | None] = [None] * N

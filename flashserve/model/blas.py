@@ -123,10 +123,9 @@ def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ins, out = eq.replace(" ", "").split("->")
     la, lb = ins.split(",")
     if "..." in eq:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
-        n = max(a.dim() - len(la) + 3 if "..." in la else 0, b.dim() - len(lb) + 3 if "..." in lb else 0)
-        caps = "ABCDEFGHIJ"[10 - n:]
-        la = la.replace("...", caps[n - (a.dim() - len(la) + 3):])
-        lb = lb.replace("...", caps[n - (b.dim() - len(lb) + 3):])
+        na, nb = (t.dim() - len(lab) + 3 if "..." in lab else 0 for t, lab in ((a, la), (b, lb)))
+        caps = "ABCDEFGHIJ"[10 - max(na, nb):]
+        la, lb = la.replace("...", caps[len(caps) - na:]), lb.replace("...", caps[len(caps) - nb:])
         out = out.replace("...", caps)
     summed = [c for c in dict.fromkeys(la + lb) if c not in out]
     order = list(out) + summed
