@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from flashserve.model.mhc import sinkhorn
+from torch._inductor.utils import run_and_get_code
+
+from flashserve.model.mhc import _sinkhorn_scalings, sinkhorn
 from flashserve.model.moe import Experts
 
 
@@ -28,9 +30,19 @@ def test_sinkhorn_equals_plain_loop(dtype, shape):
         torch.testing.assert_close(got.sum(-2), torch.ones_like(got.sum(-2)), rtol=0, atol=1e-4)
 
 
-def test_compiled_sinkhorn_is_plain_sums():
-    """Under torch.compile Sinkhorn is traced as sums inductor can fuse (no ``baddbmm``, which inductor would
-    call as an external kernel per half-step) and gives the eager in-place loop's values."""
+@pytest.mark.parametrize("iters", [1, 2, 20])
+@pytest.mark.parametrize("shape", [(1,), (3, 5), (0, 2)])
+def test_sinkhorn_as_row_and_column_scalings_equals_plain_loop(iters, shape):
+    g = torch.Generator().manual_seed(iters)
+    comb = torch.softmax(3 * torch.randn(*shape, 4, 4, generator=g, dtype=torch.float64), -1) + 1e-6
+    got = _sinkhorn_scalings(comb, iters, 1e-6)
+    assert got.shape == comb.shape
+    torch.testing.assert_close(got, plain_sinkhorn(comb, iters, 1e-6), rtol=0, atol=1e-12)
+
+
+def test_compiled_sinkhorn_is_a_few_loops_with_the_eager_values():
+    """Compiled, Sinkhorn has no batched product (which inductor would call as an external kernel per half-step)
+    and no sum (each a loop nest of its own, ending at a barrier): a few generated loops whatever the iterations."""
     graphs = []
 
     def recording(gm, _inputs):
@@ -41,8 +53,16 @@ def test_compiled_sinkhorn_is_plain_sums():
     comb = torch.softmax(3 * torch.randn(2, 3, 4, 4, generator=g), -1) + 1e-6
     got = torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.clone(), 20, 1e-6)
     torch.testing.assert_close(got, sinkhorn(comb.clone(), 20, 1e-6), rtol=1e-6, atol=1e-7)
-    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
-    assert ops and not any("bmm" in op for op in ops)
+    ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")}
+    assert ops and not any("bmm" in op or "sum" in op for op in ops)
+
+    torch._dynamo.reset()
+    loops = {}
+    for iters in (3, 6):
+        got, code = run_and_get_code(torch.compile(sinkhorn, fullgraph=True), comb[:1, :1].clone(), iters, 1e-6)
+        torch.testing.assert_close(got, plain_sinkhorn(comb[:1, :1], iters, 1e-6), rtol=1e-6, atol=1e-7)
+        loops[iters] = "\n".join(code).count("for(")
+    assert 0 < loops[6] == loops[3] <= 4
 
 
 def _experts(dtype):
