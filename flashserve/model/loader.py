@@ -130,8 +130,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         if prepare is not None:
             prepare(model)
     model = model.to_empty(device=device)
-    for module in (model.rope, model.engram_hasher):  # computed, never loaded
-        if module is not None:
+    for module in model.modules():  # buffers computed, never loaded (rope, engram hashing, packed tables)
+        if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     if is_preset:
         random_init(model, seed)

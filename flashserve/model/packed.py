@@ -228,8 +228,15 @@ class PackedWeights(nn.Module):
         # the 16 E2M1 values as float32 bits: an integer buffer (model.to keeps it) of this module, so a compiled
         # step reads it as a model tensor (a module-level table would be a graph argument the direct call refuses)
         if fmt.name == MXFP4:
-            self.register_buffer("e2m1_bits", quant.e2m1_decode(torch.arange(16, dtype=torch.uint8)).view(torch.int32),
-                                 persistent=False)
+            self.register_buffer("e2m1_bits", torch.empty(16, dtype=torch.int32), persistent=False)
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Compute the buffers no checkpoint holds (the E2M1 table): after ``to_empty`` too, which leaves them
+        uninitialised (a model loaded from a folder is built on ``meta``)."""
+        if self.fmt.name == MXFP4 and self.e2m1_bits.device.type != "meta":
+            values = quant.e2m1_decode(torch.arange(16, dtype=torch.uint8, device=self.e2m1_bits.device))
+            self.e2m1_bits.copy_(values.view(torch.int32))
 
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | int | slice | None = None) -> torch.Tensor:
         """Float weights (of the experts ``index`` along the first dim when given)."""

@@ -65,3 +65,22 @@ def test_incomplete_checkpoint_names_missing_tensor(tmp_path):
     (tmp_path / "model.safetensors.index.json").unlink(missing_ok=True)
     with pytest.raises(CheckpointError, match=r"layers\.3\.attn\.wq_a\.weight"):
         load_model(tmp_path)
+
+
+def test_loaded_mxfp4_experts_decode_the_same_compiled_as_eager(tmp_path):
+    """A checkpoint's model is built on ``meta`` and then allocated, which leaves computed buffers uninitialised:
+    the E2M1 table a compiled step decodes whole experts with must be filled again (it held garbage once, and
+    every 16-row compiled step of a released checkpoint computed with it)."""
+    from flashserve.model.packed import PackedWeights
+
+    save_checkpoint(load_model("tiny-v41", fake_quant=False).checkpoint_tensors(), tmp_path,
+                    load_model("tiny-v41").cfg)
+    model = load_model(tmp_path, fake_quant=False)
+    tables = [m for m in model.modules() if isinstance(m, PackedWeights) and m.fmt.name == "mxfp4"]
+    assert tables
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    for m in tables:
+        assert m.e2m1_bits.view(torch.float32).tolist() == e2m1
+    experts = tables[0]
+    compiled = torch.compile(lambda: experts.dequantize(torch.float32), fullgraph=True)()
+    assert torch.equal(compiled, experts.dequantize(torch.float32))
