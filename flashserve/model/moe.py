@@ -86,8 +86,18 @@ class Experts(nn.Module):
         """``h @ w[e].T`` for one expert's projection ``name`` (packed experts multiply in their own format)."""
         return h @ self.expert_weights(name, h.dtype, e).t()
 
+    def reads_in_place(self) -> bool:
+        """Whether a compiled CPU step multiplies each (row, expert) pair with the expert's weights as stored
+        (float here; packed formats say for themselves)."""
+        return True
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_k w[t,k] · expert_{idx[t,k]}(x_t)."""
+        if blas.compiled_cpu(x) and self.reads_in_place():
+            # each pair's product reads its expert in place (the gather fused into the read): rows x top-k
+            # products instead of rows x experts. One layer of the peers checkpoint (16 experts, top-4) at 16 rows,
+            # 2 threads, median ms: float 1.37 against 3.00 for every expert on every row, int8 0.55 against 1.68
+            return self._gathered(x, idx, w)
         pairs = idx.numel()
         # gathering pays when experts are rarely shared by several tokens and the copies stay small
         small = pairs * 3 * self.inter * self.dim * x.element_size() <= GATHER_BYTES

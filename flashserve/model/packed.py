@@ -126,6 +126,21 @@ def decode_mxfp4_traced(q: torch.Tensor, s: torch.Tensor, e2m1_bits: torch.Tenso
     return (values.unflatten(-1, (-1, quant.MX_BLOCK)) * scale[..., None]).flatten(-2)[..., :cols].to(dtype)
 
 
+def mxfp4_pairs_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Row ``p`` of ``x [P, K]`` times its own MXFP4 matrix: ``q [P, N, K/2]`` bytes (two E2M1 codes each, the low
+    nibble the even column), ``s [P, N, K/32]`` E8M0 block scales; [P, N] float32. Written for inductor (a
+    compiled CPU step): the codes are decoded from their bits as they are read, multiplied with the even and the
+    odd inputs, summed per 32-value block and scaled, so each expert is read once as stored and no decoded copy
+    is made. One MXFP4 expert layer of the peers checkpoint (16 x 3 x 256x512, top-4), 2 threads, median ms:
+    1 row 0.21 against 1.30 with the gathered experts decoded by the opaque op, 4 rows 1.04 against 9.99, 16 rows
+    3.5-3.9 against 3.7-4.4 decoding all experts and running each on every row."""
+    P, N, half = q.shape  # K a whole number of blocks
+    xs = blas.materialized(fp32(x).view(P, half, 2).transpose(1, 2).contiguous())  # [P, 2, K/2]: even, odd columns
+    prod = quant.e2m1_from_bits(q & 15) * xs[:, None, 0] + quant.e2m1_from_bits(q >> 4) * xs[:, None, 1]
+    blocks = prod.view(P, N, -1, quant.MX_BLOCK // 2).sum(-1)  # [P, N, K/32]
+    return (blocks * quant.e8m0_to_float(s)).sum(-1)
+
+
 def packed_shapes(shape: tuple[int, ...], fmt: Format) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shapes of the byte and scale buffers for logical weights ``shape [..., out, in]``."""
     *lead, rows, cols = shape
@@ -369,7 +384,13 @@ class PackedExperts(Experts):
             return int8_mm(h, p.qweight[e], p.scale[e])
         return super().expert_mm(name, h, e)
 
+    def reads_in_place(self) -> bool:
+        """int8 rows and MXFP4 bytes are multiplied as stored in a compiled CPU step (see :meth:`pair_products`)."""
+        return self.w1_packed.fmt.name in (INT8, MXFP4)
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if blas.compiled_cpu(x) and self.reads_in_place():
+            return self._gathered(x, idx, w)
         # More (row, expert) pairs than experts, a few rows (a verification step, a small batch): the loop over
         # hit experts pays ~10 ops and a host sync per expert, gathering would decode more than every expert;
         # decoding every expert once and running each on every row costs 3 decodes plus the matmuls of rows
@@ -389,8 +410,11 @@ class PackedExperts(Experts):
 
     def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
-        the [pairs, out] products are scaled (one pass less over the weights than decoding them first)."""
+        the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 in
+        a compiled CPU step: :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
         p = getattr(self, f"{name}_packed")
+        if p.fmt.name == MXFP4 and blas.compiled_cpu(h) and p.shape[-1] % quant.MX_BLOCK == 0:
+            return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:
             return super().pair_products(name, h, experts)
         return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
