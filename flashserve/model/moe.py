@@ -112,8 +112,9 @@ class Experts(nn.Module):
         return self._grouped(x, idx, w)
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, weighted by the routing (zero where not picked): the compiled decode
-        step's path for batches past :meth:`_gathered`, as ``torch._grouped_mm`` does not compile on the CPU."""
+        """Every expert on every token, weighted by the routing (zero where not picked): a compiled step's path
+        off the CPU for batches past :meth:`_gathered` and eager packed experts at a few rows (a compiled CPU step
+        gathers every pair instead: :meth:`forward`)."""
         E, dt = self.n_experts, x.dtype
         route = torch.zeros(x.shape[0], E, dtype=w.dtype, device=x.device).scatter_add_(1, idx, w)  # [T,E]
         per = max(1, DENSE_CHUNK_BYTES // (3 * self.inter * self.dim * x.element_size()))  # experts per chunk
