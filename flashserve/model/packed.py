@@ -249,9 +249,9 @@ class PackedWeights(nn.Module):
     def reset_buffers(self) -> None:
         """Compute the buffers no checkpoint holds (the E2M1 table): after ``to_empty`` too, which leaves them
         uninitialised (a model loaded from a folder is built on ``meta``)."""
-        if self.fmt.name == MXFP4 and self.e2m1_bits.device.type != "meta":
-            values = quant.e2m1_decode(torch.arange(16, dtype=torch.uint8, device=self.e2m1_bits.device))
-            self.e2m1_bits.copy_(values.view(torch.int32))
+        table = self._buffers.get("e2m1_bits")
+        if table is not None and table.device.type != "meta":
+            table.copy_(quant.e2m1_decode(torch.arange(16, dtype=torch.uint8, device=table.device)).view(torch.int32))
 
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | int | slice | None = None) -> torch.Tensor:
         """Float weights (of the experts ``index`` along the first dim when given)."""

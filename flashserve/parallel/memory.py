@@ -81,7 +81,7 @@ def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantiza
     from ..engine.spec_config import SpeculativeConfig
     from ..engine.storage import CacheStorage
     from ..model.loader import keep_fp32, resolve_dtype
-    from ..model.packed import PackedLinear, pack_model
+    from ..model.packed import E2M1_TABLE, PackedLinear, pack_model
     from ..model.transformer import Transformer
     from .shard import shard_model
 
@@ -99,7 +99,7 @@ def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantiza
     shard_model(net, layout, 0, comm=None)
     routed = split_d = repl = host = vision = drafter = 0
     for name, p in list(net.named_parameters()) + list(net.named_buffers()):
-        if name.startswith(("rope.", "engram_hasher.")):
+        if name.startswith(("rope.", "engram_hasher.")) or name.endswith(E2M1_TABLE):  # computed, 64 bytes each
             continue
         n = p.numel() * p.element_size()
         if name.startswith(VISION):

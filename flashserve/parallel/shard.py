@@ -86,6 +86,9 @@ def slice_packed(p, lead: tuple[int, int] | None = None, rows: tuple[int, int] |
     new.fmt, new.shape = fmt, tuple(shape)
     new.register_buffer("qweight", q.clone())
     new.register_buffer("scale", sc.clone())
+    if fmt.name == MXFP4:  # the computed E2M1 table a compiled step decodes with
+        new.register_buffer("e2m1_bits", torch.empty(16, dtype=torch.int32, device=q.device), persistent=False)
+        new.reset_buffers()
     return new
 
 

@@ -165,3 +165,18 @@ def test_info_memory_cli_counts_vision_and_drafter(capsys):
                  "--memory", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']) == 0
     out = capsys.readouterr().out
     assert f"resident weights   {m.resident_weight_bytes + m.drafter_bytes:>20,} B" in out
+
+
+def test_a_sliced_mxfp4_weight_decodes_compiled_as_eager():
+    """An expert-parallel rank's slice of MXFP4 experts keeps the computed E2M1 table a compiled step reads."""
+    import torch
+
+    from flashserve.model.packed import EXPERT_FP4, PackedWeights
+    from flashserve.parallel.shard import slice_packed
+
+    pw = PackedWeights((4, 16, 64), EXPERT_FP4)
+    pw.set_float(torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(3)))
+    part = slice_packed(pw, lead=(2, 4))
+    want = pw.dequantize(torch.float32)[2:]
+    assert torch.equal(part.dequantize(torch.float32), want)
+    assert torch.equal(torch.compile(lambda: part.dequantize(torch.float32), fullgraph=True)(), want)
