@@ -10,7 +10,7 @@ import torch
 
 from ..config import ConfigError
 from ..model.packed import prepare_kernels
-from ..model.weight_layout import column_major_tall_weights
+from ..model.weight_layout import column_major_tall_weights, prepack_for_rows
 
 from . import preflight
 from .cache import KVCache
@@ -81,6 +81,11 @@ class LLMEngine:
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         if eager:  # torch's one-row products over the LM head run ~2x faster column-major (weight_layout); a
             column_major_tall_weights(self.model)  # compiled CPU step's own products want it row-major (blas)
+        rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        if not eager and self.cache.device.type == "cpu" and rows > 1:  # several rows: oneDNN copies (blas)
+            packed = prepack_for_rows(self.model, rows)
+            if packed:
+                log.info("oneDNN copies of %d weights for steps of several rows: %s", len(packed), ", ".join(packed))
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import blas
+
 TALL_RATIO = 16  # rows per column from which a float32 CPU weight is stored column-major
 TALL_MIN_ELEMENTS = 1 << 20  # smaller matrices stay as they are (the difference is within noise there)
 
@@ -41,3 +43,10 @@ def column_major_tall_weights(model: nn.Module) -> list[str]:
             w.data = w.t().contiguous().t()
             done.append(f"{name}.weight" if name else "weight")
     return done
+
+
+def prepack_for_rows(model: nn.Module, rows: int) -> list[str]:
+    """Give every large float32 CPU product of ``model`` a oneDNN copy for compiled steps of up to ``rows`` rows
+    (:meth:`flashserve.model.blas.Linear.prepack`); returns the names of the weights copied."""
+    return [f"{name}.weight" for name, mod in model.named_modules()
+            if isinstance(mod, blas.Linear) and mod.prepack(rows)]

@@ -64,3 +64,33 @@ def test_a_compiled_step_keeps_the_head_row_major():
     assert model.head.weight.is_contiguous()
     make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=True)
     assert model.head.weight.stride() == (1, cfg.vocab_size)
+
+
+@torch.inference_mode()
+def test_a_compiled_step_of_several_rows_multiplies_a_oneDNN_copy_of_the_head():
+    """An engine compiled for several rows on the CPU gives its large float32 products a oneDNN copy (torch's
+    ``mm`` repacks the weight every call); its greedy tokens equal an eager engine's and its logits agree to
+    float32 rounding. One row (``max_num_seqs=1``) and eager engines make no copy."""
+    raw = preset_json("tiny-v41")
+    raw["text_config"].update(vocab_size=20000, engram_layer_ids=[], engram_num_embeddings=[], num_hidden_layers=2,
+                              compress_ratios=[0, 2], kv_source_layer_ids=[1], index_source_layer_ids=[1],
+                              candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=[])
+    cfg = config_from_dict(raw)
+    model = random_init(Transformer(cfg, with_mtp=False), seed=3).float().eval()
+    model.fake_quant = False
+    make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
+    assert model.head.onednn_weight is None
+    ref = copy.deepcopy(model)
+    eager = make_engine(ref, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=True)
+    compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
+                           compile_backend="eager")
+    assert model.head.onednn_weight is not None and ref.head.onednn_weight is None
+    seen = {e: [] for e in (eager, compiled)}
+    for e in seen:
+        decode = e.runner.decode
+        e.runner.decode = lambda seqs, d=decode, s=seen[e]: s.append(d(seqs)) or s[-1]
+    prompts = [prompt_of(17, seed=5), prompt_of(30, seed=6)]
+    assert run_greedy(compiled, prompts, 12) == run_greedy(eager, prompts, 12)
+    assert len(seen[compiled]) == len(seen[eager]) > 0
+    for a, b in zip(seen[compiled], seen[eager]):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5

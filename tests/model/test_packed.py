@@ -358,3 +358,31 @@ def test_compiled_experts_multiply_each_pair_as_stored(fmt, rows):
     assert _rel(got, ex._grouped(x, idx, w)) <= 1e-5
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ops and not any("bmm" in op or "decode_packed" in op or "scatter" in op for op in ops), ops
+
+
+@pytest.mark.parametrize("rows", [6, 8, 16])
+def test_compiled_mxfp4_experts_decode_each_expert_once_when_pairs_share_them(rows, monkeypatch):
+    """Past DECODE_ALL_PAIRS_PER_EXPERT pairs per expert a compiled CPU step decodes each projection's experts
+    once (three whole decodes) and the pairs read that copy; below it each pair decodes its expert as read.
+    Same values as the eager expert loop either way."""
+    import flashserve.model.packed as packed_mod
+    from flashserve.model.packed import DECODE_ALL_PAIRS_PER_EXPERT, EXPERT_FP4
+
+    E, D, I, k = 8, 64, 32, 3
+    g = torch.Generator().manual_seed(rows)
+    ex = PackedExperts(E, D, I, 7.0, EXPERT_FP4)
+    for name in ("w1", "w2", "w3"):
+        getattr(ex, f"{name}_packed").set_float(torch.randn((E, D, I) if name == "w2" else (E, I, D), generator=g))
+    x = torch.randn(rows, D, generator=g)
+    idx = torch.rand(rows, E, generator=g).topk(k, dim=-1).indices
+    w = torch.rand(rows, k, generator=g)
+    want = ex._grouped(x, idx, w)
+    whole, dequantize = [], packed_mod.PackedWeights.dequantize
+    monkeypatch.setattr(packed_mod.PackedWeights, "dequantize",
+                        lambda self, dtype, index=None: whole.append(index) or dequantize(self, dtype, index))
+    torch._dynamo.reset()
+    got = torch.compile(ex, backend="inductor", fullgraph=True)(x, idx, w)
+    assert _rel(got, want) <= 1e-5
+    shared = rows * k >= DECODE_ALL_PAIRS_PER_EXPERT * E
+    assert shared == (rows >= 8)
+    assert whole == ([None] * 3 if shared else [])
