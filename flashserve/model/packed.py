@@ -126,6 +126,15 @@ def decode_mxfp4_traced(q: torch.Tensor, s: torch.Tensor, e2m1_bits: torch.Tenso
     return (values.unflatten(-1, (-1, quant.MX_BLOCK)) * scale[..., None]).flatten(-2)[..., :cols].to(dtype)
 
 
+def decode_mxfp4_bits(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Float32 values of whole MXFP4 matrices (``q [..., N, K/2]``, ``s [..., N, K/32]``, K a whole number of
+    blocks) with each code decoded from its bits (:func:`quant.e2m1_from_bits`): integer arithmetic a compiled CPU
+    step vectorises, where the table lookup of :func:`decode_mxfp4_traced` became a scalar loop there."""
+    values = torch.stack([quant.e2m1_from_bits(q & 15), quant.e2m1_from_bits(q >> 4)], -1)  # [..., N, K/2, 2]
+    blocks = values.view(*q.shape[:-1], -1, quant.MX_BLOCK) * quant.e8m0_to_float(s)[..., None]
+    return blocks.flatten(-2)
+
+
 def mxfp4_pairs_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """Row ``p`` of ``x [P, K]`` times its own MXFP4 matrix: ``q [P, N, K/2]`` bytes (two E2M1 codes each, the low
     nibble the even column), ``s [P, N, K/32]`` E8M0 block scales; [P, N] float32. Written for inductor (a
@@ -422,7 +431,7 @@ class PackedExperts(Experts):
             if experts.numel() >= DECODE_ALL_PAIRS_PER_EXPERT * self.n_experts:
                 # every expert decoded once into a copy the pairs' products read: at 16 rows x top-4 of 16 experts
                 # each expert serves ~4 pairs, and decoding per pair did the same decode 4 times (see the constant)
-                decoded = blas.materialized(p.dequantize(torch.float32))  # [E, out, in], traced: one kernel
+                decoded = blas.materialized(decode_mxfp4_bits(p.qweight, p.scale))  # [E, out, in]
                 return blas.pairs_linear(fp32(h), decoded[experts]).to(h.dtype)
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:

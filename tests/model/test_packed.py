@@ -377,12 +377,11 @@ def test_compiled_mxfp4_experts_decode_each_expert_once_when_pairs_share_them(ro
     idx = torch.rand(rows, E, generator=g).topk(k, dim=-1).indices
     w = torch.rand(rows, k, generator=g)
     want = ex._grouped(x, idx, w)
-    whole, dequantize = [], packed_mod.PackedWeights.dequantize
-    monkeypatch.setattr(packed_mod.PackedWeights, "dequantize",
-                        lambda self, dtype, index=None: whole.append(index) or dequantize(self, dtype, index))
+    whole, decode = [], packed_mod.decode_mxfp4_bits
+    monkeypatch.setattr(packed_mod, "decode_mxfp4_bits", lambda q, s: whole.append(tuple(q.shape)) or decode(q, s))
     torch._dynamo.reset()
     got = torch.compile(ex, backend="inductor", fullgraph=True)(x, idx, w)
     assert _rel(got, want) <= 1e-5
     shared = rows * k >= DECODE_ALL_PAIRS_PER_EXPERT * E
     assert shared == (rows >= 8)
-    assert whole == ([None] * 3 if shared else [])
+    assert whole == ([(E, I, D // 2), (E, I, D // 2), (E, D, I // 2)] if shared else [])
