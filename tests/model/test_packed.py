@@ -308,6 +308,21 @@ def test_e2m1_from_bits_is_the_table_bit_for_bit():
         assert torch.equal(quant.e2m1_from_bits(nibble).view(torch.int32), quant.e2m1_decode(nibble).view(torch.int32))
 
 
+def test_whole_mxfp4_decoded_from_bits_equals_the_reference_decode_bit_for_bit():
+    """:func:`decode_mxfp4_bits` (what a compiled step decodes shared experts with), eager and compiled, gives
+    the reference decode's float32 values exactly: every byte value, scales from 2^-20 to 2^20."""
+    from flashserve.model.packed import EXPERT_FP4, PackedWeights, decode_mxfp4_bits
+
+    g = torch.Generator().manual_seed(12)
+    pw = PackedWeights((3, 16, 64), EXPERT_FP4)
+    pw.qweight.copy_(torch.randint(0, 256, pw.qweight.shape, generator=g, dtype=torch.uint8))
+    pw.scale.copy_(torch.randint(107, 148, pw.scale.shape, generator=g, dtype=torch.uint8))
+    want = pw.dequantize(torch.float32)
+    for f in (decode_mxfp4_bits, torch.compile(decode_mxfp4_bits, fullgraph=True)):
+        got = f(pw.qweight, pw.scale)
+        assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_mxfp4_pair_products_equal_decoded_weights_times_rows():
     """Each pair's row times its own MXFP4 matrix, the bytes decoded as read, eager and compiled: the product of
     the decoded weights (every byte value, scales from 2^-20 to 2^20)."""
