@@ -126,15 +126,6 @@ def decode_mxfp4_traced(q: torch.Tensor, s: torch.Tensor, e2m1_bits: torch.Tenso
     return (values.unflatten(-1, (-1, quant.MX_BLOCK)) * scale[..., None]).flatten(-2)[..., :cols].to(dtype)
 
 
-def decode_mxfp4_bits(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Float32 values of whole MXFP4 matrices (``q [..., N, K/2]``, ``s [..., N, K/32]``, K a whole number of
-    blocks) with each code decoded from its bits (:func:`quant.e2m1_from_bits`): integer arithmetic a compiled CPU
-    step vectorises, where the table lookup of :func:`decode_mxfp4_traced` became a scalar loop there."""
-    values = torch.stack([quant.e2m1_from_bits(q & 15), quant.e2m1_from_bits(q >> 4)], -1)  # [..., N, K/2, 2]
-    blocks = values.view(*q.shape[:-1], -1, quant.MX_BLOCK) * quant.e8m0_to_float(s)[..., None]
-    return blocks.flatten(-2)
-
-
 def mxfp4_pairs_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """Row ``p`` of ``x [P, K]`` times its own MXFP4 matrix: ``q [P, N, K/2]`` bytes (two E2M1 codes each, the low
     nibble the even column), ``s [P, N, K/32]`` E8M0 block scales; [P, N] float32. Written for inductor (a
@@ -235,11 +226,6 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> t
 # measured once at import, not while a step is traced: one row (decode at batch 1), and 16 (a batch)
 INT8PACK_PAYS_ONE_ROW, INT8PACK_PAYS_ROWS = _int8pack_pays(1, matrices=16), _int8pack_pays(16, matrices=2)
 
-
-# (row, expert) pairs per expert from which a compiled CPU step decodes every MXFP4 expert of a projection once
-# rather than each pair's expert as it is read: 16 experts of 256x512 compiled alone, 2 threads, median ms, per
-# pair / decoded once: 16 pairs 0.29 / 0.57, 32 pairs 0.50 / 0.64, 64 pairs 0.89 / 0.61 (512x256: 1.39 / 0.84)
-DECODE_ALL_PAIRS_PER_EXPERT = 3
 
 E2M1_TABLE = "packed.e2m1_bits"  # name's end of the computed E2M1 table buffers
 PACKED_BUFFERS = ("packed.qweight", "packed.scale", E2M1_TABLE)  # names' ends: not checkpoint tensors
@@ -428,11 +414,6 @@ class PackedExperts(Experts):
         a compiled CPU step: :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
         p = getattr(self, f"{name}_packed")
         if p.fmt.name == MXFP4 and blas.compiled_cpu(h) and p.shape[-1] % quant.MX_BLOCK == 0:
-            if experts.numel() >= DECODE_ALL_PAIRS_PER_EXPERT * self.n_experts:
-                # every expert decoded once into a copy the pairs' products read: at 16 rows x top-4 of 16 experts
-                # each expert serves ~4 pairs, and decoding per pair did the same decode 4 times (see the constant)
-                decoded = blas.materialized(decode_mxfp4_bits(p.qweight, p.scale))  # [E, out, in]
-                return blas.pairs_linear(fp32(h), decoded[experts]).to(h.dtype)
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:
             return super().pair_products(name, h, experts)

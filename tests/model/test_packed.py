@@ -308,21 +308,6 @@ def test_e2m1_from_bits_is_the_table_bit_for_bit():
         assert torch.equal(quant.e2m1_from_bits(nibble).view(torch.int32), quant.e2m1_decode(nibble).view(torch.int32))
 
 
-def test_whole_mxfp4_decoded_from_bits_equals_the_reference_decode_bit_for_bit():
-    """:func:`decode_mxfp4_bits` (what a compiled step decodes shared experts with), eager and compiled, gives
-    the reference decode's float32 values exactly: every byte value, scales from 2^-20 to 2^20."""
-    from flashserve.model.packed import EXPERT_FP4, PackedWeights, decode_mxfp4_bits
-
-    g = torch.Generator().manual_seed(12)
-    pw = PackedWeights((3, 16, 64), EXPERT_FP4)
-    pw.qweight.copy_(torch.randint(0, 256, pw.qweight.shape, generator=g, dtype=torch.uint8))
-    pw.scale.copy_(torch.randint(107, 148, pw.scale.shape, generator=g, dtype=torch.uint8))
-    want = pw.dequantize(torch.float32)
-    for f in (decode_mxfp4_bits, torch.compile(decode_mxfp4_bits, fullgraph=True)):
-        got = f(pw.qweight, pw.scale)
-        assert got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
-
-
 def test_mxfp4_pair_products_equal_decoded_weights_times_rows():
     """Each pair's row times its own MXFP4 matrix, the bytes decoded as read, eager and compiled: the product of
     the decoded weights (every byte value, scales from 2^-20 to 2^20)."""
@@ -373,30 +358,3 @@ def test_compiled_experts_multiply_each_pair_as_stored(fmt, rows):
     assert _rel(got, ex._grouped(x, idx, w)) <= 1e-5
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ops and not any("bmm" in op or "decode_packed" in op or "scatter" in op for op in ops), ops
-
-
-@pytest.mark.parametrize("rows", [6, 8, 16])
-def test_compiled_mxfp4_experts_decode_each_expert_once_when_pairs_share_them(rows, monkeypatch):
-    """Past DECODE_ALL_PAIRS_PER_EXPERT pairs per expert a compiled CPU step decodes each projection's experts
-    once (three whole decodes) and the pairs read that copy; below it each pair decodes its expert as read.
-    Same values as the eager expert loop either way."""
-    import flashserve.model.packed as packed_mod
-    from flashserve.model.packed import DECODE_ALL_PAIRS_PER_EXPERT, EXPERT_FP4
-
-    E, D, I, k = 8, 64, 32, 3
-    g = torch.Generator().manual_seed(rows)
-    ex = PackedExperts(E, D, I, 7.0, EXPERT_FP4)
-    for name in ("w1", "w2", "w3"):
-        getattr(ex, f"{name}_packed").set_float(torch.randn((E, D, I) if name == "w2" else (E, I, D), generator=g))
-    x = torch.randn(rows, D, generator=g)
-    idx = torch.rand(rows, E, generator=g).topk(k, dim=-1).indices
-    w = torch.rand(rows, k, generator=g)
-    want = ex._grouped(x, idx, w)
-    whole, decode = [], packed_mod.decode_mxfp4_bits
-    monkeypatch.setattr(packed_mod, "decode_mxfp4_bits", lambda q, s: whole.append(tuple(q.shape)) or decode(q, s))
-    torch._dynamo.reset()
-    got = torch.compile(ex, backend="inductor", fullgraph=True)(x, idx, w)
-    assert _rel(got, want) <= 1e-5
-    shared = rows * k >= DECODE_ALL_PAIRS_PER_EXPERT * E
-    assert shared == (rows >= 8)
-    assert whole == ([(E, I, D // 2), (E, I, D // 2), (E, D, I // 2)] if shared else [])
