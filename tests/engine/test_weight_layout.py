@@ -85,6 +85,7 @@ def test_a_compiled_step_of_several_rows_multiplies_a_oneDNN_copy_of_the_head():
     compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
                            compile_backend="eager")
     assert model.head.onednn_weight is not None and ref.head.onednn_weight is None
+    assert set(model.checkpoint_tensors()) == set(ref.checkpoint_tensors())  # the copy is not a checkpoint tensor
     seen = {e: [] for e in (eager, compiled)}
     for e in seen:
         decode = e.runner.decode
