@@ -21,9 +21,9 @@ the memory bandwidth on the AMD CPUs measured here (LM head 32000x512 at one row
   start-up (:meth:`Linear.prepack`): MKL's ``mm`` repacks the weight on every call (the peers checkpoint's head
   at 16 rows: 9.0 ms against 2.1; the 16-row step 1.20x).
 
-Everything else (small matrices at several rows, other dtypes, training, CUDA) stays torch's. The paths sum in different
-orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative per
-product), not bit for bit.
+Everything else (small matrices at several rows, other dtypes, training, CUDA) stays torch's. The paths sum in
+different orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative
+per product), not bit for bit.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.register_buffer("onednn_weight", None, persistent=False)  # opaque oneDNN layout (see prepack)
+        self.register_buffer(ONEDNN_COPY, None, persistent=False)  # opaque oneDNN layout (see prepack)
 
     @torch.no_grad()
     def prepack(self, rows: int) -> bool:

@@ -50,16 +50,22 @@ def test_column_major_head_gives_the_same_logits_and_tokens():
     assert run_greedy(engine, prompts, 12) == [reference_greedy(ref, p, 12) for p in prompts]
 
 
-def test_a_compiled_step_keeps_the_head_row_major():
-    """A compiled CPU step's one-row products (inductor's reduction kernels) read a row-major head faster, so
-    only an eager step's engine converts it."""
+def _two_layer_model() -> Transformer:
+    """Two layers of ``tiny-v41`` with a 20000 x 64 head (tall and large enough for the conversions here)."""
     raw = preset_json("tiny-v41")
     raw["text_config"].update(vocab_size=20000, engram_layer_ids=[], engram_num_embeddings=[], num_hidden_layers=2,
                               compress_ratios=[0, 2], kv_source_layer_ids=[1], index_source_layer_ids=[1],
                               candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=[])
-    cfg = config_from_dict(raw)
-    model = random_init(Transformer(cfg, with_mtp=False), seed=3).float().eval()
+    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=3).float().eval()
     model.fake_quant = False
+    return model
+
+
+def test_a_compiled_step_keeps_the_head_row_major():
+    """A compiled CPU step's one-row products (inductor's reduction kernels) read a row-major head faster, so
+    only an eager step's engine converts it."""
+    model = _two_layer_model()
+    cfg = model.cfg
     make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
     assert model.head.weight.is_contiguous()
     make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=True)
@@ -71,13 +77,7 @@ def test_a_compiled_step_of_several_rows_multiplies_a_oneDNN_copy_of_the_head():
     """An engine compiled for several rows on the CPU gives its large float32 products a oneDNN copy (torch's
     ``mm`` repacks the weight every call); its greedy tokens equal an eager engine's and its logits agree to
     float32 rounding. One row (``max_num_seqs=1``) and eager engines make no copy."""
-    raw = preset_json("tiny-v41")
-    raw["text_config"].update(vocab_size=20000, engram_layer_ids=[], engram_num_embeddings=[], num_hidden_layers=2,
-                              compress_ratios=[0, 2], kv_source_layer_ids=[1], index_source_layer_ids=[1],
-                              candidate_source_layer_id=-1, num_nextn_predict_layers=0, dspark_target_layer_ids=[])
-    cfg = config_from_dict(raw)
-    model = random_init(Transformer(cfg, with_mtp=False), seed=3).float().eval()
-    model.fake_quant = False
+    model = _two_layer_model()
     make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
     assert model.head.onednn_weight is None
     ref = copy.deepcopy(model)
