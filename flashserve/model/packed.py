@@ -28,7 +28,7 @@ from torch import nn
 
 from ..config import layout
 from ..config.model_config import ModelConfig
-from . import blas, quant, w8a8
+from . import blas, cpu_kernels, quant, w8a8
 from .moe import Experts, clamped_swiglu
 from .norms import fp32
 
@@ -388,8 +388,15 @@ class PackedExperts(Experts):
         """int8 rows and MXFP4 bytes are multiplied as stored in a compiled CPU step (see :meth:`pair_products`)."""
         return self.w1_packed.fmt.name in (INT8, MXFP4)
 
+    def mxfp4_kernel(self, x: torch.Tensor) -> bool:
+        """Whether the pairs' products run :func:`cpu_kernels.mxfp4_pairs` (MXFP4 on a CPU that built it)."""
+        return (self.w1_packed.fmt.name == MXFP4 and x.device.type == "cpu" and self.dim % quant.MX_BLOCK == 0
+                and self.inter % quant.MX_BLOCK == 0 and cpu_kernels.mxfp4_pairs_available())
+
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if blas.compiled_cpu(x) and self.reads_in_place():
+            return self._gathered(x, idx, w)
+        if x.shape[0] <= DENSE_MAX_ROWS and self.mxfp4_kernel(x):  # eager decode: the kernel, as compiled
             return self._gathered(x, idx, w)
         # More (row, expert) pairs than experts, a few rows (a verification step, a small batch): the loop over
         # hit experts pays ~10 ops and a host sync per expert, gathering would decode more than every expert;
@@ -413,6 +420,8 @@ class PackedExperts(Experts):
         the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 in
         a compiled CPU step: :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
         p = getattr(self, f"{name}_packed")
+        if self.mxfp4_kernel(h):
+            return torch.ops.flashserve.mxfp4_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
         if p.fmt.name == MXFP4 and blas.compiled_cpu(h) and p.shape[-1] % quant.MX_BLOCK == 0:
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:

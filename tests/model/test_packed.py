@@ -72,18 +72,23 @@ def test_int8_modules_equal_float_modules_of_their_weights():
     assert resident_bytes(packed) < 0.45 * resident_bytes(load_model("tiny-v41"))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-@pytest.mark.parametrize("rows,path", [(1, "_gathered"), (6, "_dense"), (33, "_grouped")])
+@pytest.mark.parametrize("fmt,rows,path", [
+    ("fp8", 1, "_gathered"), ("fp8", 6, "_dense"), ("fp8", 33, "_grouped"),
+    ("mxfp4", 1, "_gathered"), ("mxfp4", 6, "_gathered"), ("mxfp4", 33, "_grouped"),
+    ("mxfp4 without kernel", 6, "_dense")])
 def test_each_packed_expert_path_equals_float_experts_of_its_weights(fmt, rows, path, monkeypatch):
     """Packed experts pick their path by rows (one pair per expert at most: gathered; a few rows: every
-    expert on every row; prefill-sized: the per-expert loop); each equals float experts over the decoded
-    weights."""
+    expert on every row, or, MXFP4 with the CPU kernel, each pair through the kernel; prefill-sized: the
+    per-expert loop); each equals float experts over the decoded weights."""
+    from flashserve.model import cpu_kernels
     from flashserve.model.moe import Experts
     from flashserve.model.packed import EXPERT_FP4, Format
 
+    if fmt == "mxfp4 without kernel":
+        monkeypatch.setattr(cpu_kernels, "mxfp4_pairs_available", lambda: False)
     E, D, I = 8, 64, 32
     g = torch.Generator().manual_seed(rows)
-    packed = PackedExperts(E, D, I, 7.0, EXPERT_FP4 if fmt == "mxfp4" else Format("fp8", 32, 32))
+    packed = PackedExperts(E, D, I, 7.0, EXPERT_FP4 if fmt.startswith("mxfp4") else Format("fp8", 32, 32))
     ref = Experts(E, D, I, 7.0)
     for name in ("w1", "w2", "w3"):
         getattr(packed, f"{name}_packed").set_float(torch.randn(getattr(ref, name).shape, generator=g))

@@ -1,0 +1,143 @@
+// MXFP4 pair products on the CPU (flashserve.model.cpu_kernels): row p of x times the MXFP4 matrix of expert
+// experts[p], decoded from its bytes as they are read. Pairs are grouped by expert so that each expert's bytes
+// are decoded once for up to ROWS rows, and the 16-value E2M1 table, times a block's power-of-two scale, is
+// looked up with one permute per 16 values (AVX-512) or 8 (AVX2). Every output is summed by one thread in a
+// fixed order: the result does not depend on the number of threads.
+//
+// Layout (all contiguous): x [P, K] float32; experts [P] int64 in [0, E); q [E, N, K/2] uint8, two E2M1 codes a
+// byte, the low nibble the even column; s [E, N, K/32] uint8 UE8M0 scales; out [P, N] float32. K % 32 == 0.
+// Compiled at first use with inductor's flags for this CPU; FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select
+// the narrower paths (the tests build all three).
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+#if !defined(FLASHSERVE_NO_SIMD) && (defined(__AVX512F__) || defined(__AVX2__))
+#include <immintrin.h>
+#endif
+#if !defined(FLASHSERVE_NO_SIMD) && !defined(FLASHSERVE_NO_AVX512) && defined(__AVX512F__)
+#define FS_AVX512 1
+#elif !defined(FLASHSERVE_NO_SIMD) && defined(__AVX2__) && defined(__FMA__)
+#define FS_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t BLOCK = 32;  // values per scale
+constexpr int64_t ROWS = 8;    // pairs sharing one decode (one accumulator register each)
+constexpr int64_t TILE = 16;   // matrix rows per work item
+
+alignas(64) const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                    -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// 2^(b - 127), bit for bit what flashserve.model.quant.e8m0_to_float gives (b = 0: the subnormal 2^-127)
+inline float e8m0(uint8_t b) {
+    const uint32_t bits = b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// One matrix row (n) of one expert against R <= ROWS rows of xs, each 32-block of xs laid out as
+// [16 even columns | 16 odd columns] so that the low and the high nibbles meet their inputs in order.
+inline void row_products(const uint8_t* q, const uint8_t* s, const float* const* xs, int64_t R, int64_t K,
+                         float* sums) {
+    const int64_t blocks = K / BLOCK;
+#if defined(FS_AVX512)
+    const __m512 table = _mm512_load_ps(E2M1);
+    __m512 acc[ROWS];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m512 scaled = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s[b])));
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
+        const __m512 lo = _mm512_permutexvar_ps(codes, scaled);  // the permute reads the low 4 bits only
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), scaled);
+        for (int64_t r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[r] + b * BLOCK), acc[r]);
+            acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[r] + b * BLOCK + 16), acc[r]);
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+#elif defined(FS_AVX2)
+    const __m256 magnitudes = _mm256_load_ps(E2M1);
+    const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
+    __m256 acc[ROWS];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m256 scaled = _mm256_mul_ps(magnitudes, _mm256_set1_ps(e8m0(s[b])));
+        for (int64_t half = 0; half < 2; ++half) {
+            const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * 16 + half * 8)));
+            const __m256i high = _mm256_srli_epi32(codes, 4);
+            // magnitude from the low 3 bits, the sign bit (8) moved to the float's sign
+            const __m256 lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(scaled, _mm256_and_si256(codes, seven)),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(codes, eight), 28)));
+            const __m256 hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(scaled, _mm256_and_si256(high, seven)),
+                                            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(high, eight), 28)));
+            for (int64_t r = 0; r < R; ++r) {
+                acc[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[r] + b * BLOCK + half * 8), acc[r]);
+                acc[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[r] + b * BLOCK + 16 + half * 8), acc[r]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[r]);
+        float total = 0.f;
+        for (float v : lanes) total += v;
+        sums[r] = total;
+    }
+#else
+    for (int64_t r = 0; r < R; ++r) sums[r] = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float scale = e8m0(s[b]);
+        for (int64_t j = 0; j < 16; ++j) {
+            const float lo = E2M1[q[b * 16 + j] & 15] * scale, hi = E2M1[q[b * 16 + j] >> 4] * scale;
+            for (int64_t r = 0; r < R; ++r) sums[r] += lo * xs[r][b * BLOCK + j] + hi * xs[r][b * BLOCK + 16 + j];
+        }
+    }
+#endif
+}
+
+}  // namespace
+
+extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s, float* out,
+                       int64_t P, int64_t E, int64_t N, int64_t K, int64_t threads) {
+    // pairs grouped by expert (a counting sort): pairs first[e] .. first[e + 1] - 1 of `order` use expert e
+    std::vector<int64_t> first(E + 1, 0), order(P);
+    for (int64_t p = 0; p < P; ++p) {
+        if (experts[p] < 0 || experts[p] >= E) throw std::out_of_range("mxfp4_pairs: expert index out of range");
+        ++first[experts[p] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t p = 0; p < P; ++p) order[next[experts[p]]++] = p;
+    // x with each 32-block reordered as [even | odd] columns
+    std::vector<float> xs(P * K);
+    for (int64_t p = 0; p < P; ++p)
+        for (int64_t c = 0; c < K; c += 2) {
+            const int64_t base = p * K + (c / BLOCK) * BLOCK, j = (c % BLOCK) / 2;
+            xs[base + j] = x[p * K + c];
+            xs[base + 16 + j] = x[p * K + c + 1];
+        }
+    // work items: (expert with pairs, tile of matrix rows)
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    std::vector<int64_t> items;
+    for (int64_t e = 0; e < E; ++e)
+        if (first[e + 1] > first[e])
+            for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
+    const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_items; ++i) {
+        const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
+            const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
+            const float* rows[ROWS];
+            for (int64_t r = 0; r < R; ++r) rows[r] = xs.data() + order[c0 + r] * K;
+            float sums[ROWS];
+            for (int64_t n = n0; n < n1; ++n) {
+                row_products(q + (e * N + n) * (K / 2), s + (e * N + n) * (K / BLOCK), rows, R, K, sums);
+                for (int64_t r = 0; r < R; ++r) out[order[c0 + r] * N + n] = sums[r];
+            }
+        }
+    }
+}

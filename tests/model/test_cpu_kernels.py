@@ -1,0 +1,75 @@
+"""The C++ CPU kernels (flashserve.model.cpu_kernels) against the decoded-weights reference."""
+
+import pytest
+import torch
+
+from flashserve.model import cpu_kernels
+from flashserve.model.packed import EXPERT_FP4, PackedWeights
+
+
+def _experts(E: int, N: int, K: int, seed: int) -> PackedWeights:
+    """MXFP4 experts holding every byte value and scales from 2^-20 to 2^20, one scale byte 0 (2^-127)."""
+    g = torch.Generator().manual_seed(seed)
+    pw = PackedWeights((E, N, K), EXPERT_FP4)
+    pw.set_float(torch.randn(E, N, K, generator=g))
+    pw.qweight.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    pw.scale.copy_(torch.randint(107, 148, pw.scale.shape, generator=g, dtype=torch.uint8))
+    pw.scale.view(-1)[1] = 0
+    return pw
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_mxfp4_pair_products_equal_the_decoded_weights_on_every_path(isa):
+    """Each path of the source (AVX-512 where the CPU has it, AVX2, plain C++) gives every pair's row times its
+    expert's decoded matrix: experts used once, by more rows than share one decode (11), or not at all, and a
+    matrix height that is not a whole number of tiles."""
+    pw = _experts(5, 24, 96, seed=11)
+    experts = torch.tensor([4, 0, 0, 2, 3, 1, 4] + [2] * 11)
+    x = torch.randn(len(experts), 96, generator=torch.Generator().manual_seed(1))
+    want = torch.bmm(pw.dequantize(torch.float64)[experts], x.double()[:, :, None])[..., 0]
+    got = cpu_kernels.mxfp4_pairs_eager(x, experts, pw.qweight, pw.scale, isa)
+    assert got.dtype == torch.float32 and got.shape == (18, 24)
+    assert _rel(got, want) <= 1e-6
+
+
+def test_mxfp4_pair_products_do_not_depend_on_the_number_of_threads():
+    pw = _experts(4, 64, 256, seed=3)
+    experts = torch.randint(0, 4, (40,), generator=torch.Generator().manual_seed(4))
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.flashserve.mxfp4_pairs(x, experts, pw.qweight, pw.scale)
+        torch.set_num_threads(2)
+        two = torch.ops.flashserve.mxfp4_pairs(x, experts, pw.qweight, pw.scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_mxfp4_pair_products_refuse_what_they_cannot_read():
+    pw = _experts(3, 16, 64, seed=0)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="expert index out of range"):
+        cpu_kernels.mxfp4_pairs_eager(x, torch.tensor([0, 3]), pw.qweight, pw.scale)
+    with pytest.raises(ValueError, match=r"x \(2, 32\), q \(3, 16, 32\), s \(3, 16, 2\) do not match"):
+        cpu_kernels.mxfp4_pairs_eager(x[:, :32], torch.tensor([0, 1]), pw.qweight, pw.scale)
+
+
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
+def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper):
+    """Through either inductor wrapper (the engine's CPU steps use the C++ one)."""
+    pw = _experts(6, 32, 64, seed=7)
+    experts = torch.tensor([5, 1, 1, 0])
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(8))
+
+    def f(x, experts, q, s):
+        return torch.ops.flashserve.mxfp4_pairs(x * 2, experts, q, s).relu()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, dynamic=False, options={"cpp_wrapper": cpp_wrapper})
+    assert torch.equal(compiled(x, experts, pw.qweight, pw.scale), f(x, experts, pw.qweight, pw.scale))
