@@ -126,7 +126,7 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
         if (first[e + 1] > first[e])
             for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
     const int64_t n_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
         const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
         for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
