@@ -24,7 +24,7 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;  // values per scale
-constexpr int64_t ROWS = 8;    // pairs sharing one decode (one accumulator register each)
+constexpr int64_t ROWS = 8;    // pairs sharing one decode (two sum registers each with AVX-512)
 constexpr int64_t TILE = 16;   // matrix rows per work item
 
 alignas(64) const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -40,28 +40,29 @@ inline float e8m0(uint8_t b) {
 
 // One matrix row (n) of one expert against R <= ROWS rows of xs, each 32-block of xs laid out as
 // [16 even columns | 16 odd columns] so that the low and the high nibbles meet their inputs in order.
-inline void row_products(const uint8_t* q, const uint8_t* s, const float* const* xs, int64_t R, int64_t K,
-                         float* sums) {
+// R is a template argument so that the loops over rows unroll and the sums stay in registers.
+template <int64_t R>
+inline void row_products(const uint8_t* q, const uint8_t* s, const float* const* xs, int64_t K, float* sums) {
     const int64_t blocks = K / BLOCK;
 #if defined(FS_AVX512)
     const __m512 table = _mm512_load_ps(E2M1);
-    __m512 acc[ROWS];
-    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    __m512 even[R], odd[R];  // two sums a row: two independent chains of additions
+    for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const __m512 scaled = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s[b])));
         const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
         const __m512 lo = _mm512_permutexvar_ps(codes, scaled);  // the permute reads the low 4 bits only
         const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), scaled);
         for (int64_t r = 0; r < R; ++r) {
-            acc[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[r] + b * BLOCK), acc[r]);
-            acc[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[r] + b * BLOCK + 16), acc[r]);
+            even[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[r] + b * BLOCK), even[r]);
+            odd[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[r] + b * BLOCK + 16), odd[r]);
         }
     }
-    for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(acc[r]);
+    for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
 #elif defined(FS_AVX2)
     const __m256 magnitudes = _mm256_load_ps(E2M1);
     const __m256i seven = _mm256_set1_epi32(7), eight = _mm256_set1_epi32(8);
-    __m256 acc[ROWS];
+    __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         const __m256 scaled = _mm256_mul_ps(magnitudes, _mm256_set1_ps(e8m0(s[b])));
@@ -135,7 +136,17 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
             for (int64_t r = 0; r < R; ++r) rows[r] = xs.data() + order[c0 + r] * K;
             float sums[ROWS];
             for (int64_t n = n0; n < n1; ++n) {
-                row_products(q + (e * N + n) * (K / 2), s + (e * N + n) * (K / BLOCK), rows, R, K, sums);
+                const uint8_t *qn = q + (e * N + n) * (K / 2), *sn = s + (e * N + n) * (K / BLOCK);
+                switch (R) {
+                    case 1: row_products<1>(qn, sn, rows, K, sums); break;
+                    case 2: row_products<2>(qn, sn, rows, K, sums); break;
+                    case 3: row_products<3>(qn, sn, rows, K, sums); break;
+                    case 4: row_products<4>(qn, sn, rows, K, sums); break;
+                    case 5: row_products<5>(qn, sn, rows, K, sums); break;
+                    case 6: row_products<6>(qn, sn, rows, K, sums); break;
+                    case 7: row_products<7>(qn, sn, rows, K, sums); break;
+                    default: row_products<8>(qn, sn, rows, K, sums); break;
+                }
                 for (int64_t r = 0; r < R; ++r) out[order[c0 + r] * N + n] = sums[r];
             }
         }
