@@ -175,8 +175,9 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
 # float32 CPU weights from this many values get a oneDNN copy for compiled steps of several rows (below it the
 # saving is within the op's Python round trip, ~10 us). 2 threads, 16 rows, median ms, torch's ``mm`` (MKL, which
 # packs the weight again every call) / oneDNN prepacked: 32000x512 (the peers checkpoint's head) 9.03 / 2.14,
-# 1024x512 0.141 / 0.055, 512x256 0.035 / 0.023
-PREPACK_MIN_VALUES = 1 << 18
+# 1024x512 0.141 / 0.055, 512x256 0.035 / 0.023; 128x512 no faster. Whole 16-row peers step, one process: 2^17
+# (the 256x512 and 512x256 matrices too, 16 MB more) 17.35 against 18.23 ms with 2^18 (the head only)
+PREPACK_MIN_VALUES = 1 << 17
 ONEDNN_COPY = "onednn_weight"  # the copy's buffer name (not a checkpoint tensor)
 
 
