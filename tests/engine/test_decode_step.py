@@ -85,9 +85,11 @@ def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
 
 
 # float32 with float weights: test_no_recompiles_after_warm_up (one compiled engine fewer); w8a8's experts are
-# int8 (the gathered path), its dense layers fbgemm's kernel op (int8's dense products compiled: test_packed)
+# int8 (the gathered path), its dense layers fbgemm's kernel op (int8's dense products compiled: test_packed);
+# mxfp4's experts go through the C++ kernel's op in both engines
 @pytest.mark.parametrize("dtype,cache_dtype,weights,layers", [(torch.float64, "float", None, COMPACT),
-                                                             (torch.float32, "packed", "w8a8", TWO)])
+                                                             (torch.float32, "packed", "w8a8", TWO),
+                                                             (torch.float32, "packed", "mxfp4", TWO)])
 def test_compiled_graph_equals_eager(dtype, cache_dtype, weights, layers):
     model = compact_v41(dtype, weights, layers)
     name = "tiny-v41"
