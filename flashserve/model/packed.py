@@ -397,9 +397,8 @@ class PackedExperts(Experts):
                 and self.inter % quant.MX_BLOCK == 0 and cpu_kernels.mxfp4_pairs_available())
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if blas.compiled_cpu(x) and self.reads_in_place():
-            return self._gathered(x, idx, w)
-        if x.shape[0] <= DENSE_MAX_ROWS and self.mxfp4_kernel(x):  # eager decode: the kernel, as compiled
+        # a compiled CPU step reads experts as stored; eager decode-sized batches take the MXFP4 kernel as well
+        if (blas.compiled_cpu(x) and self.reads_in_place()) or (x.shape[0] <= DENSE_MAX_ROWS and self.mxfp4_kernel(x)):
             return self._gathered(x, idx, w)
         # More (row, expert) pairs than experts, a few rows (a verification step, a small batch): the loop over
         # hit experts pays ~10 ops and a host sync per expert, gathering would decode more than every expert;
