@@ -26,13 +26,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_mxfp4_pair_products_equal_the_decoded_weights_on_every_path(isa):
     """Each path of the source (AVX-512 where the CPU has it, AVX2, plain C++) gives every pair's row times its
     expert's decoded matrix: experts used once, by more rows than share one decode (11), or not at all, and a
-    matrix height that is not a whole number of tiles."""
-    pw = _experts(5, 24, 96, seed=11)
+    matrix height that is neither a whole number of tiles (64 rows) nor even (few rows take two at a time)."""
+    pw = _experts(5, 71, 96, seed=11)
     experts = torch.tensor([4, 0, 0, 2, 3, 1, 4] + [2] * 11)
     x = torch.randn(len(experts), 96, generator=torch.Generator().manual_seed(1))
     want = torch.bmm(pw.dequantize(torch.float64)[experts], x.double()[:, :, None])[..., 0]
     got = cpu_kernels.mxfp4_pairs_eager(x, experts, pw.qweight, pw.scale, isa)
-    assert got.dtype == torch.float32 and got.shape == (18, 24)
+    assert got.dtype == torch.float32 and got.shape == (18, 71)
     assert _rel(got, want) <= 1e-6
 
 
