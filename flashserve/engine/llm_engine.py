@@ -82,10 +82,10 @@ class LLMEngine:
         if eager:  # torch's one-row products over the LM head run ~2x faster column-major (weight_layout); a
             column_major_tall_weights(self.model)  # compiled CPU step's own products want it row-major (blas)
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        if not eager and self.cache.device.type == "cpu" and rows > 1:  # several rows: oneDNN copies (blas)
-            packed = prepack_for_rows(self.model, rows)
+        if not eager and self.cache.device.type == "cpu" and rows > 1:  # several rows: panel copies (blas)
+            packed = prepack_for_rows(self.model)
             if packed:
-                log.info("oneDNN copies of %d weights for steps of several rows: %s", len(packed), ", ".join(packed))
+                log.info("panel copies of %d weights for steps of several rows: %s", len(packed), ", ".join(packed))
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),

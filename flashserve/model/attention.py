@@ -91,8 +91,9 @@ class Compressor(nn.Module):
         """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
         state, ratio = ctx.state, self.ratio
         xf = fp32(x)  # compressor weights are applied in fp32 (spec §2.7)
-        c = blas.linear(xf, fp32(self.wkv.weight))
-        raw = c if self.wgate is None else torch.cat([c, blas.linear(xf, fp32(self.wgate.weight))], dim=-1)
+        c = blas.linear(xf, fp32(self.wkv.weight), blas.panels(self.wkv, "weight"))
+        raw = c if self.wgate is None else torch.cat(
+            [c, blas.linear(xf, fp32(self.wgate.weight), blas.panels(self.wgate, "weight"))], dim=-1)
         start = ctx.positions[:, 0]
         end = ctx.positions[:, -1] + 1
         first_group = start // ratio  # groups before this one were emitted by earlier forwards
@@ -162,7 +163,8 @@ class Indexer(nn.Module):
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
         if fake_quant == "v4":
             q = v4_fake_quant_index(q)
-        w = blas.linear(fp32(x), fp32(self.weights_proj.weight)) * self.n_heads ** -0.5
+        w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
+        w = w * self.n_heads ** -0.5
         s = blas.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
         return blas.einsum("bsht,bsh->bst", s, w)
 
@@ -271,7 +273,8 @@ class Attention(nn.Module):
         if self.v41:
             if ctx.fake_quant:
                 main = fake_quant_fp4(main, block=16, e4m3_scale=True)
-            index = self.indexer.k_norm(blas.linear(fp32(latent), fp32(self.indexer.wk.weight)))
+            wk = self.indexer.wk
+            index = self.indexer.k_norm(blas.linear(fp32(latent), fp32(wk.weight), blas.panels(wk, "weight")))
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)

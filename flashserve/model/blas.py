@@ -17,9 +17,10 @@ the memory bandwidth on the AMD CPUs measured here (LM head 32000x512 at one row
 * **Small batched products** (:func:`einsum`: attention scores and values, the indexer, the hyper-connection
   mixing) are broadcast sums in a compiled CPU step too, fused into inductor's kernels instead of MKL calls.
 
-* **Several rows of a compiled CPU step** over a large float32 weight go through a oneDNN copy of it made at
-  start-up (:meth:`Linear.prepack`): MKL's ``mm`` repacks the weight on every call (the peers checkpoint's head
-  at 16 rows: 9.0 ms against 2.1; the 16-row step 1.20x).
+* **Several rows of a compiled CPU step** over a float32 weight go through a copy of it in column panels made
+  at start-up (:func:`make_panels`) and :func:`flashserve.model.cpu_kernels.dense_rows`: MKL's ``mm`` repacks
+  the weight on every call (the peers checkpoint's head at 16 rows, 2 threads: 8.8 ms against 1.7; oneDNN's
+  reordered copy, used before the tenth session, 2.0; 256x512: 47, 19 and 43 us).
 
 Everything else (small matrices at several rows, other dtypes, training, CUDA) stays torch's. The paths sum in
 different orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative
@@ -32,6 +33,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_kernels
 
 
 def _numpy_uses_openblas() -> bool:
@@ -137,11 +140,16 @@ def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return prod.sum(tuple(range(len(out), len(order)))) if summed else prod
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias): one row in a compiled CPU step :func:`reduce_linear`, eager OpenBLAS where
-    :func:`takes` says so, torch otherwise."""
+def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, w)`` (no bias): one row in a compiled CPU step :func:`reduce_linear`, several float32 rows
+    there over ``panels`` (``w``'s copy from :func:`make_panels`, None where it has none)
+    :func:`~flashserve.model.cpu_kernels.dense_rows`, eager OpenBLAS where :func:`takes` says so, torch
+    otherwise."""
     if compiled_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype:
         return reduce_linear(x, w)
+    if panels is not None and compiled_cpu(x) and x.dtype == torch.float32:
+        flat = x.reshape(-1, x.shape[-1])
+        return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
     if not takes(x, w) or torch.compiler.is_compiling():
         return F.linear(x, w)
     flat = x.reshape(-1, x.shape[-1])
@@ -172,57 +180,38 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     return y if sg is None else y * sg.to(y.dtype)
 
 
-# float32 CPU weights from this many values get a oneDNN copy for compiled steps of several rows (below it the
-# saving is within the op's Python round trip, ~10 us). 2 threads, 16 rows, median ms, torch's ``mm`` (MKL, which
-# packs the weight again every call) / oneDNN prepacked: 32000x512 (the peers checkpoint's head) 9.03 / 2.14,
-# 1024x512 0.141 / 0.055, 512x256 0.035 / 0.023; 128x512 no faster. Whole 16-row peers step, one process: 2^17
-# (the 256x512 and 512x256 matrices too, 16 MB more) 17.35 against 18.23 ms with 2^18 (the head only)
-PREPACK_MIN_VALUES = 1 << 17
-ONEDNN_COPY = "onednn_weight"  # the copy's buffer name (not a checkpoint tensor)
+PANELS = "_panels"  # suffix of a weight's panel copy: a buffer beside it, not a checkpoint tensor
 
 
-@torch.library.custom_op("flashserve::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x [M, K]`` times a weight that :meth:`Linear.prepack` reordered for oneDNN: [M, out_features]."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
+def panels(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The panel copy :func:`make_panels` gave ``module.<name>``, or None."""
+    return getattr(module, name + PANELS, None)
 
 
-@onednn_linear.register_fake
-def _onednn_linear_fake(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
-    return x.new_empty(x.shape[0], out_features)
-
-
-def can_prepack(w: torch.Tensor) -> bool:
-    """Whether :meth:`Linear.prepack` gives ``w`` a oneDNN copy: a large float32 CPU matrix, oneDNN present."""
-    return (w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu" and w.numel() >= PREPACK_MIN_VALUES
-            and torch.backends.mkldnn.is_available())
+@torch.no_grad()
+def make_panels(module: nn.Module, name: str) -> bool:
+    """Copy ``module.<name>`` (a float32 CPU weight [N, K]) into the column panels that
+    :func:`~flashserve.model.cpu_kernels.dense_rows` reads, as the buffer ``<name>_panels``. The engine does it
+    at start-up for a compiled CPU step of several rows; the copy costs the weight's bytes again (each panel
+    padded to 16 columns), and one-row or eager steps keep reading the weight itself. False, changing nothing,
+    for a weight it does not take or where the kernel is not available."""
+    w = getattr(module, name)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
+            and cpu_kernels.dense_rows_available()):
+        return False
+    module.register_buffer(name + PANELS, cpu_kernels.pack_panels(w), persistent=False)
+    return True
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose single-row float32 CPU products run through :func:`linear`, and several rows of a
-    compiled CPU step through a oneDNN copy of the weight when :meth:`prepack` made one."""
+    """``nn.Linear`` whose float32 CPU products run through :func:`linear`: one row by OpenBLAS eagerly or
+    inductor's reduction compiled, several rows of a compiled step over the weight's panels once
+    :func:`make_panels` made them (``ROW_WEIGHTS``)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.register_buffer(ONEDNN_COPY, None, persistent=False)  # opaque oneDNN layout (see prepack)
-
-    @torch.no_grad()
-    def prepack(self, rows: int) -> bool:
-        """Keep a copy of the weight in oneDNN's blocked layout for products of about ``rows`` rows (the engine
-        calls it at start-up for a compiled CPU step of several rows; the copy costs the weight's bytes again).
-        Several rows of such a step then run one oneDNN product instead of torch's ``mm``, which repacks the
-        weight on every call (:data:`PREPACK_MIN_VALUES`). False, changing nothing, for weights it does not take."""
-        if not can_prepack(self.weight):
-            return False
-        self.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), rows)
-        return True
+    ROW_WEIGHTS = ("weight",)  # what the engine's prepack_for_rows gives panels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.onednn_weight is not None and compiled_cpu(x) and x.numel() > x.shape[-1]:
-            flat = x.reshape(-1, x.shape[-1])
-            y = onednn_linear(flat, self.onednn_weight, self.out_features).view(*x.shape[:-1], self.out_features)
-        else:
-            y = linear(x, self.weight)
+        y = linear(x, self.weight, panels(self, "weight"))
         return y if self.bias is None else y + self.bias
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:

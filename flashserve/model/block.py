@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..config.model_config import ModelConfig
+from . import blas
 from .attention import Attention
 from .context import ForwardContext
 from .engram import Engram
@@ -17,6 +18,8 @@ from .norms import RMSNorm
 
 class Block(nn.Module):
     """``layers.N``: optional engram, attention and MoE sublayers joined by mHC sites ``hc_attn``/``hc_ffn``."""
+
+    ROW_WEIGHTS = ("hc_attn_fn", "hc_ffn_fn")  # multiplied by blas.linear (panel copies: weight_layout)
 
     def __init__(self, cfg: ModelConfig, layer: int, *, ratio: int = 0, role: str = "swa",
                  n_experts: int | None = None, top_k: int | None = None, hash_routed: bool = False,
@@ -39,7 +42,7 @@ class Block(nn.Module):
         cfg = self.cfg
         return hyper_mix(x, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
                          getattr(self, f"hc_{site}_scale"), n=cfg.hc_mult, iters=cfg.hc_sinkhorn_iters,
-                         hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps)
+                         hc_eps=cfg.hc_eps, norm_eps=cfg.rms_norm_eps, fn_panels=blas.panels(self, f"hc_{site}_fn"))
 
     def forward(self, x: torch.Tensor, pre_in: torch.Tensor | None, ctx: ForwardContext,
                 engram_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,13 +1,18 @@
-"""C++ kernels for the CPU where inductor's generated code falls short, compiled at first use with inductor's
-own compiler settings for this CPU (its on-disk cache keeps them between runs: about 2 s the first time).
+"""C++ kernels for the CPU where torch's and inductor's code fall short, compiled at first use with inductor's
+own compiler settings for this CPU (its on-disk cache keeps them between runs: about 2 s each the first time).
 
-One kernel so far, :func:`mxfp4_pairs`: the (row, expert) pair products of MXFP4 experts, each expert's bytes
-decoded once for all its rows (``csrc/mxfp4_pairs.cpp``). One MXFP4 expert projection of the peers checkpoint
-(16 x 256x512), 2 threads, median ms: 64 pairs (16 rows, top-4) 0.12 against 1.07 for inductor's code of
-:func:`flashserve.model.packed.mxfp4_pairs_linear`, 4 pairs (one row) 0.017 against 0.086 (docs/engine-speed.md,
-ninth session); with the weights evicted as in a step (the tenth session's tiles, hints and row pairs) 0.16 where
-the first version took 0.23. Where no C++ compiler works the kernel is not available and the traced code runs
-(:func:`mxfp4_pairs_available` says which).
+* :func:`mxfp4_pairs`: the (row, expert) pair products of MXFP4 experts, each expert's bytes decoded once for
+  all its rows (``csrc/mxfp4_pairs.cpp``). One MXFP4 expert projection of the peers checkpoint (16 x 256x512),
+  2 threads, median ms: 64 pairs (16 rows, top-4) 0.12 against 1.07 for inductor's code of
+  :func:`flashserve.model.packed.mxfp4_pairs_linear`, 4 pairs (one row) 0.017 against 0.086 (docs/engine-speed.md,
+  ninth session); with the weights evicted as in a step (the tenth session's tiles, hints and row pairs) 0.16
+  where the first version took 0.23.
+* :func:`dense_rows`: a few float32 rows times a weight copied once into column panels (:func:`pack_panels`;
+  ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes.
+
+Both are operators registered straight on torch's dispatcher, which a compiled step's C++ calls for about 4 us
+(``torch.library.custom_op``'s wrappers took 13). Where no C++ compiler works the kernels are not available
+(``*_available`` says so) and torch's or inductor's code runs instead.
 """
 
 from __future__ import annotations
@@ -21,30 +26,51 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "mxfp4_pairs.cpp"
-_ARGS = ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "float*",
-         "int64_t", "int64_t", "int64_t", "int64_t", "int64_t")  # x, experts, q, s, out, P, E, N, K, threads
-ISAS = ("native", "avx2", "scalar")  # the paths of the source: what the CPU has, AVX2 only, no intrinsics
+_CSRC = Path(__file__).with_name("csrc")
+# kernel -> its C signature (the binding takes tensors for the pointers)
+_ARGS = {
+    # x, experts, q, s, out, P, E, N, K, threads
+    "mxfp4_pairs": ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "float*",
+                    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
+    # x, panels, out, M, N, K, threads
+    "dense_rows": ("const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t"),
+}
+ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
 _ISA_FLAGS = {"native": (), "avx2": ("-DFLASHSERVE_NO_AVX512",), "scalar": ("-DFLASHSERVE_NO_SIMD",)}
+LANES = 16  # output columns per panel of :func:`pack_panels`
 
 
 @functools.cache
-def _load(isa: str) -> Callable[..., None] | None:
-    """The compiled kernel (a Python binding taking tensors), or None where it cannot be built here."""
+def _load(kernel: str, isa: str = "native") -> Callable[..., None] | None:
+    """The compiled ``kernel`` (a Python binding taking tensors), or None where it cannot be built here."""
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        return CppPythonBindingsCodeCache.load_pybinding(list(_ARGS), _SOURCE.read_text(), needs_vec_isa=True,
+        source = (_CSRC / f"{kernel}.cpp").read_text()
+        return CppPythonBindingsCodeCache.load_pybinding(list(_ARGS[kernel]), source, needs_vec_isa=True,
                                                          extra_flags=_ISA_FLAGS[isa])
-    except Exception as e:  # no compiler, an unexpected inductor version: the traced code runs instead
-        log.warning("MXFP4 CPU kernel unavailable (%s: %s); using the traced products", type(e).__name__, e)
+    except Exception as e:  # no compiler, an unexpected inductor version: torch's or inductor's code runs instead
+        log.warning("CPU kernel %s unavailable (%s: %s); using torch's code", kernel, type(e).__name__, e)
         return None
+
+
+def _kernel(kernel: str, isa: str) -> Callable[..., None]:
+    fn = _load(kernel, isa)
+    if fn is None:
+        raise RuntimeError(f"the CPU kernel {kernel} could not be compiled here (see the log)")
+    return fn
 
 
 @torch.compiler.assume_constant_result  # a traced step reads the answer as a constant
 def mxfp4_pairs_available() -> bool:
     """Whether :func:`mxfp4_pairs` has its compiled kernel on this machine (compiling it if needed)."""
-    return _load("native") is not None
+    return _load("mxfp4_pairs") is not None
+
+
+@torch.compiler.assume_constant_result
+def dense_rows_available() -> bool:
+    """Whether :func:`dense_rows` has its compiled kernel on this machine (compiling it if needed)."""
+    return _load("dense_rows") is not None
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -55,9 +81,7 @@ def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s
     E, N, half = q.shape
     if x.dim() != 2 or x.shape[1] != 2 * half or half % 16 or s.shape != (E, N, half // 16):
         raise ValueError(f"mxfp4_pairs: x {tuple(x.shape)}, q {tuple(q.shape)}, s {tuple(s.shape)} do not match")
-    fn = _load(isa)
-    if fn is None:
-        raise RuntimeError("the MXFP4 CPU kernel could not be compiled here (see the log)")
+    fn = _kernel("mxfp4_pairs", isa)
     x = x.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous().view(-1)
     out = torch.empty(x.shape[0], N, dtype=torch.float32)
@@ -65,16 +89,56 @@ def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s
     return out
 
 
-# the op a compiled step calls (inductor cannot trace into the binding); eager callers may use it as well
-@torch.library.custom_op("flashserve::mxfp4_pairs", mutates_args=())
-def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """:func:`mxfp4_pairs_eager` with the CPU's own path, as an operator."""
-    return mxfp4_pairs_eager(x, experts, q, s)
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` (any strides) as the panels :func:`dense_rows` reads: [ceil(N / 16), K, 16] float32, panel
+    ``p`` holding output columns ``16p .. 16p + 15`` k by k, zero past ``N``."""
+    N, K = w.shape
+    padded = torch.zeros(-(-N // LANES) * LANES, K, dtype=torch.float32)
+    padded[:N] = w.detach()
+    return padded.view(-1, LANES, K).transpose(1, 2).contiguous()
 
 
-@mxfp4_pairs.register_fake
+def dense_rows_eager(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str = "native") -> torch.Tensor:
+    """``x [M, K] @ w.T`` [M, n] float32 for ``panels = pack_panels(w)`` (``w [n, K]``); ``isa`` as in
+    :func:`mxfp4_pairs_eager`."""
+    if (x.dim() != 2 or panels.dim() != 3 or panels.shape[1:] != (x.shape[1], LANES)
+            or not 0 < n <= panels.shape[0] * LANES or n <= (panels.shape[0] - 1) * LANES):
+        raise ValueError(f"dense_rows: x {tuple(x.shape)}, panels {tuple(panels.shape)}, n {n} do not match")
+    fn = _kernel("dense_rows", isa)
+    x = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    fn(x, panels.contiguous(), out, x.shape[0], n, x.shape[1], torch.get_num_threads())
+    return out
+
+
+# The operators a compiled step calls (inductor cannot trace into a binding), defined on the dispatcher
+# directly: the C++ wrapper reaches the CPU implementation with no Python layers in between
+_LIB = torch.library.Library("flashserve", "FRAGMENT")
+_LIB.define("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor")
+_LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
+_LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CPU")
+_LIB.impl("dense_rows", dense_rows_eager, "CPU")
+
+
+@torch.library.register_fake("flashserve::mxfp4_pairs")
 def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[1]), dtype=torch.float32)
 
 
-__all__ = ["ISAS", "mxfp4_pairs", "mxfp4_pairs_eager", "mxfp4_pairs_available"]
+@torch.library.register_fake("flashserve::dense_rows")
+def _(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+
+
+def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """:func:`mxfp4_pairs_eager` with the CPU's own path, as the operator ``flashserve::mxfp4_pairs``."""
+    return torch.ops.flashserve.mxfp4_pairs(x, experts, q, s)
+
+
+def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """:func:`dense_rows_eager` with the CPU's own path, as the operator ``flashserve::dense_rows``."""
+    return torch.ops.flashserve.dense_rows(x, panels, n)
+
+
+__all__ = ["ISAS", "LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "mxfp4_pairs",
+           "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels"]

@@ -19,10 +19,11 @@ class HyperMix:
 
 
 def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-              n: int, iters: int, hc_eps: float, norm_eps: float) -> HyperMix:
-    """Compute (pre, post, comb) from the streams ``x`` [.., n, D] in fp32."""
+              n: int, iters: int, hc_eps: float, norm_eps: float, fn_panels: torch.Tensor | None = None) -> HyperMix:
+    """Compute (pre, post, comb) from the streams ``x`` [.., n, D] in fp32 (``fn_panels``: ``fn``'s panel copy,
+    see :func:`flashserve.model.blas.linear`)."""
     f = rms(fp32(x.flatten(-2)), norm_eps)
-    m = blas.linear(f, fp32(fn))
+    m = blas.linear(f, fp32(fn), fn_panels)
     base, scale = fp32(base), fp32(scale)
     pre = torch.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2 * torch.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -99,6 +100,8 @@ def expand(y: torch.Tensor, x: torch.Tensor, mix: HyperMix) -> torch.Tensor:
 class HyperHead(nn.Module):
     """V4's learned final collapse (``hc_head_fn/base/scale``): pre = σ(m·s + b) + eps."""
 
+    ROW_WEIGHTS = ("hc_head_fn",)  # multiplied by blas.linear (panel copies: weight_layout)
+
     def __init__(self, n: int, dim: int, hc_eps: float, norm_eps: float):
         super().__init__()
         self.hc_head_fn = nn.Parameter(torch.zeros(n, n * dim))
@@ -107,6 +110,7 @@ class HyperHead(nn.Module):
         self.hc_eps, self.norm_eps = hc_eps, norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        m = blas.linear(rms(fp32(x.flatten(-2)), self.norm_eps), fp32(self.hc_head_fn))
+        m = blas.linear(rms(fp32(x.flatten(-2)), self.norm_eps), fp32(self.hc_head_fn),
+                        blas.panels(self, "hc_head_fn"))
         pre = torch.sigmoid(m * fp32(self.hc_head_scale) + fp32(self.hc_head_base)) + self.hc_eps
         return collapse(x, pre)

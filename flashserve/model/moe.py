@@ -34,6 +34,8 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 class Gate(nn.Module):
     """Router. ``weight`` [E, D]; ``bias``/``bias_vl`` [E] shift selection only; hash layers use ``tid2eid``."""
 
+    ROW_WEIGHTS = ("weight",)  # multiplied by blas.linear (panel copies: weight_layout)
+
     def __init__(self, cfg: ModelConfig, n_experts: int, top_k: int, hash_routed: bool):
         super().__init__()
         self.top_k, self.scale, self.temp = top_k, cfg.routed_scaling_factor, cfg.gate_temp
@@ -48,7 +50,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]."""
-        scores = torch.sqrt(F.softplus(blas.linear(fp32(x), fp32(self.weight)) / self.temp))
+        scores = torch.sqrt(F.softplus(blas.linear(fp32(x), fp32(self.weight), blas.panels(self, "weight")) / self.temp))
         if self.hash_routed:
             idx = self.tid2eid[ids]
         else:

@@ -212,7 +212,7 @@ class Transformer(nn.Module):
 
         out: dict[str, torch.Tensor] = dict(packed_destinations(self))  # packed modules take stored bytes
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.startswith(("rope.", "engram_hasher.")) or name.endswith((*PACKED_BUFFERS, blas.ONEDNN_COPY)):
+            if name.startswith(("rope.", "engram_hasher.")) or name.endswith((*PACKED_BUFFERS, blas.PANELS)):
                 continue
             if ".experts.w" in name:
                 prefix, w = name.rsplit(".experts.", 1)

@@ -11,10 +11,11 @@ checkpoint). The engine converts only for an eager decode step: a compiled CPU s
 own reduction kernel (:func:`flashserve.model.blas.reduce_linear`), which reads a row-major head faster
 (32000x512 in one graph, 2 threads: 1.9-2.0 ms row-major against 2.9-3.1 column-major).
 
-A compiled CPU step of several rows (a batch, or speculative verification) multiplies its large float32 weights
-through a oneDNN copy in oneDNN's blocked layout, made once at start-up (:func:`prepack_for_rows`): torch's
-``mm`` repacks the weight inside MKL on every call (the LM head at 16 rows, 2 threads: 9.0 ms against 2.1).
-The copy costs the weight's bytes again; one-row and eager steps keep the weight as it is.
+A compiled CPU step of several rows (a batch, or speculative verification) multiplies its float32 weights
+through copies in column panels made once at start-up (:func:`prepack_for_rows`,
+:func:`flashserve.model.blas.make_panels`): torch's ``mm`` repacks the weight inside MKL on every call (the LM
+head at 16 rows, 2 threads: 8.8 ms against 1.7). The copies cost the weights' bytes again; one-row and eager
+steps keep the weights as they are.
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def column_major_tall_weights(model: nn.Module) -> list[str]:
     return done
 
 
-def prepack_for_rows(model: nn.Module, rows: int) -> list[str]:
-    """Give every large float32 CPU product of ``model`` a oneDNN copy for compiled steps of up to ``rows`` rows
-    (:meth:`flashserve.model.blas.Linear.prepack`); returns the names of the weights copied."""
-    return [f"{name}.weight" for name, mod in model.named_modules()
-            if isinstance(mod, blas.Linear) and mod.prepack(rows)]
+def prepack_for_rows(model: nn.Module) -> list[str]:
+    """Give the float32 CPU weights that ``model``'s modules multiply several rows by (each module's
+    ``ROW_WEIGHTS``) panel copies for compiled steps (:func:`flashserve.model.blas.make_panels`); returns the
+    names of the weights copied."""
+    return [f"{name}.{w}" if name else w for name, mod in model.named_modules()
+            for w in getattr(mod, "ROW_WEIGHTS", ()) if blas.make_panels(mod, w)]

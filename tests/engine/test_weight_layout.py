@@ -10,6 +10,7 @@ from torch import nn
 from engine_helpers import make_engine, prompt_of, reference_greedy, run_greedy
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
+from flashserve.model import blas
 from flashserve.model.init import random_init
 from flashserve.model.transformer import Transformer
 from flashserve.model.weight_layout import column_major_tall_weights, is_tall
@@ -73,18 +74,21 @@ def test_a_compiled_step_keeps_the_head_row_major():
 
 
 @torch.inference_mode()
-def test_a_compiled_step_of_several_rows_multiplies_a_oneDNN_copy_of_the_head():
-    """An engine compiled for several rows on the CPU gives its large float32 products a oneDNN copy (torch's
-    ``mm`` repacks the weight every call); its greedy tokens equal an eager engine's and its logits agree to
-    float32 rounding. One row (``max_num_seqs=1``) and eager engines make no copy."""
+def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights():
+    """An engine compiled for several rows on the CPU gives its float32 products panel copies (torch's ``mm``
+    repacks the weight every call): the head, the routers, the mHC mixing; its greedy tokens equal an eager
+    engine's and its logits agree to float32 rounding. One row (``max_num_seqs=1``) and eager engines make no
+    copy."""
     model = _two_layer_model()
     make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
-    assert model.head.onednn_weight is None
+    assert blas.panels(model.head, "weight") is None
     ref = copy.deepcopy(model)
     eager = make_engine(ref, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=True)
     compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
                            compile_backend="eager")
-    assert model.head.onednn_weight is not None and ref.head.onednn_weight is None
+    copied = {name[: -len(blas.PANELS)] for name, _ in model.named_buffers() if name.endswith(blas.PANELS)}
+    assert {"head.weight", "layers.0.hc_attn_fn", "layers.1.ffn.gate.weight"} <= copied  # V4.1: no hc_head
+    assert not any(name.endswith(blas.PANELS) for name, _ in ref.named_buffers())
     assert set(model.checkpoint_tensors()) == set(ref.checkpoint_tensors())  # the copy is not a checkpoint tensor
     seen = {e: [] for e in (eager, compiled)}
     for e in seen:

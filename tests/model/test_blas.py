@@ -204,23 +204,31 @@ def test_the_engines_threads_keep_openblas_at_one_thread():
             torch.set_num_threads(before)
 
 
-def test_a_prepacked_weight_serves_several_compiled_rows_with_torchs_values():
-    """A large float32 weight prepacked for oneDNN: several rows of a compiled CPU graph (inductor, C++ wrapper)
-    take the copy, one row keeps inductor's own product, eager keeps torch's; values equal ``F.linear`` to float32
-    rounding. Small and non-float32 weights are not copied."""
+def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():
+    """A float32 weight with a panel copy: several rows of a compiled CPU graph (inductor, C++ wrapper) call the
+    panel kernel, one row keeps inductor's own product, eager keeps torch's; values equal ``F.linear`` to float32
+    rounding, for a column-major weight too. Non-float32 weights get no copy."""
     from torch._inductor.utils import run_and_get_code
 
     torch.manual_seed(0)
-    lin = blas.Linear(64, blas.PREPACK_MIN_VALUES // 64, bias=True)
-    assert lin.onednn_weight is None and lin.prepack(4) and lin.onednn_weight is not None
-    assert not blas.Linear(64, 64).prepack(4) and not blas.Linear(64, 8192).double().prepack(4)
+    lin = blas.Linear(64, 40, bias=True)
+    assert blas.panels(lin, "weight") is None and blas.make_panels(lin, "weight")
+    assert blas.panels(lin, "weight").shape == (3, 64, 16)  # 40 columns in panels of 16
+    assert "weight_panels" not in lin.state_dict()
+    wide = blas.Linear(64, 8192).double()
+    assert not blas.make_panels(wide, "weight") and blas.panels(wide, "weight") is None
+    tall = blas.Linear(64, 40, bias=False)
+    tall.weight.data = tall.weight.t().contiguous().t()  # column-major, as weight_layout stores a tall head
+    assert blas.make_panels(tall, "weight")
     with torch.inference_mode():
-        f = torch.compile(lambda x: lin(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
-        for rows in (3, 1):
-            x = torch.randn(rows, 64)
-            got, (code,) = run_and_get_code(f, x)
-            want = F.linear(torch.tanh(x), lin.weight, lin.bias)
-            assert _rel(got, want) < 1e-6
-            assert ("onednn_linear" in code) == (rows > 1)
+        for mod in (lin, tall):
+            torch._dynamo.reset()
+            f = torch.compile(lambda x, m=mod: m(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
+            for rows in (3, 1):
+                x = torch.randn(rows, 64)
+                got, (code,) = run_and_get_code(f, x)
+                want = F.linear(torch.tanh(x), mod.weight, mod.bias)
+                assert _rel(got, want) < 1e-6
+                assert ("flashserve::dense_rows" in code) == (rows > 1)
         x = torch.randn(3, 64)
         assert _rel(lin(x), F.linear(x, lin.weight, lin.bias)) < 1e-6  # eager: torch's own product

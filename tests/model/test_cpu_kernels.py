@@ -73,3 +73,36 @@ def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper):
     torch._dynamo.reset()
     compiled = torch.compile(f, fullgraph=True, dynamic=False, options={"cpp_wrapper": cpp_wrapper})
     assert torch.equal(compiled(x, experts, pw.qweight, pw.scale), f(x, experts, pw.qweight, pw.scale))
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("rows", [2, 11])
+def test_dense_rows_equal_the_float64_product_on_every_path(isa, rows):
+    """Panels of a weight whose height is not a whole number of panels (40 = 2.5 x 16), times a few rows (fewer
+    than one pass takes, and more: 11 = 8 + 3 with AVX-512, 4 + 4 + 3 with AVX2)."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(40, 96, generator=g), torch.randn(rows, 96, generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (3, 96, cpu_kernels.LANES) and not panels[2, :, 8:].any()
+    got = cpu_kernels.dense_rows_eager(x, panels, 40, isa)
+    assert got.dtype == torch.float32 and got.shape == (rows, 40)
+    assert _rel(got, x.double() @ w.double().t()) <= 1e-6
+
+
+def test_dense_rows_do_not_depend_on_the_number_of_threads_and_refuse_mismatches():
+    g = torch.Generator().manual_seed(9)
+    w, x = torch.randn(200, 64, generator=g), torch.randn(16, 64, generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.dense_rows(x, panels, 200)
+        torch.set_num_threads(2)
+        two = cpu_kernels.dense_rows(x, panels, 200)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    with pytest.raises(ValueError, match=r"x \(16, 32\), panels \(13, 64, 16\), n 200 do not match"):
+        cpu_kernels.dense_rows_eager(x[:, :32], panels, 200)
+    with pytest.raises(ValueError, match="n 180 do not match"):  # one panel too many for 180 columns
+        cpu_kernels.dense_rows_eager(x, panels, 180)
