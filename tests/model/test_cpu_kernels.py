@@ -106,3 +106,25 @@ def test_dense_rows_do_not_depend_on_the_number_of_threads_and_refuse_mismatches
         cpu_kernels.dense_rows_eager(x[:, :32], panels, 200)
     with pytest.raises(ValueError, match="n 180 do not match"):  # one panel too many for 180 columns
         cpu_kernels.dense_rows_eager(x, panels, 180)
+
+
+def test_the_operators_run_their_cpp_implementations_once_built():
+    """Loading the native builds registers both operators' CPU implementations in C++ (a compiled step's C++ then
+    calls them without Python); they give the Python bindings' values bit for bit and check shapes too."""
+    assert cpu_kernels.mxfp4_pairs_available() and cpu_kernels.dense_rows_available()
+    for op in ("flashserve::mxfp4_pairs", "flashserve::dense_rows"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(40, 64, generator=g), torch.randn(5, 64, generator=g)
+    panels = cpu_kernels.pack_panels(w)
+    assert torch.equal(torch.ops.flashserve.dense_rows(x, panels, 40), cpu_kernels.dense_rows_eager(x, panels, 40))
+    pw = _experts(4, 24, 64, seed=3)
+    experts = torch.tensor([3, 0, 0, 1, 3])
+    assert torch.equal(torch.ops.flashserve.mxfp4_pairs(x, experts, pw.qweight, pw.scale),
+                       cpu_kernels.mxfp4_pairs_eager(x, experts, pw.qweight, pw.scale))
+    with pytest.raises(RuntimeError, match="dense_rows: x .* do not match"):
+        torch.ops.flashserve.dense_rows(x, panels, 60)
+    with pytest.raises(RuntimeError, match="mxfp4_pairs: x .* do not match"):
+        torch.ops.flashserve.mxfp4_pairs(x[:, :32], experts, pw.qweight, pw.scale)
+    with pytest.raises(IndexError, match="expert index out of range"):  # torch's translation of std::out_of_range
+        torch.ops.flashserve.mxfp4_pairs(x, torch.tensor([0, 1, 2, 3, 4]), pw.qweight, pw.scale)

@@ -100,3 +100,28 @@ extern "C" void kernel(const float* x, const float* panels, float* out, int64_t 
         }
     }
 }
+
+#if defined(FLASHSERVE_REGISTER_OP)
+// flashserve::dense_rows(x, panels, n) for CPU tensors on torch's dispatcher (the schema is defined in Python):
+// a compiled step's C++ reaches it with no Python in between
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+at::Tensor dense_rows_op(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+    TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == LANES &&
+                    n > (panels.size(0) - 1) * LANES && n <= panels.size(0) * LANES,
+                "dense_rows: x ", x.sizes(), ", panels ", panels.sizes(), ", n ", n, " do not match");
+    TORCH_CHECK(panels.scalar_type() == at::kFloat, "dense_rows: panels must be float32");
+    const at::Tensor xs = x.to(at::kFloat).contiguous(), ps = panels.contiguous();
+    at::Tensor out = at::empty({x.size(0), n}, xs.options());
+    kernel(xs.data_ptr<float>(), ps.data_ptr<float>(), out.data_ptr<float>(), x.size(0), n, x.size(1),
+           at::get_num_threads());
+    return out;
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("dense_rows", &dense_rows_op); }
+#endif

@@ -226,3 +226,32 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
         }
     }
 }
+
+#if defined(FLASHSERVE_REGISTER_OP)
+// flashserve::mxfp4_pairs(x, experts, q, s) for CPU tensors on torch's dispatcher (the schema is defined in
+// Python): a compiled step's C++ reaches it with no Python in between
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s) {
+    TORCH_CHECK(q.dim() == 3 && s.dim() == 3 && x.dim() == 2, "mxfp4_pairs: x ", x.sizes(), ", q ", q.sizes(),
+                ", s ", s.sizes(), " do not match");
+    const int64_t E = q.size(0), N = q.size(1), half = q.size(2);
+    TORCH_CHECK(x.size(1) == 2 * half && half % 16 == 0 && s.size(0) == E && s.size(1) == N && s.size(2) == half / 16 &&
+                    experts.numel() == x.size(0),
+                "mxfp4_pairs: x ", x.sizes(), ", q ", q.sizes(), ", s ", s.sizes(), " do not match");
+    TORCH_CHECK(q.scalar_type() == at::kByte && s.scalar_type() == at::kByte, "mxfp4_pairs: q and s must be uint8");
+    const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
+    const at::Tensor qc = q.contiguous(), sc = s.contiguous();
+    at::Tensor out = at::empty({x.size(0), N}, xs.options());
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
+           out.data_ptr<float>(), x.size(0), E, N, 2 * half, at::get_num_threads());
+    return out;
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("mxfp4_pairs", &mxfp4_pairs_op); }
+#endif
