@@ -22,7 +22,7 @@ the memory bandwidth on the AMD CPUs measured here (LM head 32000x512 at one row
   the weight on every call (the peers checkpoint's head at 16 rows, 2 threads: 8.8 ms against 1.7; oneDNN's
   reordered copy, used before the tenth session, 2.0; 256x512: 47, 19 and 43 us).
 
-Everything else (small matrices at several rows, other dtypes, training, CUDA) stays torch's. The paths sum in
+Everything else (eager steps of several rows, other dtypes, training, CUDA) stays torch's. The paths sum in
 different orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative
 per product), not bit for bit.
 """

@@ -6,7 +6,8 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: a
   2 threads, median ms: 64 pairs (16 rows, top-4) 0.12 against 1.07 for inductor's code of
   :func:`flashserve.model.packed.mxfp4_pairs_linear`, 4 pairs (one row) 0.017 against 0.086 (docs/engine-speed.md,
   ninth session); with the weights evicted as in a step (the tenth session's tiles, hints and row pairs) 0.16
-  where the first version took 0.23.
+  where the first version took 0.23. :func:`mxfp4_gate_up` runs a MoE's gate and up projections in one pass
+  over the tokens' rows.
 * :func:`dense_rows`: a few float32 rows times a weight copied once into column panels (:func:`pack_panels`;
   ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes.
 
@@ -31,9 +32,10 @@ log = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 # kernel -> its C signature (the binding takes tensors for the pointers)
 _ARGS = {
-    # x, experts, q, s, out, P, E, N, K, threads
-    "mxfp4_pairs": ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "float*",
-                    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
+    # x, experts, q, s, q2, s2, out, P, k, E, N, K, matrices, threads
+    "mxfp4_pairs": ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "const uint8_t*",
+                    "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
+                    "int64_t"),
     # x, panels, out, M, N, K, threads
     "dense_rows": ("const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t"),
 }
@@ -78,19 +80,28 @@ def dense_rows_available() -> bool:
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                      isa: str = "native") -> torch.Tensor:
-    """Row ``p`` of ``x [P, K]`` times expert ``experts[p]``'s MXFP4 matrix: ``q [E, N, K/2]`` bytes (two E2M1
-    codes each, the low nibble the even column), ``s [E, N, K/32]`` E8M0 block scales; [P, N] float32.
-    ``isa`` picks one of the source's paths (:data:`ISAS`; the tests run each)."""
+                      isa: str = "native", up: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Pair ``p`` (``experts`` flattened) is a row of ``x`` times expert ``experts[p]``'s MXFP4 matrix: ``q [E,
+    N, K/2]`` bytes (two E2M1 codes each, the low nibble the even column), ``s [E, N, K/32]`` E8M0 block scales;
+    [P, N] float32. ``x [P, K]`` gives each pair its own row; ``x [T, K]`` with ``experts [T, k]`` gives token
+    ``t``'s row to its ``k`` pairs. With ``up`` (the up projection's ``q, s`` beside the gate's) both matrices'
+    products, [2, P, N]. ``isa`` picks one of the source's paths (:data:`ISAS`; the tests run each)."""
     E, N, half = q.shape
-    if x.dim() != 2 or x.shape[1] != 2 * half or half % 16 or s.shape != (E, N, half // 16):
-        raise ValueError(f"mxfp4_pairs: x {tuple(x.shape)}, q {tuple(q.shape)}, s {tuple(s.shape)} do not match")
+    if (x.dim() != 2 or x.shape[1] != 2 * half or half % 16 or s.shape != (E, N, half // 16) or not x.shape[0]
+            or (experts.dim() == 1 and experts.numel() != x.shape[0])
+            or (experts.dim() != 1 and experts.shape[0] != x.shape[0])
+            or (up is not None and (up[0].shape != q.shape or up[1].shape != s.shape))):
+        raise ValueError(f"mxfp4_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)}, "
+                         f"s {tuple(s.shape)} do not match")
     fn = _kernel("mxfp4_pairs", isa)
     x = x.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous().view(-1)
-    out = torch.empty(x.shape[0], N, dtype=torch.float32)
-    fn(x, experts, q.contiguous(), s.contiguous(), out, x.shape[0], E, N, 2 * half, torch.get_num_threads())
-    return out
+    P = experts.numel()
+    q2, s2 = (q, s) if up is None else (up[0].contiguous(), up[1].contiguous())
+    out = torch.empty(1 if up is None else 2, P, N, dtype=torch.float32)
+    fn(x, experts, q.contiguous(), s.contiguous(), q2, s2, out, P, P // x.shape[0], E, N, 2 * half,
+       1 if up is None else 2, torch.get_num_threads())
+    return out[0] if up is None else out
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -120,14 +131,23 @@ def dense_rows_eager(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str = "
 # takes precedence over) load it and run the binding
 _LIB = torch.library.Library("flashserve", "FRAGMENT")
 _LIB.define("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor")
+_LIB.define("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
 _LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
 _LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CompositeExplicitAutograd")
+_LIB.impl("mxfp4_gate_up", lambda x, experts, q1, s1, q3, s3: mxfp4_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
+          "CompositeExplicitAutograd")
 _LIB.impl("dense_rows", dense_rows_eager, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flashserve::mxfp4_pairs")
 def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return x.new_empty((x.shape[0], q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("flashserve::mxfp4_gate_up")
+def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
+      s3: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
 
 @torch.library.register_fake("flashserve::dense_rows")
@@ -140,10 +160,17 @@ def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torc
     return torch.ops.flashserve.mxfp4_pairs(x, experts, q, s)
 
 
+def mxfp4_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
+                  s3: torch.Tensor) -> torch.Tensor:
+    """The gate's and the up projection's pair products in one pass, [2, P, N] (:func:`mxfp4_pairs_eager` with
+    ``up``), as the operator ``flashserve::mxfp4_gate_up``."""
+    return torch.ops.flashserve.mxfp4_gate_up(x, experts, q1, s1, q3, s3)
+
+
 def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`dense_rows_eager` with the CPU's own path, as the operator ``flashserve::dense_rows``."""
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "mxfp4_pairs",
-           "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels"]
+__all__ = ["ISAS", "LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "mxfp4_gate_up",
+           "mxfp4_pairs", "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels"]

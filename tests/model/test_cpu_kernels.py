@@ -36,6 +36,29 @@ def test_mxfp4_pair_products_equal_the_decoded_weights_on_every_path(isa):
     assert _rel(got, want) <= 1e-6
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_a_tokens_row_serves_its_k_pairs_and_gate_and_up_run_in_one_pass(isa):
+    """``x [T, K]`` with ``experts [T, k]`` gives each token's row to its k pairs (no [T*k, K] copy), and the
+    gate's and up projection's products in one pass equal two separate calls, bit for bit, on every path; so do
+    the operators (their C++ implementations on the native path)."""
+    g = torch.Generator().manual_seed(6)
+    gate, up = _experts(6, 71, 64, seed=1), _experts(6, 71, 64, seed=2)
+    x = torch.randn(5, 64, generator=g)
+    experts = torch.tensor([[0, 5, 2], [0, 1, 5], [0, 3, 4], [0, 2, 5], [1, 3, 0]])  # expert 0: 5 pairs
+    one_each = cpu_kernels.mxfp4_pairs_eager(x.repeat_interleave(3, 0), experts.flatten(), gate.qweight,
+                                             gate.scale, isa)
+    assert torch.equal(cpu_kernels.mxfp4_pairs_eager(x, experts, gate.qweight, gate.scale, isa), one_each)
+    both = cpu_kernels.mxfp4_pairs_eager(x, experts, gate.qweight, gate.scale, isa, up=(up.qweight, up.scale))
+    assert both.shape == (2, 15, 71) and torch.equal(both[0], one_each)
+    assert torch.equal(both[1], cpu_kernels.mxfp4_pairs_eager(x, experts, up.qweight, up.scale, isa))
+    if isa == "native":
+        assert torch.equal(cpu_kernels.mxfp4_gate_up(x, experts, gate.qweight, gate.scale, up.qweight, up.scale),
+                           both)
+        assert torch.equal(cpu_kernels.mxfp4_pairs(x, experts, gate.qweight, gate.scale), one_each)
+        with pytest.raises(RuntimeError, match="does not match the gate's"):
+            cpu_kernels.mxfp4_gate_up(x, experts, gate.qweight, gate.scale, up.qweight[:, :8], up.scale)
+
+
 def test_mxfp4_pair_products_do_not_depend_on_the_number_of_threads():
     pw = _experts(4, 64, 256, seed=3)
     experts = torch.randint(0, 4, (40,), generator=torch.Generator().manual_seed(4))
@@ -56,7 +79,7 @@ def test_mxfp4_pair_products_refuse_what_they_cannot_read():
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="expert index out of range"):
         cpu_kernels.mxfp4_pairs_eager(x, torch.tensor([0, 3]), pw.qweight, pw.scale)
-    with pytest.raises(ValueError, match=r"x \(2, 32\), q \(3, 16, 32\), s \(3, 16, 2\) do not match"):
+    with pytest.raises(ValueError, match=r"x \(2, 32\), experts \(2,\), q \(3, 16, 32\), s \(3, 16, 2\) do not match"):
         cpu_kernels.mxfp4_pairs_eager(x[:, :32], torch.tensor([0, 1]), pw.qweight, pw.scale)
 
 

@@ -4,8 +4,10 @@
 // looked up with one permute per 16 values (AVX-512) or 8 (AVX2). Every output is summed by one thread in a
 // fixed order: the result does not depend on the number of threads.
 //
-// Layout (all contiguous): x [P, K] float32; experts [P] int64 in [0, E); q [E, N, K/2] uint8, two E2M1 codes a
-// byte, the low nibble the even column; s [E, N, K/32] uint8 UE8M0 scales; out [P, N] float32. K % 32 == 0.
+// Layout (all contiguous): x [T, K] float32, each row in k = P / T consecutive pairs (a token's routed experts);
+// experts [P] int64 in [0, E); q [E, N, K/2] uint8, two E2M1 codes a byte, the low nibble the even column;
+// s [E, N, K/32] uint8 UE8M0 scales; out [P, N] float32, or [2, P, N] with the up projection's (q2, s2) beside
+// the gate's, decoded in the same pass over the pairs. K % 32 == 0.
 // Compiled at first use with inductor's flags for this CPU; FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select
 // the narrower paths (the tests build all three).
 #include <cstdint>
@@ -110,20 +112,21 @@ inline void row_products(const uint8_t* q, const uint8_t* s, const float* const*
 }
 
 #if defined(FS_AVX512)
-// Two matrix rows (n, n + 1) against R <= 4 rows of xs: with few rows per expert (4 on average at 16 rows,
-// top-4 of 16), one row's sums are too few chains of additions to keep the FMA units busy
+// Two matrix rows (n and n + 1 of one matrix, or row n of the gate and of the up projection) against R <= 4
+// rows of xs: with few rows per expert (4 on average at 16 rows, top-4 of 16), one row's sums are too few chains
+// of additions to keep the FMA units busy. Each row's sums are those row_products makes, in the same order.
 template <int64_t R>
-inline void row_pair_products(const uint8_t* q, const uint8_t* s, int64_t qstride, int64_t sstride,
+inline void row_pair_products(const uint8_t* q0, const uint8_t* s0, const uint8_t* q1, const uint8_t* s1,
                               const float* const* xs, int64_t K, float* sums0, float* sums1) {
     const int64_t blocks = K / BLOCK;
     const __m512 table = _mm512_load_ps(E2M1);
     __m512 even0[R], odd0[R], even1[R], odd1[R];
     for (int64_t r = 0; r < R; ++r) even0[r] = odd0[r] = even1[r] = odd1[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        const __m512 scaled0 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s[b])));
-        const __m512 scaled1 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s[sstride + b])));
-        const __m512i codes0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-        const __m512i codes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + qstride + b * 16)));
+        const __m512 scaled0 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s0[b])));
+        const __m512 scaled1 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s1[b])));
+        const __m512i codes0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + b * 16)));
+        const __m512i codes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + b * 16)));
         const __m512 lo0 = _mm512_permutexvar_ps(codes0, scaled0), hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes0, 4), scaled0);
         const __m512 lo1 = _mm512_permutexvar_ps(codes1, scaled1), hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes1, 4), scaled1);
         for (int64_t r = 0; r < R; ++r) {
@@ -141,10 +144,59 @@ inline void row_pair_products(const uint8_t* q, const uint8_t* s, int64_t qstrid
 }
 #endif
 
+// R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q, s at its first row); out[r] at row n's
+// column. With a second matrix (q2, s2: the up projection beside the gate), its products go to out2.
+inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2, const uint8_t* s2, int64_t n0,
+                          int64_t n1, const float* const* rows, int64_t R, int64_t K, float* const* out,
+                          float* const* out2) {
+    const int64_t qrow = K / 2, srow = K / BLOCK;
+    float sums[ROWS], sums1[ROWS];
+    int64_t n = n0;
+#if defined(FS_AVX512)
+    if (R <= 4)
+        for (; n + (q2 ? 0 : 1) < n1; n += q2 ? 1 : 2) {  // rows n and n + 1, or row n of both matrices
+            const uint8_t *qa = q + n * qrow, *sa = s + n * srow;
+            const uint8_t *qb = q2 ? q2 + n * qrow : qa + qrow, *sb = q2 ? s2 + n * srow : sa + srow;
+            prefetch_rows(qa + AHEAD * qrow, sa + AHEAD * srow, q2 ? 1 : 2, K);
+            if (q2) prefetch_rows(qb + AHEAD * qrow, sb + AHEAD * srow, 1, K);
+            switch (R) {
+                case 1: row_pair_products<1>(qa, sa, qb, sb, rows, K, sums, sums1); break;
+                case 2: row_pair_products<2>(qa, sa, qb, sb, rows, K, sums, sums1); break;
+                case 3: row_pair_products<3>(qa, sa, qb, sb, rows, K, sums, sums1); break;
+                default: row_pair_products<4>(qa, sa, qb, sb, rows, K, sums, sums1); break;
+            }
+            for (int64_t r = 0; r < R; ++r) {
+                out[r][n] = sums[r];
+                (q2 ? out2[r][n] : out[r][n + 1]) = sums1[r];
+            }
+        }
+#endif
+    for (; n < n1; ++n)
+        for (int64_t m = 0; m < (q2 ? 2 : 1); ++m) {
+            const uint8_t *qn = (m ? q2 : q) + n * qrow, *sn = (m ? s2 : s) + n * srow;
+            prefetch_rows(qn + AHEAD * qrow, sn + AHEAD * srow, 1, K);
+            switch (R) {
+                case 1: row_products<1>(qn, sn, rows, K, sums); break;
+                case 2: row_products<2>(qn, sn, rows, K, sums); break;
+                case 3: row_products<3>(qn, sn, rows, K, sums); break;
+                case 4: row_products<4>(qn, sn, rows, K, sums); break;
+                case 5: row_products<5>(qn, sn, rows, K, sums); break;
+                case 6: row_products<6>(qn, sn, rows, K, sums); break;
+                case 7: row_products<7>(qn, sn, rows, K, sums); break;
+                default: row_products<8>(qn, sn, rows, K, sums); break;
+            }
+            for (int64_t r = 0; r < R; ++r) (m ? out2 : out)[r][n] = sums[r];
+        }
+}
+
 }  // namespace
 
-extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s, float* out,
-                       int64_t P, int64_t E, int64_t N, int64_t K, int64_t threads) {
+// Pair p = row p / k of x [P / k, K] times expert experts[p]'s matrix (q, s), into out[p] (out [P, N]); with
+// matrices = 2 also times (q2, s2) (the up projection beside the gate), into out[P + p] (q2, s2 unread with 1).
+extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s,
+                       const uint8_t* q2_or_unused, const uint8_t* s2_or_unused, float* out, int64_t P, int64_t k,
+                       int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
+    const uint8_t *q2 = matrices == 2 ? q2_or_unused : nullptr, *s2 = matrices == 2 ? s2_or_unused : nullptr;
     // pairs grouped by expert (a counting sort): pairs first[e] .. first[e + 1] - 1 of `order` use expert e
     std::vector<int64_t> first(E + 1, 0), order(P);
     for (int64_t p = 0; p < P; ++p) {
@@ -155,12 +207,13 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
     std::vector<int64_t> next(first.begin(), first.end() - 1);
     for (int64_t p = 0; p < P; ++p) order[next[experts[p]]++] = p;
     // x with each 32-block reordered as [even | odd] columns
-    std::unique_ptr<float[]> xs_buf(new float[P * K]);
+    const int64_t T = P / k;
+    std::unique_ptr<float[]> xs_buf(new float[T * K]);
     float* const xs = xs_buf.get();
-    for (int64_t p = 0; p < P; ++p)
+    for (int64_t t = 0; t < T; ++t)
         for (int64_t c = 0; c < K; c += BLOCK) {
-            const float* src = x + p * K + c;
-            float* dst = xs + p * K + c;
+            const float* src = x + t * K + c;
+            float* dst = xs + t * K + c;
 #if defined(FS_AVX512)
             const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
             const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
@@ -184,74 +237,75 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t i = 0; i < n_items; ++i) {
         const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        const int64_t at = e * N * (K / 2), sat = e * N * (K / BLOCK);
         for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
             const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
             const float* rows[ROWS];
-            for (int64_t r = 0; r < R; ++r) rows[r] = xs + order[c0 + r] * K;
-            float sums[ROWS];
-            int64_t n = n0;
-#if defined(FS_AVX512)
-            if (R <= 4)
-                for (; n + 1 < n1; n += 2) {
-                    const uint8_t *qn = q + (e * N + n) * (K / 2), *sn = s + (e * N + n) * (K / BLOCK);
-                    prefetch_rows(qn + AHEAD * (K / 2), sn + AHEAD * (K / BLOCK), 2, K);
-                    float sums1[ROWS];
-                    switch (R) {
-                        case 1: row_pair_products<1>(qn, sn, K / 2, K / BLOCK, rows, K, sums, sums1); break;
-                        case 2: row_pair_products<2>(qn, sn, K / 2, K / BLOCK, rows, K, sums, sums1); break;
-                        case 3: row_pair_products<3>(qn, sn, K / 2, K / BLOCK, rows, K, sums, sums1); break;
-                        default: row_pair_products<4>(qn, sn, K / 2, K / BLOCK, rows, K, sums, sums1); break;
-                    }
-                    for (int64_t r = 0; r < R; ++r) {
-                        out[order[c0 + r] * N + n] = sums[r];
-                        out[order[c0 + r] * N + n + 1] = sums1[r];
-                    }
-                }
-#endif
-            for (; n < n1; ++n) {
-                const uint8_t *qn = q + (e * N + n) * (K / 2), *sn = s + (e * N + n) * (K / BLOCK);
-                prefetch_rows(qn + AHEAD * (K / 2), sn + AHEAD * (K / BLOCK), 1, K);
-                switch (R) {
-                    case 1: row_products<1>(qn, sn, rows, K, sums); break;
-                    case 2: row_products<2>(qn, sn, rows, K, sums); break;
-                    case 3: row_products<3>(qn, sn, rows, K, sums); break;
-                    case 4: row_products<4>(qn, sn, rows, K, sums); break;
-                    case 5: row_products<5>(qn, sn, rows, K, sums); break;
-                    case 6: row_products<6>(qn, sn, rows, K, sums); break;
-                    case 7: row_products<7>(qn, sn, rows, K, sums); break;
-                    default: row_products<8>(qn, sn, rows, K, sums); break;
-                }
-                for (int64_t r = 0; r < R; ++r) out[order[c0 + r] * N + n] = sums[r];
+            float *outs[ROWS], *outs2[ROWS];
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t p = order[c0 + r];
+                rows[r] = xs + (p / k) * K;
+                outs[r] = out + p * N;
+                outs2[r] = out + (P + p) * N;
             }
+            tile_products(q + at, s + sat, q2 ? q2 + at : nullptr, q2 ? s2 + sat : nullptr, n0, n1, rows, R, K,
+                          outs, outs2);
         }
     }
 }
 
 #if defined(FLASHSERVE_REGISTER_OP)
-// flashserve::mxfp4_pairs(x, experts, q, s) for CPU tensors on torch's dispatcher (the schema is defined in
-// Python): a compiled step's C++ reaches it with no Python in between
+// flashserve::mxfp4_pairs(x, experts, q, s) and flashserve::mxfp4_gate_up(x, experts, q1, s1, q3, s3) for CPU
+// tensors on torch's dispatcher (the schemas are defined in Python): a compiled step's C++ reaches them with no
+// Python in between
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 namespace {
-at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s) {
-    TORCH_CHECK(q.dim() == 3 && s.dim() == 3 && x.dim() == 2, "mxfp4_pairs: x ", x.sizes(), ", q ", q.sizes(),
-                ", s ", s.sizes(), " do not match");
-    const int64_t E = q.size(0), N = q.size(1), half = q.size(2);
-    TORCH_CHECK(x.size(1) == 2 * half && half % 16 == 0 && s.size(0) == E && s.size(1) == N && s.size(2) == half / 16 &&
-                    experts.numel() == x.size(0),
-                "mxfp4_pairs: x ", x.sizes(), ", q ", q.sizes(), ", s ", s.sizes(), " do not match");
+void check(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s) {
+    const bool shaped = q.dim() == 3 && s.dim() == 3 && x.dim() == 2;
+    TORCH_CHECK(shaped && x.size(1) == 2 * q.size(2) && q.size(2) % 16 == 0 && s.size(0) == q.size(0) &&
+                    s.size(1) == q.size(1) && s.size(2) == q.size(2) / 16 && x.size(0) > 0 &&
+                    experts.numel() % x.size(0) == 0 && (experts.dim() == 1 ? experts.numel() == x.size(0)
+                                                                            : experts.size(0) == x.size(0)),
+                "mxfp4_pairs: x ", x.sizes(), ", experts ", experts.sizes(), ", q ", q.sizes(), ", s ", s.sizes(),
+                " do not match");
     TORCH_CHECK(q.scalar_type() == at::kByte && s.scalar_type() == at::kByte, "mxfp4_pairs: q and s must be uint8");
+}
+
+// out [matrices, P, N]: x's rows times each pair's expert in (q, s) and, if given, (q2, s2)
+at::Tensor pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s,
+                 const at::Tensor* q2, const at::Tensor* s2) {
+    const int64_t P = experts.numel(), N = q.size(1);
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
     const at::Tensor qc = q.contiguous(), sc = s.contiguous();
-    at::Tensor out = at::empty({x.size(0), N}, xs.options());
+    const at::Tensor q2c = q2 ? q2->contiguous() : qc, s2c = s2 ? s2->contiguous() : sc;
+    at::Tensor out = at::empty({q2 ? 2 : 1, P, N}, xs.options());
     kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
-           out.data_ptr<float>(), x.size(0), E, N, 2 * half, at::get_num_threads());
+           q2c.data_ptr<uint8_t>(), s2c.data_ptr<uint8_t>(), out.data_ptr<float>(), P, P / x.size(0), q.size(0), N,
+           x.size(1), q2 ? 2 : 1, at::get_num_threads());
     return out;
+}
+
+at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s) {
+    check(x, experts, q, s);
+    return pairs(x, experts, q, s, nullptr, nullptr)[0];
+}
+
+at::Tensor mxfp4_gate_up_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1,
+                            const at::Tensor& s1, const at::Tensor& q3, const at::Tensor& s3) {
+    check(x, experts, q1, s1);
+    TORCH_CHECK(q3.sizes() == q1.sizes() && s3.sizes() == s1.sizes() && q3.scalar_type() == at::kByte &&
+                    s3.scalar_type() == at::kByte,
+                "mxfp4_gate_up: the up projection q ", q3.sizes(), ", s ", s3.sizes(), " does not match the gate's");
+    return pairs(x, experts, q1, s1, &q3, &s3);
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("mxfp4_pairs", &mxfp4_pairs_op); }
+TORCH_LIBRARY_IMPL(flashserve, CPU, m) {
+    m.impl("mxfp4_pairs", &mxfp4_pairs_op);
+    m.impl("mxfp4_gate_up", &mxfp4_gate_up_op);
+}
 #endif
