@@ -431,12 +431,10 @@ class PackedExperts(Experts):
 
     def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
-        the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 on
-        a CPU: :func:`cpu_kernels.mxfp4_pairs` (each expert decoded once for its rows); in a compiled CPU step
-        without it, :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
+        the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 in
+        a compiled CPU step without the kernel (with it :meth:`_gathered` calls the kernel itself):
+        :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
         p = getattr(self, f"{name}_packed")
-        if self.mxfp4_kernel(h):
-            return torch.ops.flashserve.mxfp4_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
         if p.fmt.name == MXFP4 and blas.compiled_cpu(h) and p.shape[-1] % quant.MX_BLOCK == 0:
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:
