@@ -234,7 +234,9 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
         if (first[e + 1] > first[e])
             for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
     const int64_t n_items = static_cast<int64_t>(items.size());
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    // guided: long runs of consecutive items first (each thread streams its experts' bytes in order), shorter ones
+    // to balance the end. A layer's gate/up and down calls, weights evicted: 519 us dynamic, 464 guided, 464 static
+#pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t i = 0; i < n_items; ++i) {
         const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
         const int64_t at = e * N * (K / 2), sat = e * N * (K / BLOCK);
