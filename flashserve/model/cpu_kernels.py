@@ -1,5 +1,5 @@
 """C++ kernels for the CPU where torch's and inductor's code fall short, compiled at first use with inductor's
-own compiler settings for this CPU (its on-disk cache keeps them between runs: about 2 s each the first time).
+own compiler settings for this CPU (its on-disk cache keeps them between runs: seconds each the first time).
 
 * :func:`mxfp4_pairs`: the (row, expert) pair products of MXFP4 experts, each expert's bytes decoded once for
   all its rows (``csrc/mxfp4_pairs.cpp``). One MXFP4 expert projection of the peers checkpoint (16 x 256x512),
@@ -11,11 +11,12 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: a
 * :func:`dense_rows`: a few float32 rows times a weight copied once into column panels (:func:`pack_panels`;
   ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes.
 
-Both are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
-the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (16-row peers step,
-128 calls, one process: 12.24 ms with the Python implementations, 11.60 with these; through ``torch.library.custom_op``'s Python wrappers a call took about 13 us more).
-Until then (and for other devices' fake tensors) the Python implementations below run, loading the build. Where
-no C++ compiler works the kernels are not available (``*_available`` says so) and torch's or inductor's code runs.
+They are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
+the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (16-row peers
+step, 128 calls, one process: 12.24 ms with the Python implementations, 11.60 with these; through
+``torch.library.custom_op``'s Python wrappers a call took about 13 us more). Until the build is loaded the Python
+implementations below run and load it. Where no C++ compiler works the kernels are not available
+(``*_available`` says so) and torch's or inductor's code runs.
 """
 
 from __future__ import annotations

@@ -125,8 +125,10 @@ inline void row_pair_products(const uint8_t* q0, const uint8_t* s0, const uint8_
     for (int64_t b = 0; b < blocks; ++b) {
         const __m512 scaled0 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s0[b])));
         const __m512 scaled1 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s1[b])));
-        const __m512i codes0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + b * 16)));
-        const __m512i codes1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + b * 16)));
+        const __m512i codes0 =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + b * 16)));
+        const __m512i codes1 =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + b * 16)));
         const __m512 lo0 = _mm512_permutexvar_ps(codes0, scaled0), hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes0, 4), scaled0);
         const __m512 lo1 = _mm512_permutexvar_ps(codes1, scaled1), hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes1, 4), scaled1);
         for (int64_t r = 0; r < R; ++r) {
