@@ -53,7 +53,7 @@ def _load(kernel: str, isa: str = "native") -> Callable[..., None] | None:
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        source = (_CSRC / f"{kernel}.cpp").read_text()
+        source = (_CSRC / "isa.h").read_text() + (_CSRC / f"{kernel}.cpp").read_text()  # one text: one cache key
         return CppPythonBindingsCodeCache.load_pybinding(list(_ARGS[kernel]), source, needs_vec_isa=True,
                                                          extra_flags=_ISA_FLAGS[isa])
     except Exception as e:  # no compiler, an unexpected inductor version: torch's or inductor's code runs instead

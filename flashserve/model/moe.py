@@ -162,10 +162,17 @@ class Experts(nn.Module):
         """Few (token, expert) pairs (decode): gather each pair's weights and batch-multiply, no host sync."""
         T, k = idx.shape
         flat = idx.flatten()
-        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])  # [pairs, D]
-        gate, up = self.pair_products("w1", h, flat), self.pair_products("w3", h, flat)
+        gate, up = self.gate_up_products(x, idx)
         y = self.pair_products("w2", clamped_swiglu(gate, up, self.limit), flat)
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
+
+    def gate_up_products(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ``t``'s row of ``x [T, D]`` by the gate and up projections of its experts ``idx[t]``: two
+        [T * k, inter] (pair order: token-major)."""
+        T, k = idx.shape
+        flat = idx.flatten()
+        h = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, x.shape[-1])  # [pairs, D]
+        return self.pair_products("w1", h, flat), self.pair_products("w3", h, flat)
 
     def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row ``p`` of ``h [pairs, in]`` by projection ``name`` of expert ``experts[p]``: [pairs, out]."""

@@ -417,24 +417,23 @@ class PackedExperts(Experts):
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
         return False  # it would decode every expert each step; the loop decodes only the experts hit
 
-    def _gathered(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """:meth:`Experts._gathered`; with the MXFP4 kernel the gate and up projections run as one call over the
-        tokens' rows (each read once for its k pairs, no [pairs, D] copy), the same sums as two calls."""
+    def gate_up_products(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """With the MXFP4 kernel one call over the tokens' rows (each read once for its k pairs, no [pairs, D]
+        copy), the same sums as two :meth:`pair_products` calls; otherwise :meth:`Experts.gate_up_products`."""
         if not self.mxfp4_kernel(x):
-            return super()._gathered(x, idx, w)
-        T, k = idx.shape
-        w1, w2, w3 = self.w1_packed, self.w2_packed, self.w3_packed
+            return super().gate_up_products(x, idx)
+        w1, w3 = self.w1_packed, self.w3_packed
         gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale).to(x.dtype)
-        h = clamped_swiglu(gate_up[0], gate_up[1], self.limit)
-        y = cpu_kernels.mxfp4_pairs(h, idx.flatten(), w2.qweight, w2.scale).to(h.dtype)
-        return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
+        return gate_up[0], gate_up[1]
 
     def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
-        the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 in
-        a compiled CPU step without the kernel (with it :meth:`_gathered` calls the kernel itself):
-        :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
+        the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 on
+        a CPU: :func:`cpu_kernels.mxfp4_pairs` (each expert decoded once for its rows); in a compiled CPU step
+        without it, :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
         p = getattr(self, f"{name}_packed")
+        if self.mxfp4_kernel(h):
+            return cpu_kernels.mxfp4_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
         if p.fmt.name == MXFP4 and blas.compiled_cpu(h) and p.shape[-1] % quant.MX_BLOCK == 0:
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:

@@ -15,14 +15,7 @@
 #include <stdexcept>
 #include <memory>
 #include <vector>
-#if !defined(FLASHSERVE_NO_SIMD) && (defined(__AVX512F__) || defined(__AVX2__))
-#include <immintrin.h>
-#endif
-#if !defined(FLASHSERVE_NO_SIMD) && !defined(FLASHSERVE_NO_AVX512) && defined(__AVX512F__)
-#define FS_AVX512 1
-#elif !defined(FLASHSERVE_NO_SIMD) && defined(__AVX2__) && defined(__FMA__)
-#define FS_AVX2 1
-#endif
+// FS_AVX512 / FS_AVX2: csrc/isa.h, prepended by the loader
 
 namespace {
 
