@@ -165,7 +165,8 @@ class Indexer(nn.Module):
             q = v4_fake_quant_index(q)
         w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
         w = w * self.n_heads ** -0.5
-        s = blas.einsum("bshd,btd->bsht", fp32(q), fp32(keys)).relu() * self.head_dim ** -0.5
+        q, keys = (blas.shared_operand(fp32(t), B * S) for t in (q, keys))
+        s = blas.einsum("bshd,btd->bsht", q, keys).relu() * self.head_dim ** -0.5
         return blas.einsum("bsht,bsh->bst", s, w)
 
 
@@ -324,7 +325,7 @@ class Attention(nn.Module):
         B, s, H, hd = q.shape
         kp = kpos[:, None, :]
         win_ok = (kp >= 0) if noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
-        kf = fp32(keys)
+        kf = blas.shared_operand(fp32(keys), B * s)
         window_scores = blas.einsum("bshd,btd->bhst", q, kf) * hd ** -0.5
         logits = [window_scores.masked_fill(~win_ok[:, None], NEG_INF)]
         if comp_logits is not None:
@@ -336,7 +337,7 @@ class Attention(nn.Module):
         if values is not None:
             kind, v = values
             pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
-            out = out + blas.einsum(pattern, probs[..., tw:], fp32(v))
+            out = out + blas.einsum(pattern, probs[..., tw:], v)
         return out
 
     # -------------------------------------------------------------- forward
@@ -354,7 +355,7 @@ class Attention(nn.Module):
             kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
         keys, kpos = ctx.state.window(self.layer, kv)
         t = ctx.positions
-        qf = fp32(q)
+        qf = blas.shared_operand(fp32(q), B * S)
         comp_logits, values = None, None  # compressed entries: masked logits [B,H,S,X] and their values
         if self.ratio > 0:
             if self.src_main == self.main_key:
@@ -362,7 +363,8 @@ class Attention(nn.Module):
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
                 entries, n_entries = ctx.state.compressed(self.src_main)
-                comp = blas.einsum("bshd,btd->bhst", qf, fp32(entries)) * hd ** -0.5
+                entries = blas.shared_operand(fp32(entries), B * S)
+                comp = blas.einsum("bshd,btd->bhst", qf, entries) * hd ** -0.5
                 comp_logits = comp.masked_fill(~self._visible(t, entries.shape[1], n_entries)[:, None], NEG_INF)
                 values = ("dense", entries)
             else:
@@ -371,7 +373,8 @@ class Attention(nn.Module):
                 else:
                     idx, valid = ctx.topk[idx_src]
                 picked = ctx.state.compressed_rows(self.src_main, idx)  # [B,S,k,hd]: only the rows picked
-                comp = blas.einsum("bshd,bskd->bhsk", qf, fp32(picked)) * hd ** -0.5
+                picked = blas.shared_operand(fp32(picked), B * S)
+                comp = blas.einsum("bshd,bskd->bhsk", qf, picked) * hd ** -0.5
                 comp_logits = comp.masked_fill(~valid[:, None], NEG_INF)
                 values = ("sparse", picked)
         block = max(WINDOW_BLOCK, self.window)

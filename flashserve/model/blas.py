@@ -101,6 +101,18 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
     return x.as_strided(x.shape, x.stride())
 
 
+def shared_operand(x: torch.Tensor, rows) -> torch.Tensor:
+    """``x`` stored once (:func:`materialized`) in a compiled CPU step of several rows, an operand that several
+    products read: attention queries after RoPE, keys gathered from the cache's pages and unpacked. Fused, inductor
+    recomputed such an operand inside each product's inner loop, once per head and per key or output column (the
+    page lookups, the FP8 unpacking, the sines and cosines): at 16 rows three attention kernels took a fifth of
+    the peers checkpoint's step. ``rows``: the forward's rows (batch x rows each); a one-row step keeps the
+    fused form its batch-1 figures were measured with."""
+    if rows > 1 and compiled_cpu(x):
+        return materialized(x.contiguous())
+    return x
+
+
 def reduce_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ w [..., N, K].T`` [..., N] written as a broadcast product summed over ``K``; an int8
     ``w`` is converted as it is read. Compiled, inductor makes it one vectorised reduction kernel that streams

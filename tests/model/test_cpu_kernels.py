@@ -112,6 +112,21 @@ def test_dense_rows_equal_the_float64_product_on_every_path(isa, rows):
     assert _rel(got, x.double() @ w.double().t()) <= 1e-6
 
 
+@pytest.mark.parametrize("n", [1033, 1050])
+def test_wide_weights_take_panels_two_at_a_time_with_the_same_sums(n):
+    """From 64 panels (1024 columns) AVX-512 multiplies two panels at a time: an odd count leaves the last panel
+    alone (1033: 64 + 1 with 9 columns), an even one ends on a pair whose second panel is partial (1050: 65 + 1
+    with 26 columns). Every output is the sum the one-panel path makes for the same columns, bit for bit, and
+    every path equals the float64 product."""
+    g = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, 48, generator=g), torch.randn(11, 48, generator=g)
+    got = cpu_kernels.dense_rows_eager(x, cpu_kernels.pack_panels(w), n)
+    narrow = 63 * cpu_kernels.LANES  # fewer panels than the pairs start at: one panel at a time
+    assert torch.equal(got[:, :narrow], cpu_kernels.dense_rows_eager(x, cpu_kernels.pack_panels(w[:narrow]), narrow))
+    for isa in cpu_kernels.ISAS:
+        assert _rel(cpu_kernels.dense_rows_eager(x, cpu_kernels.pack_panels(w), n, isa), x.double() @ w.double().t()) <= 1e-6
+
+
 def test_dense_rows_do_not_depend_on_the_number_of_threads_and_refuse_mismatches():
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(200, 64, generator=g), torch.randn(16, 64, generator=g)
