@@ -11,6 +11,7 @@
 // narrower paths (the tests build all three).
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 // FS_AVX512 / FS_AVX2: csrc/isa.h, prepended by the loader
 
 namespace {
@@ -95,6 +96,24 @@ inline void panel_pair_rows(const float* xt, int64_t M, int64_t K, const float* 
 }
 #endif
 
+// f(std::integral_constant<int64_t, R>{}) for a pass of R rows (1 <= R <= MR): R a compile-time constant, so the
+// loops over rows unroll and the sums stay in registers.
+template <typename F>
+inline void rows_pass(int64_t R, F&& f) {
+    switch (R) {
+        case 1: f(std::integral_constant<int64_t, 1>{}); break;
+        case 2: f(std::integral_constant<int64_t, 2>{}); break;
+        case 3: f(std::integral_constant<int64_t, 3>{}); break;
+#if !defined(FS_AVX2)
+        case 4: f(std::integral_constant<int64_t, 4>{}); break;
+        case 5: f(std::integral_constant<int64_t, 5>{}); break;
+        case 6: f(std::integral_constant<int64_t, 6>{}); break;
+        case 7: f(std::integral_constant<int64_t, 7>{}); break;
+#endif
+        default: f(std::integral_constant<int64_t, MR>{}); break;
+    }
+}
+
 // Rows x[0 .. M) times panel p (one thread's share of a call), MR rows a pass.
 inline void one_panel(const float* x, const float* panels, float* out, int64_t M, int64_t N, int64_t K, int64_t p) {
     const float* panel = panels + p * K * LANES;
@@ -102,18 +121,8 @@ inline void one_panel(const float* x, const float* panels, float* out, int64_t M
     for (int64_t m = 0; m < M; m += MR) {
         const float* xm = x + m * K;
         float* om = out + m * N + p * LANES;
-        switch (M - m < MR ? M - m : MR) {
-            case 1: panel_rows<1>(xm, K, panel, om, N, cols); break;
-            case 2: panel_rows<2>(xm, K, panel, om, N, cols); break;
-            case 3: panel_rows<3>(xm, K, panel, om, N, cols); break;
-#if !defined(FS_AVX2)
-            case 4: panel_rows<4>(xm, K, panel, om, N, cols); break;
-            case 5: panel_rows<5>(xm, K, panel, om, N, cols); break;
-            case 6: panel_rows<6>(xm, K, panel, om, N, cols); break;
-            case 7: panel_rows<7>(xm, K, panel, om, N, cols); break;
-#endif
-            default: panel_rows<MR>(xm, K, panel, om, N, cols); break;
-        }
+        rows_pass(M - m < MR ? M - m : MR,
+                  [&](auto r) { panel_rows<decltype(r)::value>(xm, K, panel, om, N, cols); });
     }
 }
 
@@ -129,16 +138,8 @@ inline void two_panels(const float* xt, const float* panels, float* out, int64_t
     for (int64_t m = 0; m < M; m += MR) {
         const float* xm = xt + m;
         float* om = out + m * N + p * LANES;
-        switch (M - m < MR ? M - m : MR) {
-            case 1: panel_pair_rows<1>(xm, M, K, panel, om, N, cols); break;
-            case 2: panel_pair_rows<2>(xm, M, K, panel, om, N, cols); break;
-            case 3: panel_pair_rows<3>(xm, M, K, panel, om, N, cols); break;
-            case 4: panel_pair_rows<4>(xm, M, K, panel, om, N, cols); break;
-            case 5: panel_pair_rows<5>(xm, M, K, panel, om, N, cols); break;
-            case 6: panel_pair_rows<6>(xm, M, K, panel, om, N, cols); break;
-            case 7: panel_pair_rows<7>(xm, M, K, panel, om, N, cols); break;
-            default: panel_pair_rows<MR>(xm, M, K, panel, om, N, cols); break;
-        }
+        rows_pass(M - m < MR ? M - m : MR,
+                  [&](auto r) { panel_pair_rows<decltype(r)::value>(xm, M, K, panel, om, N, cols); });
     }
 }
 #endif
