@@ -25,6 +25,7 @@ from ..model.packed import PackedLinear
 from .cache import KVCache
 from .fixed_state import FixedBatchState
 from .graph_call import DirectCall, GraphRecorder, tensors_within
+from .inductor_passes import SinkInputWrites
 
 log = logging.getLogger("flashserve.engine")
 
@@ -100,7 +101,8 @@ class DecodeStep:
         """``_eager`` compiled with guards on the tensors it is given only. Dynamo would also check every
         parameter and attribute of the model before each call (1.2 ms of a 20 ms step on the engine
         benchmark's checkpoint); the engine never changes its model after start-up, so those checks are
-        skipped. ``triton.cudagraphs`` is what ``mode="reduce-overhead"`` sets."""
+        skipped. ``triton.cudagraphs`` is what ``mode="reduce-overhead"`` sets. Inductor gets one graph pass of
+        ours (:class:`SinkInputWrites`), without which it copied every cache ring a step writes, twice."""
         options = {}
         if self.cuda_graphs:
             options["triton.cudagraphs"] = True
@@ -110,6 +112,7 @@ class DecodeStep:
             # alternating pairs of processes, medians of 5); the first compile of batch 1 alone took 380 s
             options["cpp_wrapper"] = True
         if backend == "inductor":
+            options["post_grad_custom_pre_pass"] = SinkInputWrites()  # cache rings written in place
             self._recorder = GraphRecorder(options)
             backend, options = self._recorder, {}
         return torch.compile(self._eager, backend=backend, dynamic=False, recompile_limit=GRAPHS_PER_STEP,
