@@ -111,10 +111,6 @@ class DecodeStep:
             # Python function: batch 1 on the benchmark's peers checkpoint 53.5 -> 74 tok/s (2 threads, two
             # alternating pairs of processes, medians of 5); the first compile of batch 1 alone took 380 s
             options["cpp_wrapper"] = True
-            # the step's intermediate buffers carved from one allocation a call instead of allocated one by one
-            # (356 of them in the batch-1 graph, where malloc and free took ~7% of the step): batch 1 F32 on the
-            # peers checkpoint 10.54 -> 10.23 ms a step (two engines in one process, alternating, Ice Lake)
-            options["memory_planning"] = True
         if backend == "inductor":
             options["post_grad_custom_pre_pass"] = SinkInputWrites()  # cache rings written in place
             self._recorder = GraphRecorder(options)
