@@ -26,16 +26,14 @@ constexpr int64_t MR = 4;  // 4 rows x 2 halves of 8 columns: 8 of the 16 regist
 constexpr int64_t MR = 8;
 #endif
 
-// Rows x[0 .. R) (row stride K) times one panel; writes out[r, 0 .. cols) (row stride N). Line k of `ahead` is
-// requested at step k.
+// Rows x[0 .. R) (row stride K) times one panel; writes out[r, 0 .. cols) (row stride N).
 template <int64_t R>
-inline void panel_rows(const float* x, int64_t K, const float* panel, const float* ahead, float* out, int64_t N,
-                       int64_t cols) {
+inline void panel_rows(const float* x, int64_t K, const float* panel, float* out, int64_t N, int64_t cols) {
 #if defined(FS_AVX512)
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
-        __builtin_prefetch(ahead + k * LANES);  // a hint: past the end it reads nothing
+        __builtin_prefetch(panel + (k + AHEAD) * LANES);  // a hint: past the end it reads nothing
         const __m512 w = _mm512_loadu_ps(panel + k * LANES);
         for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r]);
     }
@@ -45,7 +43,7 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, const floa
     __m256 lo[R], hi[R];
     for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
-        __builtin_prefetch(ahead + k * LANES);
+        __builtin_prefetch(panel + (k + AHEAD) * LANES);
         const __m256 wl = _mm256_loadu_ps(panel + k * LANES), wh = _mm256_loadu_ps(panel + k * LANES + 8);
         for (int64_t r = 0; r < R; ++r) {
             const __m256 xr = _mm256_set1_ps(x[r * K + k]);
@@ -133,7 +131,7 @@ inline void one_panel(const float* x, const float* panels, float* out, int64_t M
         const float* xm = x + m * K;
         float* om = out + m * N + p * LANES;
         rows_pass(M - m < MR ? M - m : MR,
-                  [&](auto r) { panel_rows<decltype(r)::value>(xm, K, panel, panel + AHEAD * LANES, om, N, cols); });
+                  [&](auto r) { panel_rows<decltype(r)::value>(xm, K, panel, om, N, cols); });
     }
 }
 
