@@ -107,13 +107,20 @@ def test_inductor_step_equals_eager(caplog):
     """The compiled step as users run it (inductor, its C++ wrapper on the CPU): greedy tokens equal, logits
     within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph: the
     batch-2+ graph is the same code with a dynamic batch (checked above through dynamo's ``eager`` backend)
-    and would double the cold compile (163 s with it on 2 cores; ~200 s more with SMALL)."""
+    and would double the cold compile (163 s with it on 2 cores; ~200 s more with SMALL). The step's C++
+    wrapper does not check its ~100 inputs' sizes and strides at every call (dynamo's guards did)."""
+    from torch._inductor.utils import run_and_get_code
+
     model = compact_v41(torch.float32, layers=TWO)
     kw = dict(dtype="float32", cache_dtype="packed", max_num_seqs=1)
     eager = make_engine(model, "tiny-v41", enforce_eager=True, **kw)
-    with caplog.at_level(logging.INFO, logger="flashserve.engine"):
-        compiled = make_engine(model, "tiny-v41", enforce_eager=False, **kw)
+    with caplog.at_level(logging.INFO, logger="flashserve.engine"), \
+            torch._inductor.config.patch(fx_graph_cache=False):  # generated now, so its code can be read
+        compiled, code = run_and_get_code(make_engine, model, "tiny-v41", enforce_eager=False, **kw)
     assert any("decode step compiled" in r.getMessage() for r in caplog.records)
+    wrapper = "\n".join(code)
+    assert "inductor_entry_impl" in wrapper and "cpp_fused" in wrapper
+    assert "assert_size_stride(" not in wrapper
     step = compiled.runner.decode_step
     assert step.warmup_s > 0
     through_dynamo, forward, known = [], step._forward, len(step._direct)
