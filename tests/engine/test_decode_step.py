@@ -108,7 +108,7 @@ def test_inductor_step_equals_eager(caplog):
     within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph: the
     batch-2+ graph is the same code with a dynamic batch (checked above through dynamo's ``eager`` backend)
     and would double the cold compile (163 s with it on 2 cores; ~200 s more with SMALL). The step's C++
-    wrapper does not check its ~100 inputs' sizes and strides at every call (dynamo's guards did)."""
+    wrapper does not check its inputs' sizes and strides at every call (dynamo's guards did)."""
     from torch._inductor.utils import run_and_get_code
 
     model = compact_v41(torch.float32, layers=TWO)
