@@ -111,13 +111,13 @@ class DecodeStep:
             # Python function: batch 1 on the benchmark's peers checkpoint 53.5 -> 74 tok/s (2 threads, two
             # alternating pairs of processes, medians of 5); the first compile of batch 1 alone took 380 s
             options["cpp_wrapper"] = True
-            # the wrapper checks every input's sizes and strides at each call, ~1.1 us an input (a microbenchmark
-            # of 391 inputs: 732 against 302 us a call) and ~400 inputs a step (parameters, cache tensors). The
-            # checks are redundant: dynamo's guards checked the step's four inputs, and direct calls pass the
-            # same parameter and cache tensors and inputs of the shapes their plan was made for. Batch 1 int8,
-            # two engines in one process alternating: 7.05 -> 6.51 ms (1.083x), the same tokens.
-            options["size_asserts"] = False
         if backend == "inductor":
+            # inductor's wrapper checks every input's sizes and strides at each call (~400 inputs a step:
+            # parameters, cache tensors); in the C++ wrapper ~1.1 us an input (a microbenchmark of 391 inputs: 732
+            # against 302 us a call). The checks are redundant: dynamo's guards checked the step's four inputs, and
+            # direct calls pass the same parameter and cache tensors and inputs of the shapes their plan was made
+            # for. Batch 1 int8, two engines in one process alternating: 7.05 -> 6.51 ms (1.083x), the same tokens.
+            options["size_asserts"] = False
             options["post_grad_custom_pre_pass"] = SinkInputWrites()  # cache rings written in place
             self._recorder = GraphRecorder(options)
             backend, options = self._recorder, {}
