@@ -6,29 +6,44 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .weight_arena import regroup_inputs
+
 if TYPE_CHECKING:
     from .decode_step import StepInputs
 
 
 class GraphRecorder:
     """A dynamo backend (inductor with ``options``) that notes each call of a graph it compiled, so that a step
-    can call that graph again without dynamo (:class:`DirectCall`)."""
+    can call that graph again without dynamo (:class:`DirectCall`). With ``arenas`` (:func:`.weight_arena.
+    pack_weights`), each graph takes the arenas instead of the weights inside them (:func:`regroup_inputs`)."""
 
-    def __init__(self, options: dict):
-        self.options = options
+    def __init__(self, options: dict, arenas: list[torch.Tensor] = ()):
+        self.options, self.arenas = options, list(arenas)
         self.calls: list[tuple] = []  # (graph module, compiled graph, its arguments, its outputs) since cleared
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, example_inputs, config_patches=self.options)
+        regrouped = regroup_inputs(gm, example_inputs, self.arenas) if self.arenas else None
+        if regrouped is None:
+            compiled = compile_fx(gm, example_inputs, config_patches=self.options)
 
-        def noted(*args):
+            def noted(*args):
+                out = compiled(*args)
+                self.calls.append((gm, compiled, args, out))
+                return out
+
+            return noted
+        gm, plan = regrouped
+        compiled = compile_fx(gm, plan.arenas + [example_inputs[i] for i in plan.keep], config_patches=self.options)
+
+        def noted_regrouped(*args):  # dynamo's arguments -> the rewritten graph's
+            args = (*plan.arenas, *(args[i] for i in plan.keep))
             out = compiled(*args)
             self.calls.append((gm, compiled, args, out))
             return out
 
-        return noted
+        return noted_regrouped
 
 
 INPUTS = ("ids", "start", "slots", "table")

@@ -82,7 +82,10 @@ def _sinkhorn_scalings(comb: torch.Tensor, iters: int, eps: float) -> torch.Tens
         kv = [sum(k[i][j] * v[j] for j in range(n)) for i in range(n)]
         u = [u[i] / (u[i] * kv[i] + eps) for i in range(n)]
         v = [v[j] / (v[j] * sum(u[i] * k[i][j] for i in range(n)) + eps) for j in range(n)]
-    return torch.stack([torch.stack([u[i] * k[i][j] * v[j] for j in range(n)], -1) for i in range(n)], -2)
+    # u_i · comb_ij · v_j as one product of comb with the stacked scalings: stacking the n² products instead made
+    # inductor store each into a view of the result, a tensor handle per entry at every call of the C++ wrapper
+    rows = comb if iters == 1 else torch.stack(u, -1).unsqueeze(-1) * comb
+    return rows * torch.stack(v, -1).unsqueeze(-2)
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from engine_helpers import make_engine, prompt_of, run_greedy
 from flashserve.config.engram_primes import engram_table_rows
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
+from flashserve.engine.graph_call import tensors_within
 from flashserve.engine import SamplingParams
 from flashserve.model.init import random_init
 from flashserve.model.packed import pack_model, plan
@@ -108,7 +110,8 @@ def test_inductor_step_equals_eager(caplog):
     within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph: the
     batch-2+ graph is the same code with a dynamic batch (checked above through dynamo's ``eager`` backend)
     and would double the cold compile (163 s with it on 2 cores; ~200 s more with SMALL). The step's C++
-    wrapper does not check its inputs' sizes and strides at every call (dynamo's guards did)."""
+    wrapper does not check its inputs' sizes and strides at every call (dynamo's guards did), and takes the
+    model's weights as one buffer per dtype, not one input each."""
     from torch._inductor.utils import run_and_get_code
 
     model = compact_v41(torch.float32, layers=TWO)
@@ -122,6 +125,12 @@ def test_inductor_step_equals_eager(caplog):
     assert "inductor_entry_impl" in wrapper and "cpp_fused" in wrapper
     assert "assert_size_stride(" not in wrapper
     step = compiled.runner.decode_step
+    handles = [int(n) for n in re.findall(r"raii_handles\(input_handles, (\d+)\)", wrapper)]
+    storage = step.cache.storage
+    cache_tensors = {id(t) for t in (*storage.tensors(), *tensors_within(storage.layers))}
+    weights = len(list(model.parameters())) + len(list(model.buffers()))
+    # the arenas, the cache's tensors, the step's four inputs and the page table's width (a size, passed as a tensor)
+    assert step.arenas and handles and max(handles) <= len(step.arenas) + len(cache_tensors) + 5 < weights
     assert step.warmup_s > 0
     through_dynamo, forward, known = [], step._forward, len(step._direct)
     step._forward = lambda *a: through_dynamo.append(a[-1].shape[1]) or forward(*a)
@@ -280,3 +289,4 @@ def test_fixed_step_takes_several_rows_per_request(models, name, cache_dtype):
             want = dynamic.runner.model(torch.tensor(rows), dynamic.runner._state(b), start=torch.tensor(start),
                                         logits_rows=R).logits
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
