@@ -23,39 +23,47 @@ ALIGN = 64  # bytes: each storage starts on a cache line, as the allocator's own
 def pack_weights(model: nn.Module) -> list[torch.Tensor]:
     """Move every parameter and buffer of ``model`` (CPU tensors) into one buffer per dtype, each tensor
     re-pointed at a view of it with its shape, strides and values; tensors that shared a storage still share
-    one. Returns the buffers. Each storage is copied and released in turn, so memory peaks at the model plus
-    its largest storage (the new buffers' pages are touched only as they are filled). A model packed before
-    keeps its buffers (two engines over one model)."""
+    one. Returns the buffers. Each storage is copied and then released (unless something else holds it), so
+    memory peaks at the model plus its largest storage: a new buffer's pages are touched only as they are
+    filled. A model packed before keeps its buffers (two engines over one model)."""
     done = getattr(model, "_weight_arenas", None)
     if done is not None and all(_within(t, done) for t in _tensors(model)):
         return done
-    owners: dict[int, list[tuple[nn.Module, str, torch.Tensor]]] = {}
-    for module, name, t in _tensors(model):
-        owners.setdefault(t.untyped_storage().data_ptr(), []).append((module, name, t))
-    by_dtype: dict[torch.dtype, list[list]] = {}
-    for users in owners.values():
-        if len({t.dtype for _, _, t in users}) == 1:
-            by_dtype.setdefault(users[0][2].dtype, []).append(users)
     arenas = []
-    for dtype, storages in by_dtype.items():
+    for dtype, storages in _by_dtype(model).items():
         size = torch.empty((), dtype=dtype).element_size()
-        step = max(ALIGN // size, 1)
+        line = max(ALIGN // size, 1)
         starts, total = [], 0
-        for users in storages:
+        for storage, _, _ in storages:
             starts.append(total)
-            total += -(-users[0][2].untyped_storage().nbytes() // size // step) * step
+            total += -(-storage.nbytes() // size // line) * line
         arena = torch.empty(total, dtype=dtype)
         raw = arena.view(torch.uint8)
-        for start, users in zip(starts, storages):
-            storage = users[0][2].untyped_storage()
-            raw[start * size:start * size + storage.nbytes()].copy_(
-                torch.empty(0, dtype=torch.uint8).set_(storage))
-            where = [(t.shape, t.stride(), t.storage_offset()) for _, _, t in users]  # before any moves (tied ones)
-            for (module, name, _), (shape, stride, offset) in zip(users, where):
+        for j, start in enumerate(starts):
+            storage, users, _ = storages[j]
+            storages[j] = None  # the last reference of ours, so the old storage goes once its users are moved
+            raw[start * size:start * size + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+            del storage
+            for module, name, shape, stride, offset in users:
                 _repoint(module, name, arena.as_strided(shape, stride, start + offset))
         arenas.append(arena)
     model._weight_arenas = arenas
     return arenas
+
+
+def _by_dtype(model: nn.Module) -> dict[torch.dtype, list[list]]:
+    """The storages of ``model``'s tensors by dtype, each ``[storage, [(module, name, shape, stride, offset)], dtypes]``
+    (a storage read as two dtypes is left out: it stays where it is)."""
+    groups: dict[int, list] = {}
+    for module, name, t in _tensors(model):
+        group = groups.setdefault(t.untyped_storage().data_ptr(), [t.untyped_storage(), [], set()])
+        group[1].append((module, name, t.shape, t.stride(), t.storage_offset()))
+        group[2].add(t.dtype)
+    out: dict[torch.dtype, list[list]] = {}
+    for group in groups.values():
+        if len(group[2]) == 1:
+            out.setdefault(next(iter(group[2])), []).append(group)
+    return out
 
 
 def _tensors(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
