@@ -21,8 +21,8 @@ from engine_helpers import make_engine, prompt_of, run_greedy
 from flashserve.config.engram_primes import engram_table_rows
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
-from flashserve.engine.graph_call import tensors_within
 from flashserve.engine import SamplingParams
+from flashserve.engine.graph_call import tensors_within
 from flashserve.model.init import random_init
 from flashserve.model.packed import pack_model, plan
 from flashserve.model.transformer import Transformer
@@ -289,4 +289,3 @@ def test_fixed_step_takes_several_rows_per_request(models, name, cache_dtype):
             want = dynamic.runner.model(torch.tensor(rows), dynamic.runner._state(b), start=torch.tensor(start),
                                         logits_rows=R).logits
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-
