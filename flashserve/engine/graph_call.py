@@ -25,25 +25,17 @@ class GraphRecorder:
         from torch._inductor.compile_fx import compile_fx
 
         regrouped = regroup_inputs(gm, example_inputs, self.arenas) if self.arenas else None
-        if regrouped is None:
-            compiled = compile_fx(gm, example_inputs, config_patches=self.options)
+        arenas = self.arenas if regrouped else []
+        gm, keep = regrouped or (gm, range(len(example_inputs)))
+        compiled = compile_fx(gm, [*arenas, *(example_inputs[i] for i in keep)], config_patches=self.options)
 
-            def noted(*args):
-                out = compiled(*args)
-                self.calls.append((gm, compiled, args, out))
-                return out
-
-            return noted
-        gm, plan = regrouped
-        compiled = compile_fx(gm, plan.arenas + [example_inputs[i] for i in plan.keep], config_patches=self.options)
-
-        def noted_regrouped(*args):  # dynamo's arguments -> the rewritten graph's
-            args = (*plan.arenas, *(args[i] for i in plan.keep))
+        def noted(*args):  # dynamo's arguments -> the graph's (the arenas in place of the weights inside them)
+            args = (*arenas, *(args[i] for i in keep))
             out = compiled(*args)
             self.calls.append((gm, compiled, args, out))
             return out
 
-        return noted_regrouped
+        return noted
 
 
 INPUTS = ("ids", "start", "slots", "table")

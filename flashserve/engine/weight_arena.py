@@ -11,8 +11,6 @@ call makes a handful of handles for the weights instead of one each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -27,20 +25,20 @@ def pack_weights(model: nn.Module) -> list[torch.Tensor]:
     memory peaks at the model plus its largest storage: a new buffer's pages are touched only as they are
     filled. A model packed before keeps its buffers (two engines over one model)."""
     done = getattr(model, "_weight_arenas", None)
-    if done is not None and all(_within(t, done) for t in _tensors(model)):
+    if done is not None and all(_within(t, done) for _, _, t in _tensors(model)):
         return done
     arenas = []
     for dtype, storages in _by_dtype(model).items():
         size = torch.empty((), dtype=dtype).element_size()
         line = max(ALIGN // size, 1)
         starts, total = [], 0
-        for storage, _, _ in storages:
+        for storage, _ in storages:
             starts.append(total)
             total += -(-storage.nbytes() // size // line) * line
         arena = torch.empty(total, dtype=dtype)
         raw = arena.view(torch.uint8)
         for j, start in enumerate(starts):
-            storage, users, _ = storages[j]
+            storage, users = storages[j]
             storages[j] = None  # the last reference of ours, so the old storage goes once its users are moved
             raw[start * size:start * size + storage.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
             del storage
@@ -52,17 +50,17 @@ def pack_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def _by_dtype(model: nn.Module) -> dict[torch.dtype, list[list]]:
-    """The storages of ``model``'s tensors by dtype, each ``[storage, [(module, name, shape, stride, offset)], dtypes]``
+    """The storages of ``model``'s tensors by dtype, each ``[storage, [(module, name, shape, stride, offset)]]``
     (a storage read as two dtypes is left out: it stays where it is)."""
-    groups: dict[int, list] = {}
+    groups: dict[int, list] = {}  # storage address -> [storage, users, dtypes]
     for module, name, t in _tensors(model):
         group = groups.setdefault(t.untyped_storage().data_ptr(), [t.untyped_storage(), [], set()])
         group[1].append((module, name, t.shape, t.stride(), t.storage_offset()))
         group[2].add(t.dtype)
     out: dict[torch.dtype, list[list]] = {}
-    for group in groups.values():
-        if len(group[2]) == 1:
-            out.setdefault(next(iter(group[2])), []).append(group)
+    for storage, users, dtypes in groups.values():
+        if len(dtypes) == 1:
+            out.setdefault(dtypes.pop(), []).append([storage, users])
     return out
 
 
@@ -72,8 +70,8 @@ def _tensors(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
             for name, t in kind.items() if t is not None and t.device.type == "cpu" and t.numel()]
 
 
-def _within(entry: tuple, arenas: list[torch.Tensor]) -> bool:
-    return any(entry[2].untyped_storage().data_ptr() == a.untyped_storage().data_ptr() for a in arenas)
+def _within(t: torch.Tensor, arenas: list[torch.Tensor]) -> bool:
+    return any(t.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() for a in arenas)
 
 
 def _repoint(module: nn.Module, name: str, view: torch.Tensor) -> None:
@@ -83,19 +81,12 @@ def _repoint(module: nn.Module, name: str, view: torch.Tensor) -> None:
         module._buffers[name] = view
 
 
-@dataclass
-class Regrouped:
-    """A graph rewritten by :func:`regroup_inputs`: call ``compiled(*arenas, *(args[i] for i in keep))``."""
-
-    arenas: list[torch.Tensor]
-    keep: list[int]
-
-
 def regroup_inputs(gm: torch.fx.GraphModule, example_inputs: list,
-                   arenas: list[torch.Tensor]) -> tuple[torch.fx.GraphModule, Regrouped] | None:
+                   arenas: list[torch.Tensor]) -> tuple[torch.fx.GraphModule, list[int]] | None:
     """A copy of ``gm`` (a graph dynamo made, called with ``example_inputs``) in which every input that is a view
-    of one of ``arenas`` is a fixed ``as_strided`` view of that arena, the arenas being the graph's first inputs.
-    None where no input lies in an arena. (``gm`` itself stays as it is: dynamo reads its inputs afterwards.)"""
+    of one of ``arenas`` is a fixed ``as_strided`` view of that arena, and the positions of the inputs it keeps:
+    call it with ``(*arenas, *(args[i] for i in keep))``. None where no input lies in an arena. (``gm`` itself
+    stays as it is: dynamo reads its inputs afterwards.)"""
     where = {a.untyped_storage().data_ptr(): k for k, a in enumerate(arenas)}
     hits = {i: where[x.untyped_storage().data_ptr()] for i, x in enumerate(example_inputs)
             if isinstance(x, torch.Tensor) and not isinstance(x, torch._subclasses.FakeTensor)
@@ -131,4 +122,4 @@ def regroup_inputs(gm: torch.fx.GraphModule, example_inputs: list,
     out.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         out._param_name_to_source = gm._param_name_to_source
-    return out, Regrouped(list(arenas), [i for i in range(len(example_inputs)) if i not in hits])
+    return out, [i for i in range(len(example_inputs)) if i not in hits]
