@@ -125,22 +125,22 @@ def engine_for(model, path: str, **kw):
 
 
 def fs_run(engine, batch: list[list[int]], new: int) -> tuple[float, float]:
-    """(total wall time, decode-only time after every request's first token)."""
+    """(total wall time, decode-only time after every request's first token). Outputs are "delta", as the
+    server and ``flashserve generate`` stream them: each step's output holds only what is new."""
     from ..engine import SamplingParams
 
-    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, output_kind="delta")
     t0 = time.perf_counter()
     for i, p in enumerate(batch):
         engine.add_request(f"b{i}-{t0}", p, sp)
-    firsts = 0
+    started: set[str] = set()
     t_first = None
     while engine.has_unfinished_requests():
         outs = engine.step()
-        for o in outs:
-            if len(o.outputs[0].token_ids) == 1:
-                firsts += 1
-        if t_first is None and firsts == len(batch):
-            t_first = time.perf_counter()
+        if t_first is None:
+            started.update(o.request_id for o in outs if o.outputs[0].delta_token_ids)
+            if len(started) == len(batch):
+                t_first = time.perf_counter()
     t1 = time.perf_counter()
     return t1 - t0, t1 - (t_first or t0)
 

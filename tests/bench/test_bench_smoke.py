@@ -91,3 +91,31 @@ def test_missing_transformers_is_said_plainly(monkeypatch, capsys):
     assert bench.main(["--quick"]) == 2
     err = capsys.readouterr().err
     assert "transformers, which is not installed" in err and "pip install 'flashserve[bench]'" in err
+
+
+def test_decode_time_starts_when_every_request_has_its_first_token(monkeypatch):
+    """``fs_run`` streams "delta" outputs and starts the decode clock at the step that gives the last request
+    its first token (prefills staggered by a small token budget); the clock here counts steps."""
+    from flashserve.model import load_model
+
+    engine = bench.engine_for(load_model("tiny-v4", fake_quant=False, with_mtp=False), "tiny-v4",
+                              max_num_seqs=4, enforce_eager=True, max_num_batched_tokens=8)
+    per_step: list[dict[str, list[int]]] = []
+    steps = engine.step
+
+    def step():
+        outs = steps()
+        per_step.append({o.request_id: o.outputs[0].token_ids for o in outs})
+        return outs
+
+    monkeypatch.setattr(engine, "step", step)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: float(len(per_step)))
+    total, decode = bench.fs_run(engine, bench.prompts(3, 8, 1), 3)
+    assert not engine.has_unfinished_requests() and total == len(per_step)
+    assert all(len(ids) == 1 for out in per_step for ids in out.values())  # each output: only the new token
+    started, first_all = set(), None
+    for i, out in enumerate(per_step, 1):
+        started.update(out)
+        if first_all is None and len(started) == 3:
+            first_all = i
+    assert 1 < first_all < total and decode == total - first_all

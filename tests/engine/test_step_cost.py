@@ -171,3 +171,54 @@ def test_detokenizer_text_and_stop_string_across_compacted_text():
     assert len(want) > 8 * 256  # compacted several times
     assert "".join(pieces) == streamed.text == want
     assert final_only.take_delta(final=True) == final_only.text == want
+
+
+def test_detokenizer_token_cost_does_not_grow_with_tokens_that_make_no_text():
+    """Ids that add no text (skipped special tokens, ids past the tokenizer's vocabulary: a random model's
+    output with a smaller tokenizer) do not widen every later token's decode window; text around them is
+    the whole sequence's decode."""
+    tok = load_tokenizer("tiny-v41")
+    special = [i for i in sorted(tok.special_tokens.values()) if tok.is_special(i)]
+    textless = [tok.vocab_size + 7, special[-1], tok.vocab_size + 100]
+    short, long = (IncrementalDetokenizer(tok, stop=STOP) for _ in range(2))
+    head = tok.encode("naïve 日本語 ")
+    for d, n in ((short, SHORT), (long, LONG)):
+        for t in head + [textless[i % 3] for i in range(n)]:
+            d.add(t)
+    assert short.text == long.text == tok.decode(head)
+    probe = [tok.vocab_size + 3] * (PAIRS * ATTEMPTS)
+
+    def add_seconds(d: IncrementalDetokenizer, token: int) -> float:
+        t = time.perf_counter()
+        d.add(token)
+        d.take_delta(final=False)
+        return time.perf_counter() - t
+
+    ratios = []
+    for k in range(ATTEMPTS):
+        times = [(add_seconds(short, t), add_seconds(long, t)) for t in probe[k * PAIRS:(k + 1) * PAIRS]]
+        a, b = (statistics.median(t) for t in zip(*times))
+        ratios.append(b / a)
+        if b <= BOUND * a:
+            break
+    assert ratios[-1] <= BOUND, f"token cost after {LONG} / after {SHORT} textless ids, per attempt: {ratios}"
+    tail = tok.encode("ok 語")
+    for t in tail:
+        long.add(t)
+    long.finish()
+    assert long.text == tok.decode(head + tail)
+
+
+def test_detokenizer_keeps_the_first_textless_tokens_and_flushes_unfinished_bytes():
+    """The first tokens without text stay in the window (a decoder may strip what starts a text); bytes that
+    never finish a character are emitted as replacement characters after a bounded number of tokens."""
+    tok = load_tokenizer("tiny-v41")
+    d = IncrementalDetokenizer(tok)
+    for t in [tok.vocab_size + 1] * 3 + tok.encode("ab"):
+        d.add(t)
+    assert len(d.ids) == 5 and d.text == "ab"
+    lone = tok.encode("日")[:1]  # the first byte of a three-byte character, repeated: never valid UTF-8
+    d = IncrementalDetokenizer(tok)
+    for _ in range(40):
+        d.add(lone[0])
+    assert len(d.ids) - d.prefix_offset <= 20 and d.text.startswith("\ufffd")
