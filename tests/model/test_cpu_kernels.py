@@ -99,7 +99,7 @@ def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper):
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
-@pytest.mark.parametrize("rows", [2, 11])
+@pytest.mark.parametrize("rows", [2, 11, 16])
 def test_dense_rows_equal_the_float64_product_on_every_path(isa, rows):
     """Panels of a weight whose height is not a whole number of panels (40 = 2.5 x 16), times a few rows (fewer
     than one pass takes, and more: 11 = 8 + 3 with AVX-512, 4 + 4 + 3 with AVX2)."""
