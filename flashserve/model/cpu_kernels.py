@@ -10,6 +10,11 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   over the tokens' rows.
 * :func:`dense_rows`: a few float32 rows times a weight copied once into column panels (:func:`pack_panels`;
   ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes.
+* :func:`int8_pairs`: rows times int8 matrices with a float32 scale per matrix row, as the ``int8``
+  quantization stores them (``csrc/int8_pairs.cpp``): a dense product, or each row its own expert. Compiled
+  steps use it on CPUs with AVX2 but not AVX-512 (:func:`int8_pairs_preferred`), where inductor's code for
+  the same product converts the bytes one at a time (the peers checkpoint's int8 LM head at one row, 2
+  threads: 11.5 ms against 2.7 for float32 weights).
 
 They are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
 the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (16-row peers
@@ -39,6 +44,9 @@ _ARGS = {
                     "int64_t"),
     # x, panels, out, M, N, K, threads
     "dense_rows": ("const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t"),
+    # x, experts, q, scale, out, P, k, E, N, K, threads
+    "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "float*", "int64_t",
+                   "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
 }
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
 # the native build also registers its operator's CPU implementation on torch's dispatcher (in C++)
@@ -78,6 +86,43 @@ def mxfp4_pairs_available() -> bool:
 def dense_rows_available() -> bool:
     """Whether :func:`dense_rows` has its compiled kernel on this machine (compiling it if needed)."""
     return _load("dense_rows") is not None
+
+
+@torch.compiler.assume_constant_result
+def int8_pairs_preferred() -> bool:
+    """Whether compiled steps multiply int8 weights through :func:`int8_pairs`: on CPUs with AVX2 but not
+    AVX-512, where it was measured (AMD EPYC Zen 3: the peers checkpoint's int8 step at batch 1, see
+    docs/engine-speed.md), and where it is built. AVX-512 CPUs keep inductor's products, fast there."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and _load("int8_pairs") is not None
+
+
+def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     isa: str = "native") -> torch.Tensor:
+    """Pair ``p`` (``experts`` flattened) is a row of ``x`` times expert ``experts[p]``'s int8 matrix ``q [E, N,
+    K]`` with its rows' float32 ``scale [E, N]``: [P, N] float32. ``x [P, K]`` gives each pair its own row,
+    ``x [T, K]`` with ``experts [T, k]`` gives token ``t``'s row to its ``k`` pairs. ``isa`` as in
+    :func:`mxfp4_pairs_eager`."""
+    E, N, K = q.shape
+    if (x.dim() != 2 or x.shape[1] != K or scale.shape != (E, N) or not x.shape[0] or q.dtype != torch.int8
+            or experts.numel() % x.shape[0]):
+        raise ValueError(f"int8_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)} "
+                         f"{q.dtype}, scale {tuple(scale.shape)} do not match")
+    fn = _kernel("int8_pairs", isa)
+    x = x.to(torch.float32).contiguous()
+    experts = experts.to(torch.int64).contiguous().view(-1)
+    P = experts.numel()
+    out = torch.empty(P, N, dtype=torch.float32)
+    fn(x, experts, q.contiguous(), scale.to(torch.float32).contiguous(), out, P, P // x.shape[0], E, N, K,
+       torch.get_num_threads())
+    return out
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ (q * scale[:, None]).T`` for int8 rows ``q [N, K]`` and float32 ``scale [N]`` through
+    :func:`int8_pairs` (one expert that every row uses); [..., N] float32."""
+    flat = x.reshape(-1, x.shape[-1])
+    experts = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
+    return int8_pairs(flat, experts, q[None], scale[None]).view(*x.shape[:-1], q.shape[0])
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -134,10 +179,12 @@ _LIB = torch.library.Library("flashserve", "FRAGMENT")
 _LIB.define("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor")
 _LIB.define("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
 _LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
+_LIB.define("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor")
 _LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CompositeExplicitAutograd")
 _LIB.impl("mxfp4_gate_up", lambda x, experts, q1, s1, q3, s3: mxfp4_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
           "CompositeExplicitAutograd")
 _LIB.impl("dense_rows", dense_rows_eager, "CompositeExplicitAutograd")
+_LIB.impl("int8_pairs", int8_pairs_eager, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flashserve::mxfp4_pairs")
@@ -149,6 +196,11 @@ def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) 
 def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
       s3: torch.Tensor) -> torch.Tensor:
     return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("flashserve::int8_pairs")
+def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.register_fake("flashserve::dense_rows")
@@ -168,10 +220,16 @@ def mxfp4_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: 
     return torch.ops.flashserve.mxfp4_gate_up(x, experts, q1, s1, q3, s3)
 
 
+def int8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`int8_pairs_eager` with the CPU's own path, as the operator ``flashserve::int8_pairs``."""
+    return torch.ops.flashserve.int8_pairs(x, experts, q, scale)
+
+
 def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`dense_rows_eager` with the CPU's own path, as the operator ``flashserve::dense_rows``."""
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "mxfp4_gate_up",
-           "mxfp4_pairs", "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels"]
+__all__ = ["ISAS", "LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear", "int8_pairs",
+           "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs", "mxfp4_pairs_available",
+           "mxfp4_pairs_eager", "pack_panels"]

@@ -206,7 +206,9 @@ INT8_CHUNK_VALUES = 1 << 19
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
     """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: torch's int8 kernel where it pays
     (:func:`_int8_kernel_ok`), :func:`int8_linear` elsewhere."""
-    if blas.compiled_row(x):  # compiled on the CPU: inductor's product reads the int8 bytes and converts them
+    if blas.compiled_row(x):  # compiled on the CPU: the C++ kernel with AVX2 only, else inductor's product
+        if cpu_kernels.int8_pairs_preferred():
+            return cpu_kernels.int8_linear(x, q, scale_bits.view(torch.float32)).to(x.dtype)
         return blas.reduce_linear(x, q) * scale_bits.view(torch.float32).to(x.dtype)
     if not _int8_kernel_ok(x):
         return int8_linear(x, q, scale_bits)
@@ -362,6 +364,7 @@ class PackedEmbedding(_PackedMatrix):
 # Prompts (more than DENSE_MAX_ROWS rows) always take the loop, whose per-expert products are the float
 # experts' own: a packed checkpoint's prefill equals the unpacked one's bit for bit.
 LOOP_EXPERT_MACS = 2 << 20
+INT8_KERNEL_PAIRS = 8  # a compiled step's int8 pair products through cpu_kernels.int8_pairs: one token's (measured)
 DECODE_BYTES = 64 << 20
 DENSE_MAX_ROWS = 32
 
@@ -438,6 +441,10 @@ class PackedExperts(Experts):
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:
             return super().pair_products(name, h, experts)
+        # a static count of pairs only (one token's, the batch-1 graph): a dynamic one would be guarded on
+        if (blas.compiled_cpu(h) and isinstance(h.shape[0], int) and h.shape[0] <= INT8_KERNEL_PAIRS
+                and cpu_kernels.int8_pairs_preferred()):
+            return cpu_kernels.int8_pairs(h, experts, p.qweight, p.scale.view(torch.float32)).to(h.dtype)
         return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
 
 

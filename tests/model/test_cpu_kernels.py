@@ -166,3 +166,81 @@ def test_the_operators_run_their_cpp_implementations_once_built():
         torch.ops.flashserve.mxfp4_pairs(x[:, :32], experts, pw.qweight, pw.scale)
     with pytest.raises(IndexError, match="expert index out of range"):  # torch's translation of std::out_of_range
         torch.ops.flashserve.mxfp4_pairs(x, torch.tensor([0, 1, 2, 3, 4]), pw.qweight, pw.scale)
+
+
+def _int8_experts(E: int, N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-127, 128, (E, N, K), dtype=torch.int8, generator=g),
+            torch.rand(E, N, generator=g) * 0.02 + 1e-3)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_int8_pair_products_equal_the_float64_product_on_every_path(isa):
+    """Every pair's row times its expert's int8 rows and their scales: experts used by more rows than share one
+    conversion (4), once, or not at all; a height that is not a whole number of tiles or of four-row groups, and
+    a width with a tail past the 8-value vectors (100 = 12 x 8 + 4)."""
+    q, scale = _int8_experts(4, 71, 100, seed=1)
+    experts = torch.tensor([3, 0, 0, 3, 3, 3, 3, 1, 3])
+    x = torch.randn(len(experts), 100, generator=torch.Generator().manual_seed(2))
+    want = torch.bmm((q.double() * scale.double()[..., None])[experts], x.double()[:, :, None])[..., 0]
+    got = cpu_kernels.int8_pairs_eager(x, experts, q, scale, isa)
+    assert got.dtype == torch.float32 and got.shape == (9, 71)
+    assert _rel(got, want) <= 1e-6
+    tokens = x[:3]  # [T, K] with experts [T, k]: token t's row serves its k pairs
+    by_token = cpu_kernels.int8_pairs_eager(tokens, experts.view(3, 3), q, scale, isa)
+    assert torch.equal(by_token, cpu_kernels.int8_pairs_eager(tokens.repeat_interleave(3, 0), experts, q, scale, isa))
+
+
+def test_int8_linear_and_the_operator_match_the_bindings_and_threads_do_not_matter():
+    q, scale = _int8_experts(1, 300, 64, seed=4)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5))
+    want = x.double() @ (q[0].double() * scale[0].double()[:, None]).T
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.int8_linear(x, q[0], scale[0])
+        torch.set_num_threads(2)
+        two = cpu_kernels.int8_linear(x, q[0], scale[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert one.shape == (2, 3, 300) and torch.equal(one, two) and _rel(one, want) <= 1e-6
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("flashserve::int8_pairs", "CPU")  # the C++ one
+    experts = torch.tensor([0, 0])
+    assert torch.equal(torch.ops.flashserve.int8_pairs(x[0, :2], experts, q, scale),
+                       cpu_kernels.int8_pairs_eager(x[0, :2], experts, q, scale))
+    with pytest.raises(RuntimeError, match="int8_pairs: x .* do not match"):
+        torch.ops.flashserve.int8_pairs(x[0, :2, :32], experts, q, scale)
+    with pytest.raises(IndexError, match="expert index out of range"):
+        torch.ops.flashserve.int8_pairs(x[0, :2], torch.tensor([0, 1]), q, scale)
+    with pytest.raises(ValueError, match="int8_pairs: x .* do not match"):
+        cpu_kernels.int8_pairs_eager(x[0], experts[:1], q.float(), scale)
+
+
+def test_a_compiled_int8_layer_uses_the_kernel_where_preferred(monkeypatch):
+    """One row through a compiled int8 ``PackedLinear`` and int8 experts' pair products take the kernel when
+    it is preferred (AVX2-only CPUs) and give the eager layer's values within the int8 summation's rounding."""
+    from flashserve.model import packed
+
+    calls = []
+    real = cpu_kernels.int8_pairs
+    monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: True)
+    monkeypatch.setattr(cpu_kernels, "int8_pairs", lambda *a: calls.append(a[0].shape) or real(*a))
+    g = torch.Generator().manual_seed(9)
+    lin = packed.PackedLinear(64, 96, packed.ROW_INT8)
+    lin.packed.set_float(torch.randn(96, 64, generator=g))
+    experts = packed.PackedExperts(4, 64, 32, 10.0, packed.ROW_INT8)
+    for name in ("w1", "w2", "w3"):
+        pw = getattr(experts, f"{name}_packed")
+        pw.set_float(torch.randn(*pw.shape, generator=g))
+    x, idx = torch.randn(1, 64, generator=g), torch.tensor([3, 1])
+
+    def f(x):
+        return lin(x), experts.pair_products("w1", x.expand(2, 64), idx)
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        want = f(x)
+        got = torch.compile(f, fullgraph=True, dynamic=False)(x)
+    assert calls == [(1, 64), (2, 64)]  # traced once each
+    for a, b in zip(got, want):
+        assert _rel(a, b) <= 1e-5
