@@ -18,6 +18,10 @@ namespace {
 constexpr int64_t ROWS = 4;  // rows of x sharing one conversion of the bytes (4 x 4 sums in 16 registers)
 constexpr int64_t QUAD = 4;  // matrix rows multiplied at a time
 constexpr int64_t TILE = 64;  // matrix rows per work item
+// Matrix rows requested ahead of the four multiplied. One row of x against 41 MB of int8 matrices (the peers
+// checkpoint's head and 48 of 1024x512), 2 threads, Zen 3: 12 GB/s without, 19.5-24.7 GB/s with 16 rows ahead
+// (1.7-1.9x; 4 rows ahead 1.4x, 32 rows as 16)
+constexpr int64_t AHEAD = 16;
 
 // Matrix rows q[0 .. QUAD) (row stride K) against R rows of xs; sums[j][r] unscaled.
 template <int64_t R>
@@ -62,6 +66,7 @@ inline void tile_products(const int8_t* q, const float* scale, int64_t n0, int64
     for (int64_t n = n0; n < n1; n += QUAD) {
         const int64_t m = n1 - n < QUAD ? n1 - n : QUAD;
         const int8_t* qn = q + n * K;
+        for (int64_t l = 0; l < QUAD * K; l += 64) __builtin_prefetch(qn + AHEAD * K + l);  // a hint: no fault
         if (m < QUAD) {  // the last rows of a matrix whose height is not a multiple of QUAD: one at a time
             for (int64_t j = 0; j < m; ++j)
                 for (int64_t r = 0; r < R; ++r) {
