@@ -204,8 +204,10 @@ INT8_CHUNK_VALUES = 1 << 19
 
 
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
-    """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: torch's int8 kernel where it pays
-    (:func:`_int8_kernel_ok`), :func:`int8_linear` elsewhere."""
+    """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: in a compiled CPU step's one-row products
+    :func:`cpu_kernels.int8_linear` on AVX2-only CPUs (inductor's code converts the bytes one at a time there),
+    else inductor's; eager, torch's int8 kernel where it pays (:func:`_int8_kernel_ok`), :func:`int8_linear`
+    elsewhere."""
     if blas.compiled_row(x):  # compiled on the CPU: the C++ kernel with AVX2 only, else inductor's product
         if cpu_kernels.int8_pairs_preferred():
             return cpu_kernels.int8_linear(x, q, scale_bits.view(torch.float32)).to(x.dtype)
