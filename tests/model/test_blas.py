@@ -157,13 +157,17 @@ def _reduction_loops(code: str) -> list[str]:
     return bodies
 
 
-def test_a_compiled_product_reads_its_normalised_row_once_stored():
+def test_a_compiled_product_reads_its_normalised_row_once_stored(monkeypatch):
     """An RMSNorm in front of a one-row product is computed once into a buffer of its own: inductor would
     otherwise inline it into the product's reduction and take a square root for every output row (the LM
-    head 3-7x slower). Checked in inductor's C++ for an int8 weight, and the values equal eager's."""
+    head 3-7x slower). Checked in inductor's C++ for an int8 weight (inductor's product, as on AVX-512 CPUs;
+    AVX2-only ones take the C++ kernel), and the values equal eager's."""
     from torch._inductor.utils import run_and_get_code
 
+    from flashserve.model import cpu_kernels
     from flashserve.model.packed import ROW_INT8, encode, int8_mm
+
+    monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: False)
 
     g = torch.Generator().manual_seed(6)
     q, scale = encode(torch.randn(64, 32, generator=g), ROW_INT8)
