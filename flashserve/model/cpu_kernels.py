@@ -48,6 +48,7 @@ _ARGS = {
     "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "float*", "int64_t",
                    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
 }
+_HEADERS = {k: ("isa.h", "pairs.h") for k in ("mxfp4_pairs", "int8_pairs")}  # csrc headers a kernel's source needs
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
 # the native build also registers its operator's CPU implementation on torch's dispatcher (in C++)
 _ISA_FLAGS = {"native": ("-DFLASHSERVE_REGISTER_OP",), "avx2": ("-DFLASHSERVE_NO_AVX512",),
@@ -61,7 +62,8 @@ def _load(kernel: str, isa: str = "native") -> Callable[..., None] | None:
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-        source = (_CSRC / "isa.h").read_text() + (_CSRC / f"{kernel}.cpp").read_text()  # one text: one cache key
+        # one text, one cache key: the shared headers, then the kernel
+        source = "".join((_CSRC / f).read_text() for f in (*_HEADERS.get(kernel, ("isa.h",)), f"{kernel}.cpp"))
         return CppPythonBindingsCodeCache.load_pybinding(list(_ARGS[kernel]), source, needs_vec_isa=True,
                                                          extra_flags=_ISA_FLAGS[isa])
     except Exception as e:  # no compiler, an unexpected inductor version: torch's or inductor's code runs instead

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, prepended by the loader
+// FS_AVX512 / FS_AVX2: csrc/isa.h, and ExpertGroups: csrc/pairs.h, prepended by the loader
 
 namespace {
 
@@ -23,80 +23,66 @@ constexpr int64_t TILE = 64;  // matrix rows per work item
 // (1.7-1.9x; 4 rows ahead 1.4x, 32 rows as 16)
 constexpr int64_t AHEAD = 16;
 
-// Matrix rows q[0 .. QUAD) (row stride K) against R rows of xs; sums[j][r] unscaled.
-template <int64_t R>
-inline void quad_products(const int8_t* q, const float* const* xs, int64_t K, float (*sums)[ROWS]) {
-#if defined(FS_AVX2) || defined(FS_AVX512)
-    __m256 acc[QUAD][R];
-    for (int64_t j = 0; j < QUAD; ++j)
-        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+// Matrix rows q[0 .. J) (row stride K) against R rows of xs; sums[j][r] unscaled. J and R are template
+// arguments so that the loops unroll and the sums stay in registers.
+template <int64_t J, int64_t R>
+inline void row_products(const int8_t* q, const float* const* xs, int64_t K, float (*sums)[ROWS]) {
     int64_t k = 0;
+#if defined(FS_AVX2) || defined(FS_AVX512)
+    __m256 acc[J][R];
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
     for (; k + 8 <= K; k += 8) {
-        __m256 w[QUAD];
-        for (int64_t j = 0; j < QUAD; ++j)
-            w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * K + k))));
+        __m256 w[J];
+        for (int64_t j = 0; j < J; ++j)
+            w[j] = _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * K + k))));
         for (int64_t r = 0; r < R; ++r) {
             const __m256 xv = _mm256_loadu_ps(xs[r] + k);
-            for (int64_t j = 0; j < QUAD; ++j) acc[j][r] = _mm256_fmadd_ps(w[j], xv, acc[j][r]);
+            for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm256_fmadd_ps(w[j], xv, acc[j][r]);
         }
     }
-    for (int64_t j = 0; j < QUAD; ++j)
+#endif
+    for (int64_t j = 0; j < J; ++j)
         for (int64_t r = 0; r < R; ++r) {
+            float sum = 0.f;
+#if defined(FS_AVX2) || defined(FS_AVX512)
             alignas(32) float lanes[8];
             _mm256_store_ps(lanes, acc[j][r]);
-            float sum = 0.f;
             for (float v : lanes) sum += v;
+#endif
             for (int64_t t = k; t < K; ++t) sum += static_cast<float>(q[j * K + t]) * xs[r][t];
             sums[j][r] = sum;
         }
-#else
-    for (int64_t j = 0; j < QUAD; ++j)
-        for (int64_t r = 0; r < R; ++r) {
-            float sum = 0.f;
-            for (int64_t t = 0; t < K; ++t) sum += static_cast<float>(q[j * K + t]) * xs[r][t];
-            sums[j][r] = sum;
-        }
-#endif
 }
 
-// R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row), scaled, into out[r][n]
+// J matrix rows at q against R (1 .. ROWS) rows of xs
+template <int64_t J>
+inline void rows_products(const int8_t* q, const float* const* xs, int64_t R, int64_t K, float (*sums)[ROWS]) {
+    switch (R) {
+        case 1: row_products<J, 1>(q, xs, K, sums); break;
+        case 2: row_products<J, 2>(q, xs, K, sums); break;
+        case 3: row_products<J, 3>(q, xs, K, sums); break;
+        default: row_products<J, 4>(q, xs, K, sums); break;
+    }
+}
+
+// R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row), scaled, into out[r][n]:
+// QUAD matrix rows at a time, the last ones of a height that is not a multiple of QUAD one at a time
 inline void tile_products(const int8_t* q, const float* scale, int64_t n0, int64_t n1, const float* const* xs,
                           int64_t R, int64_t K, float* const* out) {
     float sums[QUAD][ROWS];
-    for (int64_t n = n0; n < n1; n += QUAD) {
-        const int64_t m = n1 - n < QUAD ? n1 - n : QUAD;
+    for (int64_t n = n0; n < n1;) {
         const int8_t* qn = q + n * K;
         for (int64_t l = 0; l < QUAD * K; l += 64) __builtin_prefetch(qn + AHEAD * K + l);  // a hint: no fault
-        if (m < QUAD) {  // the last rows of a matrix whose height is not a multiple of QUAD: one at a time
-            for (int64_t j = 0; j < m; ++j)
-                for (int64_t r = 0; r < R; ++r) {
-                    float sum = 0.f;
-#if defined(FS_AVX2) || defined(FS_AVX512)
-                    __m256 acc = _mm256_setzero_ps();
-                    int64_t k = 0;
-                    for (; k + 8 <= K; k += 8)
-                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                  _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qn + j * K + k)))),
-                                              _mm256_loadu_ps(xs[r] + k), acc);
-                    alignas(32) float lanes[8];
-                    _mm256_store_ps(lanes, acc);
-                    for (float v : lanes) sum += v;
-                    for (; k < K; ++k) sum += static_cast<float>(qn[j * K + k]) * xs[r][k];
-#else
-                    for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(qn[j * K + k]) * xs[r][k];
-#endif
-                    out[r][n + j] = sum * scale[n + j];
-                }
-            continue;
-        }
-        switch (R) {
-            case 1: quad_products<1>(qn, xs, K, sums); break;
-            case 2: quad_products<2>(qn, xs, K, sums); break;
-            case 3: quad_products<3>(qn, xs, K, sums); break;
-            default: quad_products<4>(qn, xs, K, sums); break;
-        }
-        for (int64_t j = 0; j < QUAD; ++j)
+        const int64_t m = n1 - n < QUAD ? 1 : QUAD;
+        if (m == QUAD)
+            rows_products<QUAD>(qn, xs, R, K, sums);
+        else
+            rows_products<1>(qn, xs, R, K, sums);
+        for (int64_t j = 0; j < m; ++j)
             for (int64_t r = 0; r < R; ++r) out[r][n + j] = sums[j][r] * scale[n + j];
+        n += m;
     }
 }
 
@@ -104,20 +90,11 @@ inline void tile_products(const int8_t* q, const float* scale, int64_t n0, int64
 
 extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, const float* scale, float* out,
                        int64_t P, int64_t k, int64_t E, int64_t N, int64_t K, int64_t threads) {
-    // pairs grouped by expert (a counting sort): pairs first[e] .. first[e + 1] - 1 of `order` use expert e
-    std::vector<int64_t> first(E + 1, 0), order(P);
-    for (int64_t p = 0; p < P; ++p) {
-        if (experts[p] < 0 || experts[p] >= E) throw std::out_of_range("int8_pairs: expert index out of range");
-        ++first[experts[p] + 1];
-    }
-    for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
-    std::vector<int64_t> next(first.begin(), first.end() - 1);
-    for (int64_t p = 0; p < P; ++p) order[next[experts[p]]++] = p;
+    const ExpertGroups groups(experts, P, E, "int8_pairs");
+    const std::vector<int64_t>& first = groups.first;
+    const std::vector<int64_t>& order = groups.order;
     const int64_t tiles = (N + TILE - 1) / TILE;
-    std::vector<int64_t> items;
-    for (int64_t e = 0; e < E; ++e)
-        if (first[e + 1] > first[e])
-            for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
+    const std::vector<int64_t> items = groups.items(tiles);
     const int64_t n_items = static_cast<int64_t>(items.size());
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n_items; ++i) {

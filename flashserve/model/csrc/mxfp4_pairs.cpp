@@ -16,7 +16,7 @@
 #include <stdexcept>
 #include <memory>
 #include <vector>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, prepended by the loader
+// FS_AVX512 / FS_AVX2: csrc/isa.h, and ExpertGroups: csrc/pairs.h, prepended by the loader
 
 namespace {
 
@@ -210,8 +210,8 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
                 case 1: row_pair_products<1>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 2: row_pair_products<2>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 3: row_pair_products<3>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 4: row_pair_products<4>(qa, sa, qb, sb, rows, K, sums, sums1); break;
 #if defined(FS_AVX2)
+                case 4: row_pair_products<4>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 5: row_pair_products<5>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 6: row_pair_products<6>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 7: row_pair_products<7>(qa, sa, qb, sb, rows, K, sums, sums1); break;
@@ -252,15 +252,9 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
                        const uint8_t* q2_or_unused, const uint8_t* s2_or_unused, float* out, int64_t P, int64_t k,
                        int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
     const uint8_t *q2 = matrices == 2 ? q2_or_unused : nullptr, *s2 = matrices == 2 ? s2_or_unused : nullptr;
-    // pairs grouped by expert (a counting sort): pairs first[e] .. first[e + 1] - 1 of `order` use expert e
-    std::vector<int64_t> first(E + 1, 0), order(P);
-    for (int64_t p = 0; p < P; ++p) {
-        if (experts[p] < 0 || experts[p] >= E) throw std::out_of_range("mxfp4_pairs: expert index out of range");
-        ++first[experts[p] + 1];
-    }
-    for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
-    std::vector<int64_t> next(first.begin(), first.end() - 1);
-    for (int64_t p = 0; p < P; ++p) order[next[experts[p]]++] = p;
+    const ExpertGroups groups(experts, P, E, "mxfp4_pairs");
+    const std::vector<int64_t>& first = groups.first;
+    const std::vector<int64_t>& order = groups.order;
     // x with each 32-block reordered as [even | odd] columns
     const int64_t T = P / k;
     std::unique_ptr<float[]> xs_buf(new float[T * K]);
@@ -284,10 +278,7 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
         }
     // work items: (expert with pairs, tile of matrix rows)
     const int64_t tiles = (N + TILE - 1) / TILE;
-    std::vector<int64_t> items;
-    for (int64_t e = 0; e < E; ++e)
-        if (first[e + 1] > first[e])
-            for (int64_t t = 0; t < tiles; ++t) items.push_back(e * tiles + t);
+    const std::vector<int64_t> items = groups.items(tiles);
     const int64_t n_items = static_cast<int64_t>(items.size());
     // guided: long runs of consecutive items first (each thread streams its experts' bytes in order), shorter ones
     // to balance the end. A layer's gate/up and down calls, weights evicted: 519 us dynamic, 464 guided, 464 static
