@@ -205,13 +205,16 @@ def make_panels(module: nn.Module, name: str) -> bool:
     """Copy ``module.<name>`` (a float32 CPU weight [N, K]) into the column panels that
     :func:`~flashserve.model.cpu_kernels.dense_rows` reads, as the buffer ``<name>_panels``. The engine does it
     at start-up for a compiled CPU step of several rows; the copy costs the weight's bytes again (each panel
-    padded to 16 columns), and one-row or eager steps keep reading the weight itself. False, changing nothing,
-    for a weight it does not take or where the kernel is not available."""
+    padded to 16 columns), and one-row or eager steps keep reading the weight itself. The panels are bfloat16
+    when that holds every value exactly (a checkpoint stored in bf16, as DeepSeek releases its LM head): half
+    the bytes to stream, the same products. False, changing nothing, for a weight it does not take or where the
+    kernel is not available."""
     w = getattr(module, name)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
             and cpu_kernels.dense_rows_available()):
         return False
-    module.register_buffer(name + PANELS, cpu_kernels.pack_panels(w), persistent=False)
+    dtype = torch.bfloat16 if cpu_kernels.bf16_exact(w) else torch.float32
+    module.register_buffer(name + PANELS, cpu_kernels.pack_panels(w, dtype), persistent=False)
     return True
 
 

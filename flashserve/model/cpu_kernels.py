@@ -42,8 +42,8 @@ _ARGS = {
     "mxfp4_pairs": ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "const uint8_t*",
                     "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
                     "int64_t"),
-    # x, panels, out, M, N, K, threads
-    "dense_rows": ("const float*", "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t"),
+    # x, panels (float32 or bfloat16), out, M, N, K, bf16 panels, threads
+    "dense_rows": ("const float*", "const void*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
     # x, experts, q, scale, out, P, k, E, N, K, threads
     "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "float*", "int64_t",
                    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
@@ -152,25 +152,47 @@ def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s
     return out[0] if up is None else out
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """``w [N, K]`` (any strides) as the panels :func:`dense_rows` reads: [ceil(N / 16), K, 16] float32, panel
-    ``p`` holding output columns ``16p .. 16p + 15`` k by k, zero past ``N``."""
+# where a bfloat16 panel line keeps column c: slot BF16_SLOTS[c] (csrc/dense_rows.cpp, COLUMN_SLOT)
+BF16_SLOTS = tuple(2 * c if c < 8 else 2 * (c - 8) + 1 for c in range(LANES))
+
+
+def bf16_exact(w: torch.Tensor) -> bool:
+    """Whether bfloat16 holds every value of ``w`` exactly (a checkpoint's bf16 tensor read into float32)."""
+    return bool(torch.equal(w.detach().to(torch.bfloat16).to(w.dtype), w.detach()))
+
+
+def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``w [N, K]`` (any strides) as the panels :func:`dense_rows` reads: [ceil(N / 16), K, 16], panel ``p``
+    holding output columns ``16p .. 16p + 15`` k by k, zero past ``N``. ``dtype`` bfloat16 halves the bytes for
+    weights that :func:`bf16_exact` (the products are the same: the kernel widens each value back exactly); each
+    line's 16 values are then stored in the kernel's slot order (:data:`BF16_SLOTS`)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"pack_panels: panels are float32 or bfloat16, not {dtype}")
+    if dtype == torch.bfloat16 and not bf16_exact(w):
+        raise ValueError("pack_panels: bfloat16 panels would round this weight (bf16_exact is False)")
     N, K = w.shape
-    padded = torch.zeros(-(-N // LANES) * LANES, K, dtype=torch.float32)
+    padded = torch.zeros(-(-N // LANES) * LANES, K, dtype=dtype)
     padded[:N] = w.detach()
-    return padded.view(-1, LANES, K).transpose(1, 2).contiguous()
+    panels = padded.view(-1, LANES, K).transpose(1, 2)
+    if dtype == torch.bfloat16:
+        order = torch.tensor(BF16_SLOTS).argsort()  # slot s holds column order[s]
+        panels = panels[..., order]
+    return panels.contiguous()
 
 
 def dense_rows_eager(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str = "native") -> torch.Tensor:
-    """``x [M, K] @ w.T`` [M, n] float32 for ``panels = pack_panels(w)`` (``w [n, K]``); ``isa`` as in
-    :func:`mxfp4_pairs_eager`."""
+    """``x [M, K] @ w.T`` [M, n] float32 for ``panels = pack_panels(w)`` (``w [n, K]``, float32 or bfloat16
+    panels); ``isa`` as in :func:`mxfp4_pairs_eager`."""
     if (x.dim() != 2 or panels.dim() != 3 or panels.shape[1:] != (x.shape[1], LANES)
             or not 0 < n <= panels.shape[0] * LANES or n <= (panels.shape[0] - 1) * LANES):
         raise ValueError(f"dense_rows: x {tuple(x.shape)}, panels {tuple(panels.shape)}, n {n} do not match")
+    if panels.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dense_rows: panels are float32 or bfloat16, not {panels.dtype}")
     fn = _kernel("dense_rows", isa)
     x = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    fn(x, panels.contiguous(), out, x.shape[0], n, x.shape[1], torch.get_num_threads())
+    fn(x, panels.contiguous(), out, x.shape[0], n, x.shape[1], int(panels.dtype == torch.bfloat16),
+       torch.get_num_threads())
     return out
 
 

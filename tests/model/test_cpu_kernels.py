@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashserve.model import cpu_kernels
+from flashserve.model import blas, cpu_kernels
 from flashserve.model.packed import EXPERT_FP4, PackedWeights
 
 
@@ -127,6 +127,43 @@ def test_wide_weights_take_panels_two_at_a_time_with_the_same_sums(n):
         assert _rel(cpu_kernels.dense_rows_eager(x, cpu_kernels.pack_panels(w), n, isa), x.double() @ w.double().t()) <= 1e-6
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_bfloat16_panels_give_the_float32_panels_sums_bit_for_bit(isa, rows):
+    """A weight whose values bfloat16 holds (a bf16 checkpoint's, read into float32) packs into bfloat16 panels
+    of half the bytes; every path widens them back exactly, so the products equal the float32 panels' bit for
+    bit, with a partial last panel (40 columns) and a wide weight (1050: AVX-512's panel pairs)."""
+    g = torch.Generator().manual_seed(rows)
+    for n in (40, 1050):
+        w = torch.randn(n, 96, generator=g).to(torch.bfloat16).float()
+        x = torch.randn(rows, 96, generator=g)
+        half = cpu_kernels.pack_panels(w, torch.bfloat16)
+        full = cpu_kernels.pack_panels(w)
+        assert half.dtype == torch.bfloat16 and half.shape == full.shape
+        assert half.untyped_storage().nbytes() * 2 == full.untyped_storage().nbytes()
+        got = cpu_kernels.dense_rows_eager(x, half, n, isa)
+        assert torch.equal(got, cpu_kernels.dense_rows_eager(x, full, n, isa))
+        assert _rel(got, x.double() @ w.double().t()) <= 1e-6
+    assert torch.equal(torch.ops.flashserve.dense_rows(x, half, n), cpu_kernels.dense_rows_eager(x, full, n))
+
+
+def test_bfloat16_panels_are_made_only_where_nothing_rounds():
+    """``pack_panels`` refuses bfloat16 for a weight bfloat16 would round, and ``make_panels`` picks bfloat16
+    exactly when the weight's values are all bfloat16's."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 64, generator=g)
+    with pytest.raises(ValueError, match="would round this weight"):
+        cpu_kernels.pack_panels(w, torch.bfloat16)
+    exact, rounded = torch.nn.Linear(64, 40, bias=False), torch.nn.Linear(64, 40, bias=False)
+    with torch.no_grad():
+        exact.weight.copy_(w.to(torch.bfloat16).float())
+        rounded.weight.copy_(exact.weight)
+        rounded.weight[3, 7] += 2.0 ** -20  # one value bfloat16 does not hold
+    assert blas.make_panels(exact, "weight") and blas.make_panels(rounded, "weight")
+    assert blas.panels(exact, "weight").dtype == torch.bfloat16
+    assert blas.panels(rounded, "weight").dtype == torch.float32
+
+
 def test_dense_rows_do_not_depend_on_the_number_of_threads_and_refuse_mismatches():
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(200, 64, generator=g), torch.randn(16, 64, generator=g)
@@ -217,8 +254,9 @@ def test_int8_linear_and_the_operator_match_the_bindings_and_threads_do_not_matt
 
 
 def test_a_compiled_int8_layer_uses_the_kernel_where_preferred(monkeypatch):
-    """One row through a compiled int8 ``PackedLinear`` and int8 experts' pair products take the kernel when
-    it is preferred (AVX2-only CPUs) and give the eager layer's values within the int8 summation's rounding."""
+    """One row through a compiled int8 ``PackedLinear`` (plain and grouped, as the attention's output
+    projection) and int8 experts' pair products take the kernel when it is preferred (AVX2-only CPUs) and give
+    the eager layer's values within the int8 summation's rounding."""
     from flashserve.model import packed
 
     calls = []
@@ -235,12 +273,13 @@ def test_a_compiled_int8_layer_uses_the_kernel_where_preferred(monkeypatch):
     x, idx = torch.randn(1, 64, generator=g), torch.tensor([3, 1])
 
     def f(x):
-        return lin(x), experts.pair_products("w1", x.expand(2, 64), idx)
+        return lin(x), experts.pair_products("w1", x.expand(2, 64), idx), lin.grouped(x.expand(4, 64).reshape(1, 1, 4, 64))
 
     torch._dynamo.reset()
     with torch.inference_mode():
         want = f(x)
         got = torch.compile(f, fullgraph=True, dynamic=False)(x)
-    assert calls == [(1, 64), (2, 64)]  # traced once each
+    assert calls == [(1, 64), (2, 64), (4, 64)]  # traced once each: 4 groups of 24 rows are 4 pairs
+    assert got[2].shape == (1, 1, 4, 24)
     for a, b in zip(got, want):
         assert _rel(a, b) <= 1e-5

@@ -6,6 +6,10 @@
 // caches (2 threads, us): 256x512 47 against 19 here, 64x512 28 against 7.4, the 32000x512 head 8783 against
 // 1705 (oneDNN's reordered copy: 1997).
 //
+// Panels of bfloat16 (pack_panels of a weight whose values bfloat16 holds exactly, such as a checkpoint's bf16 LM
+// head) are read as such and widened in registers: the same sums, half the bytes. Their 16 values of one k are
+// stored in the order of COLUMN_SLOT, so that AVX2 widens each half with one instruction (a shift or a mask).
+//
 // Every output is one thread's sum over k in order (one fused multiply-add per k with AVX-512 or AVX2): the
 // result does not depend on the number of threads. FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the
 // narrower paths (the tests build all three).
@@ -29,25 +33,73 @@ constexpr int64_t MR = 6;
 constexpr int64_t MR = 8;
 #endif
 
+using bf16 = uint16_t;  // a bfloat16's bits: the high half of a float32's
+
+// Where column c (0 .. 15) of one k sits among a bfloat16 panel's 16 values: even slots 0 .. 7, odd slots 8 .. 15,
+// so that a 32-bit lane holds column j in its low half and column 8 + j in its high half
+constexpr int64_t COLUMN_SLOT(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
+
+inline float widen(bf16 v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Column c of the panel line at k
+inline float panel_value(const float* panel, int64_t k, int64_t c) { return panel[k * LANES + c]; }
+inline float panel_value(const bf16* panel, int64_t k, int64_t c) { return widen(panel[k * LANES + COLUMN_SLOT(c)]); }
+
+#if defined(FS_AVX512)
+// One panel line as 16 float32 lanes: float32 in column order; bfloat16 in COLUMN_SLOT order
+inline __m512 load_line(const float* line) { return _mm512_loadu_ps(line); }
+inline __m512 load_line(const bf16* line) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+// Stores lanes (load_line's order for W) to out[0 .. cols)
+inline void store_lanes(const float*, __m512 acc, float* out, int64_t cols) {
+    const __mmask16 mask = cols >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
+    _mm512_mask_storeu_ps(out, mask, acc);
+}
+inline void store_lanes(const bf16*, __m512 acc, float* out, int64_t cols) {
+    alignas(64) float lanes[LANES];
+    _mm512_store_ps(lanes, acc);
+    for (int64_t c = 0; c < cols; ++c) out[c] = lanes[COLUMN_SLOT(c)];
+}
+#elif defined(FS_AVX2)
+// One panel line as columns 0 .. 7 (lo) and 8 .. 15 (hi)
+inline void load_line(const float* line, __m256& lo, __m256& hi) {
+    lo = _mm256_loadu_ps(line);
+    hi = _mm256_loadu_ps(line + 8);
+}
+inline void load_line(const bf16* line, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line));
+    lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+#endif
+
 // Rows x[0 .. R) (row stride K) times one panel; writes out[r, 0 .. cols) (row stride N).
-template <int64_t R>
-inline void panel_rows(const float* x, int64_t K, const float* panel, float* out, int64_t N, int64_t cols) {
+template <int64_t R, typename W>
+inline void panel_rows(const float* x, int64_t K, const W* panel, float* out, int64_t N, int64_t cols) {
 #if defined(FS_AVX512)
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
         __builtin_prefetch(panel + (k + AHEAD) * LANES);  // a hint: past the end it reads nothing
-        const __m512 w = _mm512_loadu_ps(panel + k * LANES);
+        const __m512 w = load_line(panel + k * LANES);
         for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), w, acc[r]);
     }
-    const __mmask16 mask = cols >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
-    for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * N, mask, acc[r]);
+    for (int64_t r = 0; r < R; ++r) store_lanes(panel, acc[r], out + r * N, cols);
 #elif defined(FS_AVX2)
     __m256 lo[R], hi[R];
     for (int64_t r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
         __builtin_prefetch(panel + (k + AHEAD) * LANES);
-        const __m256 wl = _mm256_loadu_ps(panel + k * LANES), wh = _mm256_loadu_ps(panel + k * LANES + 8);
+        __m256 wl, wh;
+        load_line(panel + k * LANES, wl, wh);
         for (int64_t r = 0; r < R; ++r) {
             const __m256 xr = _mm256_set1_ps(x[r * K + k]);
             lo[r] = _mm256_fmadd_ps(xr, wl, lo[r]);
@@ -64,7 +116,7 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, float* out
     for (int64_t r = 0; r < R; ++r) {
         float acc[LANES] = {};
         for (int64_t k = 0; k < K; ++k)
-            for (int64_t c = 0; c < LANES; ++c) acc[c] += x[r * K + k] * panel[k * LANES + c];
+            for (int64_t c = 0; c < LANES; ++c) acc[c] += x[r * K + k] * panel_value(panel, k, c);
         for (int64_t c = 0; c < cols; ++c) out[r * N + c] = acc[c];
     }
 #endif
@@ -75,26 +127,25 @@ inline void panel_rows(const float* x, int64_t K, const float* panel, float* out
 // multiply-adds (32 columns), and the row values of one k share a cache line. Writes out[r, 0 .. 16 + cols).
 // Each output's sum is the one panel_rows makes, term for term. The 32000x512 head at 16 rows, evicted, 2 threads:
 // 4.70 ms one panel at a time, 3.78 two (Xeon, Ice Lake); with a few panels a thread it was no faster.
-template <int64_t R>
-inline void panel_pair_rows(const float* xt, int64_t M, int64_t K, const float* panel, const float* ahead,
+template <int64_t R, typename W>
+inline void panel_pair_rows(const float* xt, int64_t M, int64_t K, const W* panel, const W* ahead,
                             float* out, int64_t N, int64_t cols) {
-    const float* second = panel + K * LANES;
+    const W* second = panel + K * LANES;
     __m512 acc0[R], acc1[R];
     for (int64_t r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; ++k) {
         __builtin_prefetch(ahead + k * LANES);
         __builtin_prefetch(ahead + (K + k) * LANES);
-        const __m512 w0 = _mm512_loadu_ps(panel + k * LANES), w1 = _mm512_loadu_ps(second + k * LANES);
+        const __m512 w0 = load_line(panel + k * LANES), w1 = load_line(second + k * LANES);
         for (int64_t r = 0; r < R; ++r) {
             const __m512 b = _mm512_set1_ps(xt[k * M + r]);
             acc0[r] = _mm512_fmadd_ps(b, w0, acc0[r]);
             acc1[r] = _mm512_fmadd_ps(b, w1, acc1[r]);
         }
     }
-    const __mmask16 mask = cols >= LANES ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << cols) - 1);
     for (int64_t r = 0; r < R; ++r) {
-        _mm512_storeu_ps(out + r * N, acc0[r]);
-        _mm512_mask_storeu_ps(out + r * N + LANES, mask, acc1[r]);
+        store_lanes(panel, acc0[r], out + r * N, LANES);
+        store_lanes(panel, acc1[r], out + r * N + LANES, cols);
     }
 }
 #endif
@@ -104,7 +155,8 @@ inline void panel_pair_rows(const float* xt, int64_t M, int64_t K, const float* 
 // memory keeps streaming while it runs. The 32000x512 head at 16 rows, evicted, 2 threads, alternating in one
 // process: 4.82 -> 4.57 and 4.69 -> 4.41 ms. Single panels (smaller weights) keep requesting their own lines
 // ahead: there the next panel's lines made 256x512 3-6% slower.
-inline const float* pair_ahead(const float* panel, int64_t m, int64_t K) {
+template <typename W>
+inline const W* pair_ahead(const W* panel, int64_t m, int64_t K) {
     return m == 0 ? panel + AHEAD * LANES : panel + 2 * K * LANES;
 }
 
@@ -138,15 +190,16 @@ inline int64_t pass_rows(int64_t M) {
 }
 
 // Rows x[0 .. M) times panel p (one thread's share of a call), pass_rows(M) rows a pass.
-inline void one_panel(const float* x, const float* panels, float* out, int64_t M, int64_t N, int64_t K, int64_t p) {
-    const float* panel = panels + p * K * LANES;
+template <typename W>
+inline void one_panel(const float* x, const W* panels, float* out, int64_t M, int64_t N, int64_t K, int64_t p) {
+    const W* panel = panels + p * K * LANES;
     const int64_t cols = N - p * LANES < LANES ? N - p * LANES : LANES;
     const int64_t per = pass_rows(M);
     for (int64_t m = 0; m < M; m += per) {
         const float* xm = x + m * K;
         float* om = out + m * N + p * LANES;
         rows_pass(M - m < per ? M - m : per,
-                  [&](auto r) { panel_rows<decltype(r)::value>(xm, K, panel, om, N, cols); });
+                  [&](auto r) { panel_rows<decltype(r)::value, W>(xm, K, panel, om, N, cols); });
     }
 }
 
@@ -154,25 +207,25 @@ inline void one_panel(const float* x, const float* panels, float* out, int64_t M
 constexpr int64_t PAIRED_PANELS = 64;  // a call of at least this many panels takes them two at a time
 
 // Panels 2i and 2i + 1 (see panel_pair_rows) for rows xt (x k-major).
-inline void two_panels(const float* xt, const float* panels, float* out, int64_t M, int64_t N, int64_t K,
+template <typename W>
+inline void two_panels(const float* xt, const W* panels, float* out, int64_t M, int64_t N, int64_t K,
                        int64_t i) {
     const int64_t p = 2 * i;
-    const float* panel = panels + p * K * LANES;
+    const W* panel = panels + p * K * LANES;
     const int64_t cols = N - (p + 1) * LANES < LANES ? N - (p + 1) * LANES : LANES;
     for (int64_t m = 0; m < M; m += MR) {
         const float* xm = xt + m;
         float* om = out + m * N + p * LANES;
         rows_pass(M - m < MR ? M - m : MR,
                   [&](auto r) {
-                      panel_pair_rows<decltype(r)::value>(xm, M, K, panel, pair_ahead(panel, m, K), om, N, cols);
+                      panel_pair_rows<decltype(r)::value, W>(xm, M, K, panel, pair_ahead(panel, m, K), om, N, cols);
                   });
     }
 }
 #endif
 
-}  // namespace
-
-extern "C" void kernel(const float* x, const float* panels, float* out, int64_t M, int64_t N, int64_t K,
+template <typename W>
+void rows_times_panels(const float* x, const W* panels, float* out, int64_t M, int64_t N, int64_t K,
                        int64_t threads) {
     const int64_t count = (N + LANES - 1) / LANES;
 #if defined(FS_AVX512)
@@ -192,6 +245,17 @@ extern "C" void kernel(const float* x, const float* panels, float* out, int64_t 
     for (int64_t p = 0; p < count; ++p) one_panel(x, panels, out, M, N, K, p);
 }
 
+}  // namespace
+
+// panels: float32, or bfloat16 bits in COLUMN_SLOT order when bf16 is 1
+extern "C" void kernel(const float* x, const void* panels, float* out, int64_t M, int64_t N, int64_t K,
+                       int64_t bf16_panels, int64_t threads) {
+    if (bf16_panels)
+        rows_times_panels(x, static_cast<const bf16*>(panels), out, M, N, K, threads);
+    else
+        rows_times_panels(x, static_cast<const float*>(panels), out, M, N, K, threads);
+}
+
 #if defined(FLASHSERVE_REGISTER_OP)
 // flashserve::dense_rows(x, panels, n) for CPU tensors on torch's dispatcher (the schema is defined in Python):
 // a compiled step's C++ reaches it with no Python in between
@@ -205,10 +269,11 @@ at::Tensor dense_rows_op(const at::Tensor& x, const at::Tensor& panels, int64_t 
     TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == LANES &&
                     n > (panels.size(0) - 1) * LANES && n <= panels.size(0) * LANES,
                 "dense_rows: x ", x.sizes(), ", panels ", panels.sizes(), ", n ", n, " do not match");
-    TORCH_CHECK(panels.scalar_type() == at::kFloat, "dense_rows: panels must be float32");
+    const bool bf16_panels = panels.scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bf16_panels || panels.scalar_type() == at::kFloat, "dense_rows: panels must be float32 or bfloat16");
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ps = panels.contiguous();
     at::Tensor out = at::empty({x.size(0), n}, xs.options());
-    kernel(xs.data_ptr<float>(), ps.data_ptr<float>(), out.data_ptr<float>(), x.size(0), n, x.size(1),
+    kernel(xs.data_ptr<float>(), ps.data_ptr(), out.data_ptr<float>(), x.size(0), n, x.size(1), bf16_panels ? 1 : 0,
            at::get_num_threads());
     return out;
 }
