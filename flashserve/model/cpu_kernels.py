@@ -101,9 +101,9 @@ def int8_pairs_preferred() -> bool:
 def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                      isa: str = "native") -> torch.Tensor:
     """Pair ``p`` (``experts`` flattened) is a row of ``x`` times expert ``experts[p]``'s int8 matrix ``q [E, N,
-    K]`` with its rows' float32 ``scale [E, N]``: [P, N] float32. ``x [P, K]`` gives each pair its own row,
-    ``x [T, K]`` with ``experts [T, k]`` gives token ``t``'s row to its ``k`` pairs. ``isa`` as in
-    :func:`mxfp4_pairs_eager`."""
+    K]`` with its rows' float32 ``scale [E, N]`` (or their bits as int32, as the int8 quantization stores
+    them): [P, N] float32. ``x [P, K]`` gives each pair its own row, ``x [T, K]`` with ``experts [T, k]`` gives
+    token ``t``'s row to its ``k`` pairs. ``isa`` as in :func:`mxfp4_pairs_eager`."""
     E, N, K = q.shape
     if (x.dim() != 2 or x.shape[1] != K or scale.shape != (E, N) or not x.shape[0] or q.dtype != torch.int8
             or experts.numel() % x.shape[0]):
@@ -112,16 +112,16 @@ def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, sc
     fn = _kernel("int8_pairs", isa)
     x = x.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous().view(-1)
+    scale = scale.view(torch.float32) if scale.dtype == torch.int32 else scale.to(torch.float32)
     P = experts.numel()
     out = torch.empty(P, N, dtype=torch.float32)
-    fn(x, experts, q.contiguous(), scale.to(torch.float32).contiguous(), out, P, P // x.shape[0], E, N, K,
-       torch.get_num_threads())
+    fn(x, experts, q.contiguous(), scale.contiguous(), out, P, P // x.shape[0], E, N, K, torch.get_num_threads())
     return out
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [..., K] @ (q * scale[:, None]).T`` for int8 rows ``q [N, K]`` and float32 ``scale [N]`` through
-    :func:`int8_pairs` (one expert that every row uses); [..., N] float32."""
+    """``x [..., K] @ (q * scale[:, None]).T`` for int8 rows ``q [N, K]`` and float32 ``scale [N]`` (or its bits
+    as int32) through :func:`int8_pairs` (one expert that every row uses); [..., N] float32."""
     flat = x.reshape(-1, x.shape[-1])
     experts = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
     return int8_pairs(flat, experts, q[None], scale[None]).view(*x.shape[:-1], q.shape[0])

@@ -210,7 +210,7 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch
     elsewhere."""
     if blas.compiled_row(x):  # compiled on the CPU: the C++ kernel with AVX2 only, else inductor's product
         if cpu_kernels.int8_pairs_preferred():
-            return cpu_kernels.int8_linear(x, q, scale_bits.view(torch.float32)).to(x.dtype)
+            return cpu_kernels.int8_linear(x, q, scale_bits).to(x.dtype)  # the bits as stored: no view op
         return blas.reduce_linear(x, q) * scale_bits.view(torch.float32).to(x.dtype)
     if not _int8_kernel_ok(x):
         return int8_linear(x, q, scale_bits)
@@ -331,7 +331,7 @@ class PackedLinear(_PackedMatrix):
         if p.fmt.name in INT8_ROWS and blas.compiled_cpu(x) and x.numel() == G * K and cpu_kernels.int8_pairs_preferred():
             # one token: group g is pair g of the int8 kernel (inductor's code converts the bytes one at a time
             # on AVX2-only CPUs, see int8_mm)
-            q, s = p.qweight.view(G, -1, K), p.scale.view(torch.float32).view(G, -1)
+            q, s = p.qweight.view(G, -1, K), p.scale.view(G, -1)
             groups = torch.arange(G, device=x.device)
             return cpu_kernels.int8_pairs(x.reshape(G, K), groups, q, s).to(x.dtype).view(x.shape[:-1] + (-1,))
         if p.fmt.name in INT8_ROWS:
@@ -453,7 +453,7 @@ class PackedExperts(Experts):
         # a static count of pairs only (one token's, the batch-1 graph): a dynamic one would be guarded on
         if (blas.compiled_cpu(h) and isinstance(h.shape[0], int) and h.shape[0] <= INT8_KERNEL_PAIRS
                 and cpu_kernels.int8_pairs_preferred()):
-            return cpu_kernels.int8_pairs(h, experts, p.qweight, p.scale.view(torch.float32)).to(h.dtype)
+            return cpu_kernels.int8_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
         return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
 
 

@@ -245,6 +245,11 @@ def test_int8_linear_and_the_operator_match_the_bindings_and_threads_do_not_matt
     experts = torch.tensor([0, 0])
     assert torch.equal(torch.ops.flashserve.int8_pairs(x[0, :2], experts, q, scale),
                        cpu_kernels.int8_pairs_eager(x[0, :2], experts, q, scale))
+    bits = scale.view(torch.int32)  # the scales as the int8 quantization stores them: read as float32 bits
+    for f in (torch.ops.flashserve.int8_pairs, cpu_kernels.int8_pairs_eager):
+        assert torch.equal(f(x[0, :2], experts, q, bits), f(x[0, :2], experts, q, scale))
+    with pytest.raises(RuntimeError, match="scale float32"):
+        torch.ops.flashserve.int8_pairs(x[0, :2], experts, q, scale.double())
     with pytest.raises(RuntimeError, match="int8_pairs: x .* do not match"):
         torch.ops.flashserve.int8_pairs(x[0, :2, :32], experts, q, scale)
     with pytest.raises(IndexError, match="expert index out of range"):

@@ -129,13 +129,15 @@ at::Tensor int8_pairs_op(const at::Tensor& x, const at::Tensor& experts, const a
                     experts.numel() % x.size(0) == 0,
                 "int8_pairs: x ", x.sizes(), ", experts ", experts.sizes(), ", q ", q.sizes(), ", scale ",
                 scale.sizes(), " do not match");
-    TORCH_CHECK(q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
-                "int8_pairs: q must be int8 and scale float32");
+    // scale: float32, or int32 holding float32 bits as the int8 quantization stores them (read as they are: no
+    // view op in a compiled step for each of its ~90 int8 products)
+    TORCH_CHECK(q.scalar_type() == at::kChar && (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kInt),
+                "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
     const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
     const int64_t P = ex.numel(), N = q.size(1);
     at::Tensor out = at::empty({P, N}, xs.options());
-    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), static_cast<const float*>(sc.data_ptr()),
            out.data_ptr<float>(), P, P / x.size(0), q.size(0), N, x.size(1), at::get_num_threads());
     return out;
 }
