@@ -179,10 +179,22 @@ def pairs_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = 
     return y if scale is None else y * scale.to(y.dtype)
 
 
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                   panels: torch.Tensor | None = None) -> torch.Tensor:
     """Group ``g`` of ``x [..., G, K]`` times group ``g`` of ``w``'s rows (``w [G * N, K]``, optional per-row
-    ``scale``): [..., G, N]. One token in a compiled CPU step: :func:`reduce_linear` (an int8 ``w`` read as is)."""
+    ``scale``): [..., G, N]. One token in a compiled CPU step: :func:`reduce_linear` (an int8 ``w`` read as is).
+    Several float32 rows there, with ``panels`` (``w``'s copy from :func:`make_panels`): each group through
+    :func:`~flashserve.model.cpu_kernels.dense_rows` over its own panels, instead of MKL's batched product,
+    which packed the weight on every call (the peers checkpoint's 16-row step: ~0.6 ms a step in its packing
+    and products, on one thread)."""
     G, K = x.shape[-2], x.shape[-1]
+    N = w.shape[0] // G
+    if (panels is not None and compiled_cpu(x) and x.numel() > G * K and x.dtype == torch.float32 and scale is None
+            and N % cpu_kernels.LANES == 0):
+        per = N // cpu_kernels.LANES  # group g's outputs: panels g * per .. (g + 1) * per - 1
+        flat = x.reshape(-1, G, K)
+        y = torch.stack([cpu_kernels.dense_rows(flat[:, g], panels[g * per:(g + 1) * per], N) for g in range(G)], 1)
+        return y.view(*x.shape[:-1], N)
     wg = w.view(G, -1, K)
     sg = None if scale is None else scale.view(G, -1)
     if compiled_cpu(x) and x.numel() == G * K:
@@ -231,4 +243,4 @@ class Linear(nn.Linear):
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., G, in / G]`` by the weight's G row groups (the grouped output projection): [..., G, out / G]."""
-        return grouped_linear(x, self.weight)
+        return grouped_linear(x, self.weight, panels=panels(self, "weight"))

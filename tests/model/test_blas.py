@@ -234,6 +234,28 @@ def test_the_engines_threads_keep_openblas_at_one_thread():
             torch.set_num_threads(before)
 
 
+def test_a_grouped_projection_takes_each_groups_panels_for_several_compiled_rows():
+    """The grouped output projection with a panel copy: several compiled rows call the panel kernel once per
+    group over that group's panels (no batched product), one row keeps inductor's own product; both equal the
+    eager einsum to float32 rounding, for 2 and 4 groups."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(1)
+    for G in (2, 4):
+        lin = blas.Linear(48, G * 32, bias=False)  # G groups of 32 outputs (2 panels each) from 48 inputs
+        assert blas.make_panels(lin, "weight")
+        with torch.inference_mode():
+            torch._dynamo.reset()
+            f = torch.compile(lambda x: lin.grouped(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
+            for rows in (5, 1):
+                x = torch.randn(rows, 1, G, 48)
+                got, (code,) = run_and_get_code(f, x)
+                want = torch.einsum("...gk,gnk->...gn", torch.tanh(x), lin.weight.view(G, 32, 48))
+                assert got.shape == (rows, 1, G, 32) and _rel(got, want) < 1e-6
+                assert code.count("flashserve::dense_rows") == (G if rows > 1 else 0)
+                assert "bmm" not in code
+
+
 def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():
     """A float32 weight with a panel copy: several rows of a compiled CPU graph (inductor, C++ wrapper) call the
     panel kernel, one row keeps inductor's own product, eager keeps torch's; values equal ``F.linear`` to float32
