@@ -328,7 +328,8 @@ class PackedLinear(_PackedMatrix):
         other formats decoded."""
         p = self.packed
         G, K = x.shape[-2], x.shape[-1]
-        if p.fmt.name in INT8_ROWS and blas.compiled_cpu(x) and x.numel() == G * K and cpu_kernels.int8_pairs_preferred():
+        if (p.fmt.name in INT8_ROWS and blas.compiled_cpu(x) and x.numel() == G * K
+                and cpu_kernels.int8_pairs_preferred()):
             # one token: group g is pair g of the int8 kernel (inductor's code converts the bytes one at a time
             # on AVX2-only CPUs, see int8_mm)
             q, s = p.qweight.view(G, -1, K), p.scale.view(G, -1)

@@ -137,8 +137,9 @@ at::Tensor int8_pairs_op(const at::Tensor& x, const at::Tensor& experts, const a
     const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
     const int64_t P = ex.numel(), N = q.size(1);
     at::Tensor out = at::empty({P, N}, xs.options());
-    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), static_cast<const float*>(sc.data_ptr()),
-           out.data_ptr<float>(), P, P / x.size(0), q.size(0), N, x.size(1), at::get_num_threads());
+    const float* scales = static_cast<const float*>(sc.data_ptr());  // float32, or its bits as int32
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), scales, out.data_ptr<float>(), P,
+           P / x.size(0), q.size(0), N, x.size(1), at::get_num_threads());
     return out;
 }
 }  // namespace
