@@ -327,17 +327,16 @@ class PackedLinear(_PackedMatrix):
         """``x [..., G, in / G]`` by the weight's G row groups: int8 rows multiplied as stored (no decoded copy),
         other formats decoded."""
         p = self.packed
+        if p.fmt.name not in INT8_ROWS:
+            return blas.grouped_linear(x, p.dequantize(x.dtype))
         G, K = x.shape[-2], x.shape[-1]
-        if (p.fmt.name in INT8_ROWS and blas.compiled_cpu(x) and x.numel() == G * K
-                and cpu_kernels.int8_pairs_preferred()):
+        if blas.compiled_cpu(x) and x.numel() == G * K and cpu_kernels.int8_pairs_preferred():
             # one token: group g is pair g of the int8 kernel (inductor's code converts the bytes one at a time
             # on AVX2-only CPUs, see int8_mm)
             q, s = p.qweight.view(G, -1, K), p.scale.view(G, -1)
             groups = torch.arange(G, device=x.device)
             return cpu_kernels.int8_pairs(x.reshape(G, K), groups, q, s).to(x.dtype).view(x.shape[:-1] + (-1,))
-        if p.fmt.name in INT8_ROWS:
-            return blas.grouped_linear(x, p.qweight, p.scale.view(torch.float32))
-        return blas.grouped_linear(x, p.dequantize(x.dtype))
+        return blas.grouped_linear(x, p.qweight, p.scale.view(torch.float32))
 
     def kernel_bytes(self) -> int:
         """Bytes of fbgemm's copy (w8a8): the int8 matrix again plus an int32 column sum per output (measured:
