@@ -16,9 +16,12 @@ or padding, as vLLM's switch does.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
+import types
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -36,6 +39,18 @@ log = logging.getLogger("flashserve.engine")
 # compiled DecodeStep in a process shares ``_eager``'s code object and dynamo's cap of 8 graphs on it, and past
 # the cap a later engine's step ran uncompiled without a word (seen in the engine benchmark's fourth engine).
 GRAPHS_PER_STEP = 8
+
+
+def compile_own_graphs(method: Callable, **kwargs) -> Callable:
+    """``torch.compile(method, **kwargs)`` keeping its own cache of at most ``GRAPHS_PER_STEP`` graphs. Torch 2.13
+    says so (``isolate_recompiles``, ``recompile_limit``); older versions have neither (torch 2.11, as on the lent
+    GPU machines), and there the method runs as a copy of its code object, on which dynamo hangs its cache and
+    counts its cap (``torch._dynamo.config.recompile_limit``, 8 by default)."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return torch.compile(method, recompile_limit=GRAPHS_PER_STEP, isolate_recompiles=True, **kwargs)
+    f = method.__func__
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return torch.compile(types.MethodType(own, method.__self__), **kwargs)
 
 
 def _python_object_ops(model) -> bool:
@@ -129,9 +144,8 @@ class DecodeStep:
                 self.arenas = pack_weights(self.model)
             self._recorder = GraphRecorder(options, self.arenas)
             backend, options = self._recorder, {}
-        return torch.compile(self._eager, backend=backend, dynamic=False, recompile_limit=GRAPHS_PER_STEP,
-                             options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-                             isolate_recompiles=True)
+        return compile_own_graphs(self._eager, backend=backend, dynamic=False,
+                                  options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
     def bucket(self, n: int) -> int:
         """Rows a batch of ``n`` requests is padded to (eager steps are not padded)."""

@@ -85,11 +85,11 @@ class Guides:
 def allowed_tokens(guides: list[Guide | None], vocab_size: int) -> tuple[list[int], torch.Tensor | None]:
     """(rows constrained now, their allowed-token masks [len(rows), vocab_size] bool): active guides by their
     grammar, guides still waiting for their ``after`` token everything but their ``hold`` tokens."""
+    rows = [i for i, g in enumerate(guides) if g is not None and (g.active or g.hold)]
+    if not rows:  # no constrained row: llguidance is not even imported
+        return rows, None
     from llguidance.torch import fill_next_token_bitmask
 
-    rows = [i for i, g in enumerate(guides) if g is not None and (g.active or g.hold)]
-    if not rows:
-        return rows, None
     bitmask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
     for j, i in enumerate(rows):
         if guides[i].active:

@@ -202,15 +202,24 @@ def test_no_recompiles_after_warm_up():
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
-def test_each_compiled_engine_keeps_its_own_graphs(monkeypatch):
+@pytest.mark.parametrize("torch_compile", ["as installed", "without isolate_recompiles"])
+def test_each_compiled_engine_keeps_its_own_graphs(monkeypatch, torch_compile):
     """Every compiled engine in a process (a benchmark, a notebook) runs the same step code, whose graphs dynamo
     caps per code object (8 by default): shared, a later engine's step would run eager without a word once
     earlier engines had used the cap up. With a cap of one graph per step and per code object, two engines
-    still compile their graph each (batch 1)."""
+    still compile their graph each (batch 1): through torch.compile's ``isolate_recompiles``, and where torch
+    is older than that (torch 2.11 on the lent GPU machines; imitated here) through a copy of the step's code."""
     from torch._dynamo.utils import counters
 
     from flashserve.engine import decode_step
 
+    if torch_compile != "as installed":
+        real = torch.compile
+
+        def older(model, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None):
+            return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options)
+
+        monkeypatch.setattr(torch, "compile", older)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(decode_step, "GRAPHS_PER_STEP", 1)
     for _ in range(2):
