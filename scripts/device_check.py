@@ -11,7 +11,7 @@ with its numbers, and the exit status counts the failures.
 4. Decode tokens/s at batch 1, 8 and 16: eager, compiled, compiled + CUDA graphs (medians of 3).
 
 ``python scripts/device_check.py [part ...]`` runs the named parts only (tokens, logits_and_sync, recompiles,
-bench, more_tokens); engines are made once and shared between parts, so a compiled engine's warm-up (every
+bench, more_tokens; batch1, not run by default, is a short check of one compiled graph); engines are made once and shared between parts, so a compiled engine's warm-up (every
 bucket compiled, and recorded as CUDA graphs) is paid once.
 """
 
@@ -101,20 +101,20 @@ def more_tokens(c: Checks) -> None:
     equal_tokens(c, [("tiny-v41", "float"), ("tiny-v4", "packed")])
 
 
-def running(eng: LLMEngine, tag: str):
-    for i, p in enumerate(prompts(3, 30, 2)):
+def running(eng: LLMEngine, tag: str, n: int = 3):
+    for i, p in enumerate(prompts(n, 30, 2)):
         eng.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     while not all(s.prefill_done for s in eng.scheduler.running) or eng.scheduler.waiting:
         eng.step()
     return eng.scheduler.running
 
 
-def logits_and_sync(c: Checks) -> None:
-    eng, eager = c.engine("tiny-v41", "packed", "compiled+graphs"), c.engine("tiny-v41", "packed", "eager")
-    seqs_c, seqs_e = running(eng, "s"), running(eager, "s")
+def logits_and_sync(c: Checks, mode: str = "compiled+graphs", n: int = 3) -> None:
+    eng, eager = c.engine("tiny-v41", "packed", mode), c.engine("tiny-v41", "packed", "eager")
+    seqs_c, seqs_e = running(eng, "s", n), running(eager, "s", n)
     lc, le = eng.runner.decode(seqs_c), eager.runner.decode(seqs_e)
     rel = float(((lc - le).abs().max() / le.abs().max()))
-    c.check("logits compiled+graphs vs eager", rel < 1e-5, f"(max relative difference {rel:.2e})")
+    c.check(f"logits {mode} vs eager, batch {n}", rel < 1e-5, f"(max relative difference {rel:.2e})")
     for _ in range(3):
         eng.step()
     step = eng.runner.decode_step
@@ -189,7 +189,35 @@ def bench(c: Checks) -> None:
             f"{m} {v:.0f} tok/s ({v / med['eager']:.2f}x eager)" for m, v in med.items()), flush=True)
 
 
-PARTS = {f.__name__: f for f in (tokens, logits_and_sync, recompiles, bench, more_tokens)}
+def batch1(c: Checks) -> None:
+    """Batch 1 alone, eager against compiled without CUDA graphs, the other buckets left uncompiled: what a lease
+    too short for the whole check can show (one graph compiled; tokens, logits, host sync, tok/s)."""
+    from flashserve.engine.decode_step import DecodeStep
+
+    real = DecodeStep.warm_up
+    DecodeStep.warm_up = lambda self, rows=1: 0.0
+    try:
+        eager, comp = c.engine("tiny-v41", "packed", "eager"), c.engine("tiny-v41", "packed", "compiled")
+    finally:
+        DecodeStep.warm_up = real
+    batch = prompts(1, 40, 1)
+    want = greedy(eager, batch, 12)
+    t = time.perf_counter()
+    got = greedy(comp, batch, 12)
+    c.check("tokens tiny-v41 packed cache, compiled, batch 1", got == want,
+            f"(first request, compile included: {time.perf_counter() - t:.1f} s)")
+    logits_and_sync(c, "compiled", 1)
+    rates = {"eager": [], "compiled": []}
+    for _ in range(3):
+        rates["eager"].append(decode_rate(eager, 1))
+        rates["compiled"].append(decode_rate(comp, 1))
+    med = {m: statistics.median(v) for m, v in rates.items()}
+    print(f"BENCH tiny-v41 decode batch 1: eager {med['eager']:.0f} tok/s, compiled {med['compiled']:.0f} tok/s "
+          f"({med['compiled'] / med['eager']:.2f}x eager; runs {rates})", flush=True)
+
+
+PARTS = {f.__name__: f for f in (tokens, logits_and_sync, recompiles, bench, more_tokens, batch1)}
+DEFAULT = [p for p in PARTS if p != "batch1"]
 
 
 def main(names: list[str]) -> int:
@@ -202,7 +230,7 @@ def main(names: list[str]) -> int:
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     c = Checks()
-    for name in names or PARTS:
+    for name in names or DEFAULT:
         t = time.perf_counter()
         try:
             PARTS[name](c)
