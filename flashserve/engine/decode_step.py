@@ -5,12 +5,11 @@ padded to the next bucket (1, 2, 4, 8, ... up to ``max_num_seqs``). Padding rows
 and scratch page. The step's inputs are four tensors built on the host from what the scheduler knows (ids,
 start positions, slots, page table), so nothing inside the forward reads a value back. The batch and
 page-table widths are marked dynamic, so one graph serves every bucket from 2 and every context length (plus
-one for batch 1, and one where the MoE switches from gathered experts to all experts). On CUDA the compiled
-step replays CUDA graphs (``cuda_graphs``; inductor's ``triton.cudagraphs``, what the "reduce-overhead" mode
-sets, records one per shape, the cache's tensors marked as static addresses); on the CPU inductor's C++ wrapper
-calls the step's kernels. Once dynamo has run a graph for a set of input shapes, later steps of those shapes
-call that graph directly (:mod:`.graph_call`: no guards, no argument gathering); a CPU graph takes the model's
-weights as one buffer per dtype (:mod:`.weight_arena`). ``enforce_eager`` runs the same step without compiling
+one for batch 1 on the CPU, and one where the MoE switches from gathered experts to all experts). Once dynamo has
+run a graph for a set of input shapes, later steps of those shapes call that graph directly (:mod:`.graph_call`:
+no guards, no argument gathering). On CUDA that direct call is recorded as a CUDA graph per input shape and
+replayed (``cuda_graphs``; :class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls the step's
+kernels, and the graph takes the model's weights as one buffer per dtype (:mod:`.weight_arena`). ``enforce_eager`` runs the same step without compiling
 or padding, as vLLM's switch does.
 """
 
@@ -28,7 +27,7 @@ import torch
 from ..model.packed import PackedLinear
 from .cache import KVCache
 from .fixed_state import FixedBatchState
-from .graph_call import DirectCall, GraphRecorder, tensors_within
+from .graph_call import CudaGraphCall, DirectCall, GraphRecorder, tensors_within
 from .inductor_passes import SinkInputWrites
 from .weight_arena import pack_weights
 
@@ -59,12 +58,15 @@ def _python_object_ops(model) -> bool:
     return any(isinstance(m, PackedLinear) and m.kernel is not None for m in model.modules())
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
-    """1, then powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself. Batch 1 is its own graph
-    (dynamo specialises a dimension of size 1): padding it to 2 rows would double every matmul, since a 2-row
-    fp32 ``mm`` costs 1.6-2x a 1-row one on the CPU (measured: 41 against 66 us for 512x512, 7.4 against
-    14.6 ms for a 32000x512 LM head). Sizes from 2 share one graph with a dynamic batch dimension."""
-    out, b = [1], 2
+def decode_buckets(max_num_seqs: int, one_row_graph: bool = True) -> list[int]:
+    """1, then powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself. Sizes from 2 share one graph
+    with a dynamic batch dimension; batch 1 is a graph of its own (dynamo specialises a dimension of size 1).
+    On the CPU that graph pays: padding one row to 2 would double every matmul, since a 2-row fp32 ``mm`` costs
+    1.6-2x a 1-row one (measured: 41 against 66 us for 512x512, 7.4 against 14.6 ms for a 32000x512 LM head).
+    Without ``one_row_graph`` (CUDA) a lone request is padded to 2 rows and every batch runs the one graph:
+    compiling a graph of tiny-v41 took about 6 minutes on the lent H200 machine (torch 2.11, 16 cores; 1 minute
+    of it dynamo's trace, the rest inductor's), so a second graph doubled the start-up."""
+    out, b = ([1] if one_row_graph or max_num_seqs == 1 else []), 2
     while b < max_num_seqs:
         out.append(b)
         b *= 2
@@ -91,7 +93,7 @@ class DecodeStep:
         ``streams``: return the final streams instead (V4 MTP)."""
         self.model, self.cache = model, cache
         self.capture, self.streams = capture, streams
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(max_num_seqs, one_row_graph=cache.device.type == "cpu")
         self.enforce_eager = enforce_eager
         cfg = model.cfg
         ratios = [r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r > 0]
@@ -102,15 +104,16 @@ class DecodeStep:
         entries_per_page = cache.page_tokens // max(ratios) if ratios else cache.page_tokens
         self.min_pages = max(2, -(-need // max(entries_per_page, 1)))
         self.max_pages = max(cache.num_pages, self.min_pages) + 1
+        # CUDA graphs replay a direct call per input shape (table widths rounded up to powers of two, so a
+        # growing context records a new graph at each doubling only); the cache keeps its addresses as allocated
         self.cuda_graphs = cuda_graphs and cache.device.type == "cuda" and not enforce_eager
-        if self.cuda_graphs:  # replays write the cache in place: its tensors must keep their addresses
-            for t in cache.storage.tensors():
-                torch._dynamo.mark_static_address(t)
         self._recorder: GraphRecorder | None = None
         # steps by input shapes (batch, rows, table width) -> the graph dynamo ran for them, called directly
-        # (None: through dynamo), and those plans by compiled graph
+        # (None: through dynamo), and those plans by compiled graph; with CUDA graphs, each shape's recording
         self._direct: dict[tuple, DirectCall | None] = {}
         self._plans: dict[int, DirectCall | None] = {}
+        self._graphs: dict[tuple, CudaGraphCall] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.arenas: list[torch.Tensor] = []  # the model's weights, one buffer per dtype (compiled CPU steps)
         self._forward = self._eager if enforce_eager else self._compile(backend)
         self.warmup_s = 0.0
@@ -119,11 +122,9 @@ class DecodeStep:
         """``_eager`` compiled with guards on the tensors it is given only. Dynamo would also check every
         parameter and attribute of the model before each call (1.2 ms of a 20 ms step on the engine
         benchmark's checkpoint); the engine never changes its model after start-up, so those checks are
-        skipped. ``triton.cudagraphs`` is what ``mode="reduce-overhead"`` sets. Inductor gets one graph pass of
-        ours (:class:`SinkInputWrites`), without which it copied every cache ring a step writes, twice."""
+        skipped. Inductor gets one graph pass of ours (:class:`SinkInputWrites`), without which it copied every
+        cache ring a step writes, twice."""
         options = {}
-        if self.cuda_graphs:
-            options["triton.cudagraphs"] = True
         if backend == "inductor" and self.cache.device.type == "cpu" and not _python_object_ops(self.model):
             # inductor's C++ wrapper calls the step's kernels and external matmuls from C++ instead of from a
             # Python function: batch 1 on the benchmark's peers checkpoint 53.5 -> 74 tok/s (2 threads, two
@@ -164,6 +165,8 @@ class DecodeStep:
         B, Bp = len(ids), self.bucket(len(ids))
         R = len(ids[0])
         P = max(pages) if self.enforce_eager else max(max(pages), self.min_pages)
+        if self.cuda_graphs:  # past the request's pages the columns name the scratch page, as padding rows do
+            P = 1 << (P - 1).bit_length()
         pad = Bp - B
         slot_t = torch.tensor(slots + [cache.scratch_slot] * pad, dtype=torch.long, device=dev)
         table = torch.full((Bp, P), cache.scratch_page, dtype=torch.long, device=dev)
@@ -184,13 +187,13 @@ class DecodeStep:
         features [Bp, R, len(capture), D] or final streams [Bp, R, n, D] (None without either)."""
         key = (*inp.ids.shape, inp.table.shape[1])
         direct = self._direct.get(key)
-        if direct is not None:
-            logits, feats = direct(inp)
-        else:
-            logits, feats = self._forward_noting(inp, key)
-        if self.cuda_graphs:  # a graph's output buffers are rewritten by the next replay
-            logits, feats = logits.clone(), (None if feats is None else feats.clone())
-        return logits, feats
+        if direct is None:
+            return self._forward_noting(inp, key)
+        if self.cuda_graphs:
+            if key not in self._graphs:
+                self._graphs[key] = CudaGraphCall(direct, inp, self._pool)
+            return self._graphs[key](inp)
+        return direct(inp)
 
     def _forward_noting(self, inp: StepInputs, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step as ``torch.compile`` runs it (compiling when the shapes are new); the first time for ``key``,
@@ -209,6 +212,9 @@ class DecodeStep:
             if graph not in self._plans:
                 self._plans[graph] = DirectCall.plan(rec.calls, inp, logits, feats, self._fixed_tensors())
             self._direct[key] = self._plans[graph]
+            if self.cuda_graphs and self._direct[key] is None:
+                log.warning("decode steps of shape %s run without CUDA graphs: dynamo's call of them could not "
+                            "be planned as a direct call", key)
         return logits, feats
 
     def _fixed_tensors(self) -> set[int]:
@@ -245,7 +251,8 @@ class DecodeStep:
                              slots=torch.full((b,), cache.scratch_slot, dtype=torch.long, device=cache.device),
                              table=torch.full((b, self.min_pages), cache.scratch_page, dtype=torch.long,
                                               device=cache.device))
-            self(inp)
+            for _ in range(2 if self.cuda_graphs else 1):  # compiled, then (CUDA) recorded
+                self(inp)
         self.warmup_s = time.perf_counter() - t0
         log.info("decode step compiled for buckets %s in %.1f s", self.buckets, self.warmup_s)
         return self.warmup_s

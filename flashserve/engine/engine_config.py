@@ -35,8 +35,8 @@ class EngineConfig:
     # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
     # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
     enforce_eager: bool | None = None
-    # On CUDA the compiled step replays CUDA graphs (torch.compile's "reduce-overhead" mode, cache storage marked
-    # as static addresses); False compiles without them. Ignored on the CPU and with enforce_eager.
+    # On CUDA the compiled step is recorded as a CUDA graph per input shape and replayed (the same compiled graph
+    # as without them); False calls the compiled graph. Ignored on the CPU and with enforce_eager.
     cuda_graphs: bool = True
     compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "w8a8" | "fp8" |

@@ -229,6 +229,32 @@ def test_each_compiled_engine_keeps_its_own_graphs(monkeypatch, torch_compile):
         assert counters["stats"]["unique_graphs"] - before == 1
 
 
+def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(monkeypatch):
+    """On CUDA the step keeps no graph for batch 1 (a second graph doubled a GPU engine's start-up): a lone
+    request runs padded to 2 rows through the graph every batch shares, with eager's tokens. Imitated on the
+    CPU by taking the buckets CUDA gets."""
+    from torch._dynamo.utils import counters
+
+    from flashserve.engine import decode_step
+
+    assert decode_step.decode_buckets(16, one_row_graph=False) == [2, 4, 8, 16]
+    assert decode_step.decode_buckets(1, one_row_graph=False) == [1]  # one request at most: its own graph
+    real = decode_step.decode_buckets
+    monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, False))
+    model = compact_v41(torch.float32, layers=TWO)
+    kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=4)
+    before = counters["stats"]["unique_graphs"]
+    engine = make_engine(model, "tiny-v41", enforce_eager=False, compile_backend="eager", **kw)
+    assert engine.runner.decode_step.buckets == [2, 4]
+    step_fn, padded = engine.runner.decode_step._forward, []
+    engine.runner.decode_step._forward = lambda ids, *a: padded.append(ids.shape[0]) or step_fn(ids, *a)
+    prompts = [prompt_of(9, 1)]
+    got = run_greedy(engine, prompts, 6)
+    assert padded and set(padded) == {2}
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert got == run_greedy(make_engine(model, "tiny-v41", enforce_eager=True, **kw), prompts, 6)
+
+
 class HostSync(AssertionError):
     pass
 
