@@ -17,7 +17,8 @@ export TORCH_LOGS="${TORCH_LOGS:-perf_hints}"  # inductor says there why a graph
 # exists, and writes it back afterwards (carry it to the next machine).
 cache_dir="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}"
 if [ -n "${INDUCTOR_CACHE:-}" ] && [ -f "$INDUCTOR_CACHE" ]; then
-    mkdir -p "$cache_dir" && tar xzf "$INDUCTOR_CACHE" -C "$cache_dir" && echo "inductor cache restored from $INDUCTOR_CACHE"
+    mkdir -p "$cache_dir" && tar xzf "$INDUCTOR_CACHE" -C "$cache_dir" \
+        && echo "inductor cache restored from $INDUCTOR_CACHE"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 timeout 420 python3 scripts/device_check.py "$@"

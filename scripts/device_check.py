@@ -11,8 +11,9 @@ with its numbers, and the exit status counts the failures.
 4. Decode tokens/s at batch 1, 8 and 16: eager, compiled, compiled + CUDA graphs (medians of 3).
 
 ``python scripts/device_check.py [part ...]`` runs the named parts only (tokens, logits_and_sync, recompiles,
-bench, more_tokens; batch1, not run by default, is a short check of one compiled graph); engines are made once and shared between parts, so a compiled engine's warm-up (every
-bucket compiled, and recorded as CUDA graphs) is paid once.
+bench, more_tokens; batch1, not run by default, is a short check of one compiled graph). Engines are made once
+and shared between parts, so a compiled engine's warm-up (every bucket compiled, and recorded as CUDA graphs)
+is paid once.
 """
 
 from __future__ import annotations

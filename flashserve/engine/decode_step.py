@@ -8,9 +8,9 @@ page-table widths are marked dynamic, so one graph serves every bucket from 2 an
 one for batch 1 on the CPU, and one where the MoE switches from gathered experts to all experts). Once dynamo has
 run a graph for a set of input shapes, later steps of those shapes call that graph directly (:mod:`.graph_call`:
 no guards, no argument gathering). On CUDA that direct call is recorded as a CUDA graph per input shape and
-replayed (``cuda_graphs``; :class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls the step's
-kernels, and the graph takes the model's weights as one buffer per dtype (:mod:`.weight_arena`). ``enforce_eager`` runs the same step without compiling
-or padding, as vLLM's switch does.
+replayed (``cuda_graphs``; :class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls the
+step's kernels, and the graph takes the model's weights as one buffer per dtype (:mod:`.weight_arena`).
+``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch does.
 """
 
 from __future__ import annotations
@@ -145,8 +145,9 @@ class DecodeStep:
                 self.arenas = pack_weights(self.model)
             self._recorder = GraphRecorder(options, self.arenas)
             backend, options = self._recorder, {}
+        skip_model_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         return compile_own_graphs(self._eager, backend=backend, dynamic=False,
-                                  options={**options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                                  options={**options, "guard_filter_fn": skip_model_guards})
 
     def bucket(self, n: int) -> int:
         """Rows a batch of ``n`` requests is padded to (eager steps are not padded)."""
