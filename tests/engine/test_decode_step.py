@@ -202,24 +202,15 @@ def test_no_recompiles_after_warm_up():
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
-@pytest.mark.parametrize("torch_compile", ["as installed", "without isolate_recompiles"])
-def test_each_compiled_engine_keeps_its_own_graphs(monkeypatch, torch_compile):
+def test_each_compiled_engine_keeps_its_own_graphs(monkeypatch):
     """Every compiled engine in a process (a benchmark, a notebook) runs the same step code, whose graphs dynamo
     caps per code object (8 by default): shared, a later engine's step would run eager without a word once
     earlier engines had used the cap up. With a cap of one graph per step and per code object, two engines
-    still compile their graph each (batch 1): through torch.compile's ``isolate_recompiles``, and where torch
-    is older than that (torch 2.11 on the lent GPU machines; imitated here) through a copy of the step's code."""
+    still compile their graph each (batch 1)."""
     from torch._dynamo.utils import counters
 
     from flashserve.engine import decode_step
 
-    if torch_compile != "as installed":
-        real = torch.compile
-
-        def older(model, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None):
-            return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options)
-
-        monkeypatch.setattr(torch, "compile", older)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     monkeypatch.setattr(decode_step, "GRAPHS_PER_STEP", 1)
     for _ in range(2):
@@ -253,6 +244,36 @@ def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(
     assert padded and set(padded) == {2}
     assert counters["stats"]["unique_graphs"] - before == 1
     assert got == run_greedy(make_engine(model, "tiny-v41", enforce_eager=True, **kw), prompts, 6)
+
+
+def test_older_torch_compile_gets_a_code_object_of_its_own(monkeypatch):
+    """Where ``torch.compile`` has no ``isolate_recompiles`` (torch 2.11, as on the lent GPU machines; imitated
+    here), each compiled method runs a copy of its code, so dynamo's cap counts that method's graphs alone: with
+    a cap of one, two objects whose methods need a graph each still get them."""
+    from flashserve.engine.decode_step import compile_own_graphs
+
+    real, graphs = torch.compile, []
+
+    def older(model, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None):
+        return real(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    class Scale:
+        def __init__(self, k: int):
+            self.k = k
+
+        def forward(self, x):
+            return x * self.k  # a constant of the graph: another object's k needs another graph
+
+    monkeypatch.setattr(torch, "compile", older)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    x = torch.ones(3)
+    for k in (2, 3):
+        assert compile_own_graphs(Scale(k).forward, backend=backend)(x).tolist() == [k] * 3
+    assert len(graphs) == 2
 
 
 class HostSync(AssertionError):
