@@ -103,7 +103,6 @@ class DecodeStep:
         need = max(cfg.index_topk, pool, 1)
         entries_per_page = cache.page_tokens // max(ratios) if ratios else cache.page_tokens
         self.min_pages = max(2, -(-need // max(entries_per_page, 1)))
-        self.max_pages = max(cache.num_pages, self.min_pages) + 1
         # CUDA graphs replay a direct call per input shape (table widths rounded up to powers of two, so a
         # growing context records a new graph at each doubling only); the cache keeps its addresses as allocated
         self.cuda_graphs = cuda_graphs and cache.device.type == "cuda" and not enforce_eager
