@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks of the fixed-shape decode step, for a machine with CUDA (see scripts/device_check.py): compiled
 # step with and without CUDA graphs against eager (tokens, logits), no host sync, no recompiles, and decode
-# tokens/s at batch 1/8/16 for eager, compiled, and compiled + CUDA graphs. Stops itself after 7 minutes (a lent
-# machine's 15 minutes must also hold its start and a second try). Arguments: the parts to run (all by default).
+# tokens/s at batch 1/8/16 for eager, compiled, and compiled + CUDA graphs. Stops itself after $CHECK_SECONDS
+# (7 minutes by default: a lent machine's 15 minutes must also hold its start and a second try). Arguments: the
+# parts to run (all by default).
 # Uses the machine's own torch (the project asks only for torch>=2.4); llguidance, fastapi and uvicorn are the
 # only imports the engine may lack there: pass a folder of wheels as $WHEELS to install them first.
 set -uo pipefail
@@ -21,7 +22,7 @@ if [ -n "${INDUCTOR_CACHE:-}" ] && [ -f "$INDUCTOR_CACHE" ]; then
         && echo "inductor cache restored from $INDUCTOR_CACHE"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 420 python3 scripts/device_check.py "$@"
+timeout "${CHECK_SECONDS:-420}" python3 scripts/device_check.py "$@"
 rc=$?
 if [ -n "${INDUCTOR_CACHE:-}" ]; then
     tar czf "$INDUCTOR_CACHE" -C "$cache_dir" . && echo "inductor cache written to $INDUCTOR_CACHE"

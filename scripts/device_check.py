@@ -27,15 +27,16 @@ import torch
 
 from flashserve.engine import EngineConfig, LLMEngine, SamplingParams
 
-MODES = {"eager": dict(enforce_eager=True), "compiled": dict(enforce_eager=False, cuda_graphs=False),
-         "compiled+graphs": dict(enforce_eager=False, cuda_graphs=True)}
+MODES = ("eager", "compiled", "compiled+graphs")
 
 
 class Checks:
-    """The engines the parts share (by model, cache layout and mode) and the failed checks' names."""
+    """The engines the parts share (by model, cache layout, eager or compiled) and the failed checks' names. One
+    compiled engine serves both compiled modes: CUDA graphs are switched on and off on its step, so the modes
+    share one compile (a cold one took minutes on the first H200 lent)."""
 
     def __init__(self):
-        self.engines: dict[tuple[str, str, str], LLMEngine] = {}
+        self.engines: dict[tuple[str, str, bool], LLMEngine] = {}
         self.failed: list[str] = []
 
     def check(self, name: str, ok: bool, detail: str = "") -> None:
@@ -44,15 +45,29 @@ class Checks:
             self.failed.append(name)
 
     def engine(self, name: str, cache: str, mode: str) -> LLMEngine:
-        key = (name, cache, mode)
+        key = (name, cache, mode != "eager")
         if key not in self.engines:
             t = time.perf_counter()
             self.engines[key] = LLMEngine(EngineConfig(model=name, device="cuda", dtype="float32", cache_dtype=cache,
-                                                       kv_memory="256MiB", max_num_seqs=16, **MODES[mode]))
+                                                       kv_memory="256MiB", max_num_seqs=16,
+                                                       enforce_eager=mode == "eager", cuda_graphs=True))
             warm = self.engines[key].runner.decode_step.warmup_s
-            print(f"   engine {name} {cache} cache {mode}: made in {time.perf_counter() - t:.1f} s "
-                  f"(decode step warm-up {warm:.1f} s)", flush=True)
-        return self.engines[key]
+            print(f"   engine {name} {cache} cache {'eager' if mode == 'eager' else 'compiled'}: made in "
+                  f"{time.perf_counter() - t:.1f} s (decode step warm-up {warm:.1f} s)", flush=True)
+            if mode != "eager":
+                compile_report()
+        eng = self.engines[key]
+        if mode != "eager":
+            eng.runner.decode_step.cuda_graphs = mode == "compiled+graphs"
+        return eng
+
+
+def compile_report(top: int = 12) -> None:
+    """Where the compiles so far spent their time (dynamo's timers, summed over calls), largest first."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    total = sorted(((sum(v), len(v), k) for k, v in compilation_time_metrics.items()), reverse=True)
+    print("   compile time so far: " + "; ".join(f"{k} {s:.1f} s ({n}x)" for s, n, k in total[:top]), flush=True)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -79,12 +94,19 @@ def equal_tokens(c: Checks, combos: list[tuple[str, str]]) -> None:
         want = greedy(c.engine(name, cache, "eager"), batch, 12)
         for mode in ("compiled", "compiled+graphs"):
             eng = c.engine(name, cache, mode)
+            before = replays(eng)
             got = greedy(eng, batch, 12)
             c.check(f"tokens {name} {cache} cache, {mode}", got == want,
                     "" if got == want else f"(first row {got[0]} against {want[0]})")
-            if mode == "compiled+graphs":  # the batch's shapes went through a recorded graph, not dynamo
-                recorded = len(eng.runner.decode_step._graphs)
-                c.check(f"CUDA graphs recorded, {name} {cache} cache", recorded > 0, f"({recorded} shapes)")
+            steps = replays(eng) - before
+            if mode == "compiled+graphs":  # the batch's steps replayed recorded graphs, not dynamo's call
+                c.check(f"CUDA graphs replayed, {name} {cache} cache", steps > 0, f"({steps} replays for 11 steps)")
+            else:
+                c.check(f"no CUDA graph replayed with graphs off, {name} {cache} cache", steps == 0)
+
+
+def replays(eng: LLMEngine) -> int:
+    return sum(g.replays for g in eng.runner.decode_step._graphs.values())
 
 
 def tokens(c: Checks) -> None:
@@ -170,15 +192,14 @@ def decode_rate(eng: LLMEngine, batch: int, new: int = 64) -> float:
 
 
 def bench(c: Checks) -> None:
-    engines = {m: c.engine("tiny-v41", "packed", m) for m in MODES}
-    for e in engines.values():
+    for m in MODES:
         for batch in (1, 8, 16):
-            decode_rate(e, batch, 8)  # every shape used below seen once
+            decode_rate(c.engine("tiny-v41", "packed", m), batch, 8)  # every shape used below seen once
     for batch in (1, 8, 16):
         rates = {m: [] for m in MODES}
         for _ in range(3):
-            for m, e in engines.items():
-                rates[m].append(decode_rate(e, batch))
+            for m in MODES:
+                rates[m].append(decode_rate(c.engine("tiny-v41", "packed", m), batch))
         med = {m: statistics.median(v) for m, v in rates.items()}
         print(f"BENCH tiny-v41 decode batch {batch}: " + ", ".join(
             f"{m} {v:.0f} tok/s ({v / med['eager']:.2f}x eager)" for m, v in med.items()), flush=True)
@@ -203,7 +224,7 @@ def batch1(c: Checks) -> None:
     got = greedy(graphs, batch, 12)
     c.check("tokens tiny-v41 packed cache, compiled+graphs, batch 1", got == want,
             f"(first request, compile included: {time.perf_counter() - t:.1f} s; "
-            f"{len(graphs.runner.decode_step._graphs)} CUDA graph(s) recorded)")
+            f"{len(graphs.runner.decode_step._graphs)} CUDA graph(s) recorded, {replays(graphs)} replays)")
     logits_and_sync(c, "compiled+graphs", 1)
     rates = {"eager": [], "compiled+graphs": []}
     for _ in range(3):

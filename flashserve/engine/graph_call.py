@@ -141,6 +141,7 @@ class CudaGraphCall:
     def __init__(self, direct: DirectCall, inp: "StepInputs", pool):
         self.inputs = {name: getattr(inp, name).clone() for name in INPUTS}
         self.graph = torch.cuda.CUDAGraph()
+        self.replays = 0
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = direct(SimpleNamespace(**self.inputs))
 
@@ -148,5 +149,6 @@ class CudaGraphCall:
         for name, t in self.inputs.items():
             t.copy_(getattr(inp, name))
         self.graph.replay()
+        self.replays += 1
         logits, feats = self.out
         return logits.clone(), (None if feats is None else feats.clone())

@@ -62,28 +62,20 @@ def _two_layer_model() -> Transformer:
     return model
 
 
-def test_a_compiled_step_keeps_the_head_row_major():
-    """A compiled CPU step's one-row products (inductor's reduction kernels) read a row-major head faster, so
-    only an eager step's engine converts it."""
-    model = _two_layer_model()
-    cfg = model.cfg
-    make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
-    assert model.head.weight.is_contiguous()
-    make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=True)
-    assert model.head.weight.stride() == (1, cfg.vocab_size)
-
-
 @torch.inference_mode()
 def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights():
     """An engine compiled for several rows on the CPU gives its float32 products panel copies (torch's ``mm``
     repacks the weight every call): the head, the routers, the mHC mixing; its greedy tokens equal an eager
     engine's and its logits agree to float32 rounding. One row (``max_num_seqs=1``) and eager engines make no
-    copy."""
+    copy. A compiled step keeps the head row-major (inductor's one-row reduction kernels read it faster); only
+    an eager step's engine stores it column-major."""
     model = _two_layer_model()
     make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
     assert blas.panels(model.head, "weight") is None
+    assert model.head.weight.is_contiguous()
     ref = copy.deepcopy(model)
     eager = make_engine(ref, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=True)
+    assert ref.head.weight.stride() == (1, ref.cfg.vocab_size)
     compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
                            compile_backend="eager")
     copied = {name[: -len(blas.PANELS)] for name, _ in model.named_buffers() if name.endswith(blas.PANELS)}
