@@ -202,24 +202,6 @@ def test_no_recompiles_after_warm_up():
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
-def test_each_compiled_engine_keeps_its_own_graphs(monkeypatch):
-    """Every compiled engine in a process (a benchmark, a notebook) runs the same step code, whose graphs dynamo
-    caps per code object (8 by default): shared, a later engine's step would run eager without a word once
-    earlier engines had used the cap up. With a cap of one graph per step and per code object, two engines
-    still compile their graph each (batch 1)."""
-    from torch._dynamo.utils import counters
-
-    from flashserve.engine import decode_step
-
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    monkeypatch.setattr(decode_step, "GRAPHS_PER_STEP", 1)
-    for _ in range(2):
-        before = counters["stats"]["unique_graphs"]
-        make_engine(compact_v41(torch.float32, layers=TWO), "tiny-v41", dtype="float32", max_num_seqs=1,
-                    enforce_eager=False, compile_backend="eager")
-        assert counters["stats"]["unique_graphs"] - before == 1
-
-
 def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(monkeypatch):
     """On CUDA the step keeps no graph for batch 1 (a second graph doubled a GPU engine's start-up): a lone
     request runs padded to 2 rows through the graph every batch shares, with eager's tokens. Imitated on the
@@ -246,11 +228,15 @@ def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(
     assert got == run_greedy(make_engine(model, "tiny-v41", enforce_eager=True, **kw), prompts, 6)
 
 
-def test_older_torch_compile_gets_a_code_object_of_its_own(monkeypatch):
-    """Where ``torch.compile`` has no ``isolate_recompiles`` (torch 2.11, as on the lent GPU machines; imitated
-    here), each compiled method runs a copy of its code, so dynamo's cap counts that method's graphs alone: with
-    a cap of one, two objects whose methods need a graph each still get them."""
-    from flashserve.engine.decode_step import compile_own_graphs
+@pytest.mark.parametrize("signature", ["as installed", "without isolate_recompiles"])
+def test_each_compiled_method_keeps_its_own_graphs(monkeypatch, signature):
+    """Every compiled engine in a process (a benchmark, a notebook) runs the same step code, whose graphs dynamo
+    caps per code object (8 by default): shared, a later engine's step would run eager without a word once
+    earlier engines had used the cap up. ``compile_own_graphs`` keeps each method's graphs apart: with a cap of
+    one, two objects whose methods need a graph each still get them. Where ``torch.compile`` has no
+    ``isolate_recompiles`` (torch 2.11, as on the lent GPU machines; imitated here) it runs a copy of the
+    method's code."""
+    from flashserve.engine import decode_step
 
     real, graphs = torch.compile, []
 
@@ -268,11 +254,13 @@ def test_older_torch_compile_gets_a_code_object_of_its_own(monkeypatch):
         def forward(self, x):
             return x * self.k  # a constant of the graph: another object's k needs another graph
 
-    monkeypatch.setattr(torch, "compile", older)
+    if signature != "as installed":
+        monkeypatch.setattr(torch, "compile", older)
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    monkeypatch.setattr(decode_step, "GRAPHS_PER_STEP", 1)
     x = torch.ones(3)
     for k in (2, 3):
-        assert compile_own_graphs(Scale(k).forward, backend=backend)(x).tolist() == [k] * 3
+        assert decode_step.compile_own_graphs(Scale(k).forward, backend=backend)(x).tolist() == [k] * 3
     assert len(graphs) == 2
 
 
