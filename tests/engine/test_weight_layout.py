@@ -63,19 +63,26 @@ def _two_layer_model() -> Transformer:
 
 
 @torch.inference_mode()
-def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights():
+def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights(monkeypatch):
     """An engine compiled for several rows on the CPU gives its float32 products panel copies (torch's ``mm``
     repacks the weight every call): the head, the routers, the mHC mixing; its greedy tokens equal an eager
     engine's and its logits agree to float32 rounding. One row (``max_num_seqs=1``) and eager engines make no
     copy. A compiled step keeps the head row-major (inductor's one-row reduction kernels read it faster); only
     an eager step's engine stores it column-major."""
+    from flashserve.engine import decode_step
+
     model = _two_layer_model()
-    make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
+    with monkeypatch.context() as m:  # the layouts are chosen before the warm-up: its compile is not needed here
+        m.setattr(decode_step.DecodeStep, "warm_up", lambda self, rows=1: 0.0)
+        make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
     assert blas.panels(model.head, "weight") is None
     assert model.head.weight.is_contiguous()
     ref = copy.deepcopy(model)
     eager = make_engine(ref, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=True)
     assert ref.head.weight.stride() == (1, ref.cfg.vocab_size)
+    # CUDA's buckets: one graph (a lone request would run padded to 2 rows), not a batch-1 graph as well (~20 s)
+    real = decode_step.decode_buckets
+    monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, one_row_graph=False))
     compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
                            compile_backend="eager")
     copied = {name[: -len(blas.PANELS)] for name, _ in model.named_buffers() if name.endswith(blas.PANELS)}
