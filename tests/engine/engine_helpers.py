@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 
 
+def use_cuda_buckets(monkeypatch) -> None:
+    """Compiled CPU engines made after this take the buckets CUDA gets: no graph of its own for batch 1 (a lone
+    request runs padded to 2 rows in the graph every batch shares), so an engine compiles one graph, not two."""
+    from flashserve.engine import decode_step
+
+    real = decode_step.decode_buckets
+    monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, one_row_graph=False))
+
+
 def make_engine(model, name: str, **kw):
     from flashserve.engine import EngineConfig, LLMEngine
 

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from engine_helpers import make_engine, prompt_of, run_greedy
+from engine_helpers import make_engine, prompt_of, run_greedy, use_cuda_buckets
 from flashserve.config.engram_primes import engram_table_rows
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
@@ -95,11 +95,8 @@ def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
                                                              (torch.float32, "packed", "w8a8", TWO),
                                                              (torch.float32, "packed", "mxfp4", TWO)])
 def test_compiled_graph_equals_eager(monkeypatch, dtype, cache_dtype, weights, layers):
-    from flashserve.engine import decode_step
-
     if weights is not None:
-        real = decode_step.decode_buckets
-        monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, False))
+        use_cuda_buckets(monkeypatch)
     model = compact_v41(dtype, weights, layers)
     name = "tiny-v41"
     kw = dict(dtype=str(dtype).removeprefix("torch."), cache_dtype=cache_dtype, max_num_seqs=4)
@@ -219,8 +216,7 @@ def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(
 
     assert decode_step.decode_buckets(16, one_row_graph=False) == [2, 4, 8, 16]
     assert decode_step.decode_buckets(1, one_row_graph=False) == [1]  # one request at most: its own graph
-    real = decode_step.decode_buckets
-    monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, False))
+    use_cuda_buckets(monkeypatch)
     model = compact_v41(torch.float32, layers=TWO)
     kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=4)
     before = counters["stats"]["unique_graphs"]

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from engine_helpers import make_engine, prompt_of, reference_greedy, run_greedy
+from engine_helpers import make_engine, prompt_of, reference_greedy, run_greedy, use_cuda_buckets
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
 from flashserve.model import blas
@@ -80,9 +80,7 @@ def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights(
     ref = copy.deepcopy(model)
     eager = make_engine(ref, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=True)
     assert ref.head.weight.stride() == (1, ref.cfg.vocab_size)
-    # CUDA's buckets: one graph (a lone request would run padded to 2 rows), not a batch-1 graph as well (~20 s)
-    real = decode_step.decode_buckets
-    monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, one_row_graph=False))
+    use_cuda_buckets(monkeypatch)  # one graph, not a batch-1 graph as well (~20 s of this test)
     compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
                            compile_backend="eager")
     copied = {name[: -len(blas.PANELS)] for name, _ in model.named_buffers() if name.endswith(blas.PANELS)}
