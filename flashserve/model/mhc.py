@@ -72,7 +72,7 @@ def _sinkhorn_scalings(comb: torch.Tensor, iters: int, eps: float) -> torch.Tens
     keeps the whole loop in the kernels around it (no ``baddbmm``: an external kernel call per half-step, ~2.5 ms
     of a 20 ms CPU step when it was tried).
 
-    A half-step is a handful of ops on [.., n] and [.., n, n] tensors. Written entry by entry (n² tensors, ~80 ops
+    A half-step is a handful of ops on [.., n] and [.., n, n] tensors. Written entry by entry (n² tensors, ~88 ops
     an iteration) the graph grew by ~1,500 nodes per mHC site at 20 iterations, and tracing them was most of a
     compile: dynamo and AOT on a 5-layer tiny-v41 step with dynamic batch took 191.5 s, against 71.1 s like this
     (2 CPU cores; 74.0 and 53.6 s at 3 iterations). The values are the same, bit for bit, and the compiled
