@@ -190,7 +190,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     G, K = x.shape[-2], x.shape[-1]
     N = w.shape[0] // G
     if (panels is not None and compiled_cpu(x) and x.numel() > G * K and x.dtype == torch.float32 and scale is None
-            and N % cpu_kernels.LANES == 0):
+            and N % cpu_kernels.LANES == 0 and panels.shape[-1] == cpu_kernels.LANES):
         per = N // cpu_kernels.LANES  # group g's outputs: panels g * per .. (g + 1) * per - 1
         flat = x.reshape(-1, G, K)
         y = torch.stack([cpu_kernels.dense_rows(flat[:, g], panels[g * per:(g + 1) * per], N) for g in range(G)], 1)
@@ -219,14 +219,20 @@ def make_panels(module: nn.Module, name: str) -> bool:
     at start-up for a compiled CPU step of several rows; the copy costs the weight's bytes again (each panel
     padded to 16 columns), and one-row or eager steps keep reading the weight itself. The panels are bfloat16
     when that holds every value exactly (a checkpoint stored in bf16, as DeepSeek releases its LM head): half
-    the bytes to stream, the same products. False, changing nothing, for a weight it does not take or where the
+    the bytes to stream, the same products. A large float32 weight on an AVX2 CPU gets stream panels
+    (:func:`~flashserve.model.cpu_kernels.streams`), read once a call. False, changing nothing, for a weight it does not take or where the
     kernel is not available."""
     w = getattr(module, name)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
             and cpu_kernels.dense_rows_available()):
         return False
-    dtype = torch.bfloat16 if cpu_kernels.bf16_exact(w) else torch.float32
-    module.register_buffer(name + PANELS, cpu_kernels.pack_panels(w, dtype), persistent=False)
+    if cpu_kernels.bf16_exact(w):
+        copy = cpu_kernels.pack_panels(w, torch.bfloat16)
+    elif cpu_kernels.streams(w):
+        copy = cpu_kernels.pack_stream_panels(w)
+    else:
+        copy = cpu_kernels.pack_panels(w)
+    module.register_buffer(name + PANELS, copy, persistent=False)
     return True
 
 

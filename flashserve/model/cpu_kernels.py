@@ -9,7 +9,9 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   where the first version took 0.23. :func:`mxfp4_gate_up` runs a MoE's gate and up projections in one pass
   over the tokens' rows.
 * :func:`dense_rows`: a few float32 rows times a weight copied once into column panels (:func:`pack_panels`;
-  ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes.
+  ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes. A weight that streams from memory
+  on an AVX2 CPU (the LM head) is copied into stream panels instead (:func:`pack_stream_panels`), read once a
+  call with up to 16 rows in the registers' lanes.
 * :func:`int8_pairs`: rows times int8 matrices with a float32 scale per matrix row, as the ``int8``
   quantization stores them (``csrc/int8_pairs.cpp``): a dense product, or each row its own expert. Compiled
   steps use it on CPUs with AVX2 but not AVX-512 (:func:`int8_pairs_preferred`), where inductor's code for
@@ -42,7 +44,7 @@ _ARGS = {
     "mxfp4_pairs": ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "const uint8_t*",
                     "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
                     "int64_t"),
-    # x, panels (float32 or bfloat16), out, M, N, K, bf16 panels, threads
+    # x, panels, out, M, N, K, layout (0 float32 panels, 1 bfloat16 panels, 2 stream panels), threads
     "dense_rows": ("const float*", "const void*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
     # x, experts, q, scale, out, P, k, E, N, K, threads
     "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "float*", "int64_t",
@@ -54,6 +56,8 @@ ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU ha
 _ISA_FLAGS = {"native": ("-DFLASHSERVE_REGISTER_OP",), "avx2": ("-DFLASHSERVE_NO_AVX512",),
               "scalar": ("-DFLASHSERVE_NO_SIMD",)}
 LANES = 16  # output columns per panel of :func:`pack_panels`
+STREAM_LANES = 6  # output columns per stream panel (:func:`pack_stream_panels`)
+STREAM_MIN_BYTES = 16 << 20  # float32 weights from this size get stream panels on AVX2 CPUs (:func:`streams`)
 
 
 @functools.cache
@@ -180,19 +184,39 @@ def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return panels.contiguous()
 
 
+def pack_stream_panels(w: torch.Tensor) -> torch.Tensor:
+    """``w [N, K]`` (any strides) as the stream panels :func:`dense_rows` reads: [ceil(N / 6), K, 6] float32, panel
+    ``p`` holding output columns ``6p .. 6p + 5`` k by k, zero past ``N``. The kernel reads each line once a call,
+    with up to 16 rows in its registers' lanes (``csrc/dense_rows.cpp``)."""
+    N, K = w.shape
+    padded = torch.zeros(-(-N // STREAM_LANES) * STREAM_LANES, K, dtype=torch.float32)
+    padded[:N] = w.detach()
+    return padded.view(-1, STREAM_LANES, K).transpose(1, 2).contiguous()
+
+
+def streams(w: torch.Tensor) -> bool:
+    """Whether :func:`dense_rows` multiplies the float32 weight ``w`` faster through stream panels: on CPUs with AVX2
+    but not AVX-512, where it was measured (AMD EPYC Zen 3: the peers checkpoint's 32000x512 LM head, 2 threads,
+    1.29-1.36x at 16 rows, 1.09-1.10x at 2 and 4; docs/engine-speed.md), for weights of at least
+    :data:`STREAM_MIN_BYTES`, which come from memory on every call. AVX-512 CPUs keep the panels measured there."""
+    return (w.dtype == torch.float32 and w.numel() * 4 >= STREAM_MIN_BYTES
+            and torch.backends.cpu.get_cpu_capability() == "AVX2")
+
+
 def dense_rows_eager(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str = "native") -> torch.Tensor:
     """``x [M, K] @ w.T`` [M, n] float32 for ``panels = pack_panels(w)`` (``w [n, K]``, float32 or bfloat16
-    panels); ``isa`` as in :func:`mxfp4_pairs_eager`."""
-    if (x.dim() != 2 or panels.dim() != 3 or panels.shape[1:] != (x.shape[1], LANES)
-            or not 0 < n <= panels.shape[0] * LANES or n <= (panels.shape[0] - 1) * LANES):
+    panels) or ``pack_stream_panels(w)``; ``isa`` as in :func:`mxfp4_pairs_eager`."""
+    lanes = panels.shape[2] if panels.dim() == 3 else 0
+    if (x.dim() != 2 or lanes not in (LANES, STREAM_LANES) or panels.shape[1] != x.shape[1]
+            or not 0 < n <= panels.shape[0] * lanes or n <= (panels.shape[0] - 1) * lanes):
         raise ValueError(f"dense_rows: x {tuple(x.shape)}, panels {tuple(panels.shape)}, n {n} do not match")
-    if panels.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dense_rows: panels are float32 or bfloat16, not {panels.dtype}")
+    if panels.dtype != torch.float32 and (panels.dtype != torch.bfloat16 or lanes != LANES):
+        raise ValueError(f"dense_rows: panels are float32 or bfloat16 (stream panels float32), not {panels.dtype}")
     fn = _kernel("dense_rows", isa)
     x = x.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    fn(x, panels.contiguous(), out, x.shape[0], n, x.shape[1], int(panels.dtype == torch.bfloat16),
-       torch.get_num_threads())
+    layout = 2 if lanes == STREAM_LANES else int(panels.dtype == torch.bfloat16)
+    fn(x, panels.contiguous(), out, x.shape[0], n, x.shape[1], layout, torch.get_num_threads())
     return out
 
 
@@ -254,6 +278,6 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear", "int8_pairs",
+__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear", "int8_pairs",
            "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs", "mxfp4_pairs_available",
-           "mxfp4_pairs_eager", "pack_panels"]
+           "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "streams"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashserve.model import blas
+from flashserve.model import blas, cpu_kernels
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -254,6 +254,28 @@ def test_a_grouped_projection_takes_each_groups_panels_for_several_compiled_rows
                 assert got.shape == (rows, 1, G, 32) and _rel(got, want) < 1e-6
                 assert code.count("flashserve::dense_rows") == (G if rows > 1 else 0)
                 assert "bmm" not in code
+
+
+def test_stream_panels_serve_compiled_rows_with_the_panels_values(monkeypatch):
+    """A weight given stream panels (as a large float32 weight on an AVX2 CPU is) serves several rows of a
+    compiled CPU graph through the same operator, with the 16-column panels' values bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(3)
+    lin, ref = blas.Linear(64, 40, bias=False), blas.Linear(64, 40, bias=False)
+    ref.weight.data.copy_(lin.weight.data)
+    monkeypatch.setattr(cpu_kernels, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert blas.make_panels(lin, "weight") and blas.panels(lin, "weight").shape[-1] == cpu_kernels.STREAM_LANES
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert blas.make_panels(ref, "weight") and blas.panels(ref, "weight").shape[-1] == cpu_kernels.LANES
+    x = torch.randn(9, 64)
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: (torch.tanh(x), lin(torch.tanh(x))), dynamic=False, options={"cpp_wrapper": True})
+        (h, got), (code,) = run_and_get_code(f, x)
+    assert "flashserve::dense_rows" in code
+    assert torch.equal(got, cpu_kernels.dense_rows(h, blas.panels(ref, "weight"), 40))
 
 
 def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():

@@ -164,6 +164,55 @@ def test_bfloat16_panels_are_made_only_where_nothing_rounds():
     assert blas.panels(rounded, "weight").dtype == torch.float32
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_stream_panels_give_the_panels_sums_bit_for_bit(isa):
+    """Stream panels (six columns a line) of a weight whose height is not a whole number of them (1033 = 172 x 6 +
+    1) and whose depth is not a whole number of the kernel's 8-line steps (52): for every row count the kernel
+    takes differently (columns in lanes up to 4, one register of rows up to 8, two up to 16, then 16 at a time),
+    each output is the sum the 16-column panels make, term for term, bit for bit; the plain C++ path equals the
+    float64 product to float32 rounding."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(1033, 52, generator=g)
+    stream = cpu_kernels.pack_stream_panels(w)
+    assert stream.shape == (173, 52, cpu_kernels.STREAM_LANES) and not stream[172, :, 1:].any()
+    assert torch.equal(stream[3, :, 2], w[3 * 6 + 2])  # panel p, line k, slot c: w[6p + c, k]
+    panels = cpu_kernels.pack_panels(w)
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 35):
+        x = torch.randn(rows, 52, generator=g)
+        got = cpu_kernels.dense_rows_eager(x, stream, 1033, isa)
+        assert got.shape == (rows, 1033) and _rel(got, x.double() @ w.double().t()) <= 1e-6
+        if isa != "scalar":
+            assert torch.equal(got, cpu_kernels.dense_rows_eager(x, panels, 1033, isa)), rows
+    assert torch.equal(torch.ops.flashserve.dense_rows(x, stream, 1033), cpu_kernels.dense_rows_eager(x, panels, 1033))
+
+
+def test_large_float32_weights_get_stream_panels_on_avx2_cpus_only(monkeypatch):
+    """``make_panels`` copies a float32 weight of at least ``STREAM_MIN_BYTES`` into stream panels on a CPU with
+    AVX2 but not AVX-512, and into 16-column panels otherwise (smaller, AVX-512, or bfloat16-exact weights); the
+    operator refuses bfloat16 stream panels and a width that does not fit them."""
+    g = torch.Generator().manual_seed(8)
+    monkeypatch.setattr(cpu_kernels, "STREAM_MIN_BYTES", 40 * 64 * 4)
+    lin, small, exact = (torch.nn.Linear(64, n, bias=False) for n in (40, 39, 40))
+    with torch.no_grad():
+        for m in (lin, small, exact):
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g))
+        exact.weight.copy_(exact.weight.to(torch.bfloat16).float())
+    for capability, lanes in (("AVX2", cpu_kernels.STREAM_LANES), ("AVX512", cpu_kernels.LANES)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert blas.make_panels(lin, "weight") and blas.make_panels(small, "weight") and blas.make_panels(exact, "weight")
+        assert blas.panels(lin, "weight").shape == (-(-40 // lanes), 64, lanes)
+        assert blas.panels(small, "weight").shape[-1] == cpu_kernels.LANES
+        assert blas.panels(exact, "weight").dtype == torch.bfloat16
+    stream = cpu_kernels.pack_stream_panels(lin.weight)
+    x = torch.randn(5, 64, generator=g)
+    with pytest.raises(ValueError, match="not torch.bfloat16"):
+        cpu_kernels.dense_rows_eager(x, stream.to(torch.bfloat16), 40)
+    with pytest.raises(ValueError, match="n 36 do not match"):  # 7 stream panels hold 37 to 42 columns
+        cpu_kernels.dense_rows_eager(x, stream, 36)
+    with pytest.raises(RuntimeError, match="dense_rows: panels must be"):
+        torch.ops.flashserve.dense_rows(x, stream.to(torch.bfloat16), 40)
+
+
 def test_dense_rows_do_not_depend_on_the_number_of_threads_and_refuse_mismatches():
     g = torch.Generator().manual_seed(9)
     w, x = torch.randn(200, 64, generator=g), torch.randn(16, 64, generator=g)

@@ -10,6 +10,14 @@
 // head) are read as such and widened in registers: the same sums, half the bytes. Their 16 values of one k are
 // stored in the order of COLUMN_SLOT, so that AVX2 widens each half with one instruction (a shift or a mask).
 //
+// Stream panels (pack_stream_panels, for weights that stream from memory on AVX2 CPUs, such as a float32 LM head):
+// [ceil(N / 6), K, 6], six columns a line. A pass reads each line once: up to 16 rows sit in the lanes of two
+// registers (x transposed) and each of the six columns' weight, broadcast, multiplies them: 12 sums in registers,
+// the weight's bytes requested at a steady rate while the multiply-adds run. Over 16-column panels the rows take
+// three passes (6 + 5 + 5): the first waits on memory and the other two leave it idle. The peers checkpoint's
+// 32000x512 head, evicted, 2 threads, Zen 3: 16 rows 1.29-1.36x, 8 rows 1.2-1.4x; up to 4 rows the columns stay
+// in lanes (6 of 8), 2 and 4 rows 1.09-1.10x.
+//
 // Every output is one thread's sum over k in order (one fused multiply-add per k with AVX-512 or AVX2): the
 // result does not depend on the number of threads. FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the
 // narrower paths (the tests build all three).
@@ -245,12 +253,149 @@ void rows_times_panels(const float* x, const W* panels, float* out, int64_t M, i
     for (int64_t p = 0; p < count; ++p) one_panel(x, panels, out, M, N, K, p);
 }
 
+// ---- stream panels ----
+constexpr int64_t STREAM_LANES = 6;  // columns a stream panel line holds
+constexpr int64_t STREAM_AHEAD = 512;  // lines requested ahead (12 KB: a panel of K = 512)
+
+#if defined(FS_AVX512) || defined(FS_AVX2)
+// Requests the 8 lines of k0 .. k0 + 7 that come STREAM_AHEAD lines later (3 cache lines)
+inline void stream_request(const float* panel, int64_t k0) {
+    const float* ahead = panel + (k0 + STREAM_AHEAD) * STREAM_LANES;
+    for (int64_t b = 0; b < 8 * STREAM_LANES; b += 16) __builtin_prefetch(ahead + b);
+}
+
+// Rows in lanes: xt [K, 8 * RV] (x transposed, zero past M) times G adjacent stream panels starting at column
+// col0; writes out[r, col0 .. col0 + min(6G, cols)) for r < M.
+template <int RV, int G>
+inline void stream_rows_in_lanes(const float* xt, const float* panel, int64_t K, float* out, int64_t M, int64_t N,
+                                 int64_t col0, int64_t cols) {
+    constexpr int64_t C = STREAM_LANES;
+    __m256 acc[RV][G * C];
+    for (int v = 0; v < RV; ++v)
+        for (int j = 0; j < G * C; ++j) acc[v][j] = _mm256_setzero_ps();
+    auto line = [&](int64_t k) {
+        __m256 xv[RV];
+        for (int v = 0; v < RV; ++v) xv[v] = _mm256_loadu_ps(xt + (k * RV + v) * 8);
+        for (int g = 0; g < G; ++g)
+            for (int c = 0; c < C; ++c) {
+                const __m256 w = _mm256_broadcast_ss(panel + (g * K + k) * C + c);
+                for (int v = 0; v < RV; ++v) acc[v][g * C + c] = _mm256_fmadd_ps(xv[v], w, acc[v][g * C + c]);
+            }
+    };
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        for (int g = 0; g < G; ++g) stream_request(panel + g * K * C, k);
+        for (int64_t i = 0; i < 8; ++i) line(k + i);
+    }
+    for (; k < K; ++k) line(k);
+    // through a buffer with fixed indices: a store loop bounded by cols kept the sums in memory (2x slower)
+    alignas(32) float lanes[RV * G * C * 8];
+    for (int v = 0; v < RV; ++v)
+        for (int j = 0; j < G * C; ++j) _mm256_store_ps(lanes + (v * G * C + j) * 8, acc[v][j]);
+    for (int v = 0; v < RV; ++v)
+        for (int64_t j = 0; j < G * C && j < cols; ++j)
+            for (int64_t r = 0; r < 8 && v * 8 + r < M; ++r) out[(v * 8 + r) * N + col0 + j] = lanes[(v * G * C + j) * 8 + r];
+}
+
+// Columns in lanes for up to 4 rows: each line's 6 values (a masked load) times each row's x[r, k] broadcast, G
+// panels at once. Writes out[r, col0 .. col0 + min(6G, cols)).
+template <int R, int G>
+inline void stream_columns_in_lanes(const float* x, const float* panel, int64_t K, float* out, int64_t N,
+                                    int64_t col0, int64_t cols) {
+    constexpr int64_t C = STREAM_LANES;
+    const __m256i six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+    __m256 acc[G][R];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) acc[g][r] = _mm256_setzero_ps();
+    auto line = [&](int64_t k) {
+        __m256 w[G];
+        for (int g = 0; g < G; ++g) w[g] = _mm256_maskload_ps(panel + (g * K + k) * C, six);
+        for (int r = 0; r < R; ++r) {
+            const __m256 b = _mm256_broadcast_ss(x + r * K + k);
+            for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(b, w[g], acc[g][r]);
+        }
+    };
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        for (int g = 0; g < G; ++g) stream_request(panel + g * K * C, k);
+        for (int64_t i = 0; i < 8; ++i) line(k + i);
+    }
+    for (; k < K; ++k) line(k);
+    alignas(32) float lanes[G * R * 8];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) _mm256_store_ps(lanes + (g * R + r) * 8, acc[g][r]);
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r)
+            for (int64_t c = 0; c < C && g * C + c < cols; ++c) out[r * N + col0 + g * C + c] = lanes[(g * R + r) * 8 + c];
+}
+
+// f(panel index, panels at once) over P stream panels, G at a time and the rest alone, split over threads
+template <int G, typename F>
+inline void over_stream_panels(int64_t P, int64_t threads, F&& f) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < P / G; ++i) f(i * G, std::integral_constant<int, G>{});
+    for (int64_t p = P / G * G; p < P; ++p) f(p, std::integral_constant<int, 1>{});
+}
+
+// Rows x[0 .. M) (M <= 16) times all stream panels
+inline void stream_block(const float* x, const float* panels, float* out, int64_t M, int64_t N, int64_t K,
+                         int64_t threads) {
+    constexpr int64_t C = STREAM_LANES;
+    const int64_t P = (N + C - 1) / C;
+    if (M <= 4) {
+        rows_pass(M, [&](auto r) {
+            constexpr int R = static_cast<int>(decltype(r)::value);
+            if constexpr (R <= 4)
+                over_stream_panels<2>(P, threads, [&](int64_t p, auto g) {
+                    stream_columns_in_lanes<R, decltype(g)::value>(x, panels + p * K * C, K, out, N, p * C, N - p * C);
+                });
+        });
+        return;
+    }
+    const int64_t width = M > 8 ? 16 : 8;  // rows in lanes: one register of 8 or two
+    std::unique_ptr<float[]> buf(new float[K * width]());
+    float* const xt = buf.get();
+    for (int64_t r = 0; r < M; ++r)
+        for (int64_t k = 0; k < K; ++k) xt[k * width + r] = x[r * K + k];
+    if (width == 16)
+        over_stream_panels<1>(P, threads, [&](int64_t p, auto) {
+            stream_rows_in_lanes<2, 1>(xt, panels + p * K * C, K, out, M, N, p * C, N - p * C);
+        });
+    else
+        over_stream_panels<2>(P, threads, [&](int64_t p, auto g) {
+            stream_rows_in_lanes<1, decltype(g)::value>(xt, panels + p * K * C, K, out, M, N, p * C, N - p * C);
+        });
+}
+#endif
+
+// Rows x[0 .. M) times stream panels [ceil(N / 6), K, 6]: 16 rows at a time
+void rows_times_stream_panels(const float* x, const float* panels, float* out, int64_t M, int64_t N, int64_t K,
+                              int64_t threads) {
+#if defined(FS_AVX512) || defined(FS_AVX2)
+    for (int64_t m = 0; m < M; m += 16)
+        stream_block(x + m * K, panels, out + m * N, M - m < 16 ? M - m : 16, N, K, threads);
+#else
+    constexpr int64_t C = STREAM_LANES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+        const float* line = panels + (n / C) * K * C + n % C;
+        for (int64_t r = 0; r < M; ++r) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; ++k) acc += x[r * K + k] * line[k * C];
+            out[r * N + n] = acc;
+        }
+    }
+#endif
+}
+
 }  // namespace
 
-// panels: float32, or bfloat16 bits in COLUMN_SLOT order when bf16 is 1
+// layout: 0 float32 panels, 1 bfloat16 panels (bits in COLUMN_SLOT order), 2 float32 stream panels
 extern "C" void kernel(const float* x, const void* panels, float* out, int64_t M, int64_t N, int64_t K,
-                       int64_t bf16_panels, int64_t threads) {
-    if (bf16_panels)
+                       int64_t layout, int64_t threads) {
+    if (layout == 2)
+        rows_times_stream_panels(x, static_cast<const float*>(panels), out, M, N, K, threads);
+    else if (layout == 1)
         rows_times_panels(x, static_cast<const bf16*>(panels), out, M, N, K, threads);
     else
         rows_times_panels(x, static_cast<const float*>(panels), out, M, N, K, threads);
@@ -266,15 +411,17 @@ extern "C" void kernel(const float* x, const void* panels, float* out, int64_t M
 
 namespace {
 at::Tensor dense_rows_op(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
-    TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(1) == x.size(1) && panels.size(2) == LANES &&
-                    n > (panels.size(0) - 1) * LANES && n <= panels.size(0) * LANES,
+    const int64_t lanes = panels.dim() == 3 ? panels.size(2) : 0;  // 16: panels, 6: stream panels
+    TORCH_CHECK(x.dim() == 2 && (lanes == LANES || lanes == STREAM_LANES) && panels.size(1) == x.size(1) &&
+                    n > (panels.size(0) - 1) * lanes && n <= panels.size(0) * lanes,
                 "dense_rows: x ", x.sizes(), ", panels ", panels.sizes(), ", n ", n, " do not match");
     const bool bf16_panels = panels.scalar_type() == at::kBFloat16;
-    TORCH_CHECK(bf16_panels || panels.scalar_type() == at::kFloat, "dense_rows: panels must be float32 or bfloat16");
+    TORCH_CHECK(bf16_panels ? lanes == LANES : panels.scalar_type() == at::kFloat,
+                "dense_rows: panels must be float32 or bfloat16 (stream panels float32)");
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ps = panels.contiguous();
     at::Tensor out = at::empty({x.size(0), n}, xs.options());
-    kernel(xs.data_ptr<float>(), ps.data_ptr(), out.data_ptr<float>(), x.size(0), n, x.size(1), bf16_panels ? 1 : 0,
-           at::get_num_threads());
+    kernel(xs.data_ptr<float>(), ps.data_ptr(), out.data_ptr<float>(), x.size(0), n, x.size(1),
+           lanes == STREAM_LANES ? 2 : bf16_panels ? 1 : 0, at::get_num_threads());
     return out;
 }
 }  // namespace
