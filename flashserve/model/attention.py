@@ -87,13 +87,21 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.zeros(ratio, width)) if ape else None
         self.norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor]:
-        """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]."""
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, key: CacheKey,
+                products: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]. ``products``: ``x``
+        times ``wkv`` and ``wgate`` made already (by a joint product: ``"wkv"``, ``"wgate"``)."""
         state, ratio = ctx.state, self.ratio
         xf = fp32(x)  # compressor weights are applied in fp32 (spec §2.7)
-        c = blas.linear(xf, fp32(self.wkv.weight), blas.panels(self.wkv, "weight"))
-        raw = c if self.wgate is None else torch.cat(
-            [c, blas.linear(xf, fp32(self.wgate.weight), blas.panels(self.wgate, "weight"))], dim=-1)
+        products = products or {}
+        c = products.get("wkv")
+        if c is None:
+            c = blas.linear(xf, fp32(self.wkv.weight), blas.panels(self.wkv, "weight"))
+        if self.wgate is not None:
+            g = products.get("wgate")
+            if g is None:
+                g = blas.linear(xf, fp32(self.wgate.weight), blas.panels(self.wgate, "weight"))
+        raw = c if self.wgate is None else torch.cat([c, g], dim=-1)
         start = ctx.positions[:, 0]
         end = ctx.positions[:, -1] + 1
         first_group = start // ratio  # groups before this one were emitted by earlier forwards
@@ -153,17 +161,22 @@ class Indexer(nn.Module):
             self.weights_proj = blas.Linear(D, nih, bias=False)
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
-               fake_quant: bool | str) -> torch.Tensor:
-        """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d]."""
+               fake_quant: bool | str, products: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d].
+        ``products``: ``qr`` times ``wq_b`` and ``x`` times ``weights_proj`` made already (``"wq_b"``, ``"w"``)."""
         B, S, _ = x.shape
-        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        products = products or {}
+        q = products.get("wq_b")
+        q = (self.wq_b(qr) if q is None else q).view(B, S, self.n_heads, self.head_dim)
         cos, sin = ctx.angles("compress")
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         if fake_quant is True:
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
         if fake_quant == "v4":
             q = v4_fake_quant_index(q)
-        w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
+        w = products.get("w")
+        if w is None:
+            w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
         w = w * self.n_heads ** -0.5
         q, keys = (blas.shared_operand(fp32(t), B * S) for t in (q, keys))
         s = blas.einsum("bshd,btd->bsht", q, keys).relu() * self.head_dim ** -0.5
@@ -219,6 +232,11 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch
     return chosen.repeat_interleave(block, dim=-1)[..., :T]
 
 
+def _under(products: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The joint products of the weights under ``prefix`` (``"compressor."``), by their module's name there."""
+    return {p[len(prefix):].removesuffix(".weight"): y for p, y in products.items() if p.startswith(prefix)}
+
+
 class Attention(nn.Module):
     """One layer's attention (spec §2.4-2.9): MQA with K = V = a 512-wide latent, sink, inverse RoPE."""
 
@@ -260,12 +278,27 @@ class Attention(nn.Module):
             if csa:
                 self.indexer = Indexer(cfg, ratio, keys=True, queries=True)
 
+    def joint_row_weights(self) -> dict[str, tuple[str, ...]]:
+        """The weights this layer multiplies the same input by, per input (``"x"``: the layer's rows, ``"qr"``:
+        the query latent): one product each in a compiled step of several rows (blas.joint_products)."""
+        x, qr = ["wq_a.weight", "wkv.weight"], ["wq_b.weight"]
+        if self.compressor is not None and self.src_main == self.main_key:  # produce() runs the compressors
+            x += [f"compressor.{w}.weight" for w in ("wkv", "wgate") if getattr(self.compressor, w) is not None]
+            if not self.v41 and self.indexer is not None:
+                x += ["indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight"]
+        if self.ratio > 0 and self.indexer is not None and self.cfg.index_source(self.layer) == self.layer:
+            x.append("indexer.weights_proj.weight")  # _select() scores
+            qr.append("indexer.wq_b.weight")
+        return {"x": tuple(x), "qr": tuple(qr)}
+
     # -------------------------------------------------------------- compressed-cache production
-    def produce(self, x: torch.Tensor, ctx: ForwardContext) -> None:
-        """Run this KV source's compressor(s) on rows ``x`` and append to the global caches (spec §2.7)."""
+    def produce(self, x: torch.Tensor, ctx: ForwardContext, products: dict[str, torch.Tensor] | None = None) -> None:
+        """Run this KV source's compressor(s) on rows ``x`` and append to the global caches (spec §2.7);
+        ``products``: ``x``'s joint products by path (:meth:`joint_row_weights`)."""
         if self.compressor is None or self.layer in ctx.produced:
             return
-        latent, n_new = self.compressor(x, ctx, self.main_key)
+        products = products or {}
+        latent, n_new = self.compressor(x, ctx, self.main_key, _under(products, "compressor."))
         G = latent.shape[1]
         first = ctx.positions[:, 0] // self.ratio
         pos = (first[:, None] + torch.arange(G, device=x.device)) * self.ratio  # [B,G]
@@ -281,7 +314,7 @@ class Attention(nn.Module):
                 index = fake_quant_fp4(index, block=32, e4m3_scale=False)
             ctx.state.append_compressed(self.index_key, index.to(x.dtype), n_new)
         elif self.indexer is not None:
-            ilatent, n_idx = self.indexer.compressor(x, ctx, self.index_key)
+            ilatent, n_idx = self.indexer.compressor(x, ctx, self.index_key, _under(products, "indexer.compressor."))
             ipos = (first[:, None] + torch.arange(ilatent.shape[1], device=x.device)) * self.ratio
             icos, isin = ctx.rope.angles("compress", ipos)
             index = apply_rope(ilatent, icos, isin)
@@ -293,13 +326,16 @@ class Attention(nn.Module):
         ctx.state.append_compressed(self.main_key, main.to(x.dtype), n_new)
         ctx.produced.add(self.layer)
 
-    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext,
-                t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it."""
+    def _select(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, t: torch.Tensor,
+                products: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it;
+        ``products``: the joint products of ``x`` and ``qr`` by path (:meth:`joint_row_weights`)."""
         keys, n_entries = ctx.state.compressed(self.src_index)
         visible = self._visible(t, keys.shape[1], n_entries)
         mode = (True if self.v41 else "v4") if ctx.fake_quant else False
-        scores = self.indexer.scores(x, qr, keys, ctx, mode)
+        made = {k: products[p] for k, p in (("wq_b", "indexer.wq_b.weight"), ("w", "indexer.weights_proj.weight"))
+                if p in products}
+        scores = self.indexer.scores(x, qr, keys, ctx, mode, made)
         cfg = self.cfg
         if self.v41 and cfg.candidate_source_layer_id >= 0:
             if self.layer == cfg.candidate_source_layer_id:
@@ -345,12 +381,14 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         H, hd = self.n_heads, self.head_dim
         cos, sin = ctx.angles(self.rope_kind)
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(B, S, H, hd)
+        made = blas.joint_products(x, self, "x")  # x's products in one call (compiled steps of several rows)
+        qr = self.q_norm(made["wq_a.weight"] if made else self.wq_a(x))
+        made.update(blas.joint_products(qr, self, "qr"))
+        q = (made["wq_b.weight"] if "wq_b.weight" in made else self.wq_b(qr)).view(B, S, H, hd)
         if not self.v41:
             q = rms(q, self.cfg.rms_norm_eps)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(made["wkv.weight"] if made else self.wkv(x)), cos, sin)
         if ctx.fake_quant:
             kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
         keys, kpos = ctx.state.window(self.layer, kv)
@@ -359,7 +397,7 @@ class Attention(nn.Module):
         comp_logits, values = None, None  # compressed entries: masked logits [B,H,S,X] and their values
         if self.ratio > 0:
             if self.src_main == self.main_key:
-                self.produce(x, ctx)
+                self.produce(x, ctx, made)
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
                 entries, n_entries = ctx.state.compressed(self.src_main)
@@ -369,7 +407,7 @@ class Attention(nn.Module):
                 values = ("dense", entries)
             else:
                 if idx_src == self.layer:
-                    idx, valid = self._select(x, qr, ctx, t)
+                    idx, valid = self._select(x, qr, ctx, t, made)
                 else:
                     idx, valid = ctx.topk[idx_src]
                 picked = ctx.state.compressed_rows(self.src_main, idx)  # [B,S,k,hd]: only the rows picked

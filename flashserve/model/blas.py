@@ -236,6 +236,54 @@ def make_panels(module: nn.Module, name: str) -> bool:
     return True
 
 
+JOINT = "_joint"  # suffix of a joint group's panels (a buffer) and its (paths, widths) (an attribute)
+
+
+@torch.no_grad()
+def make_joint_panels(module: nn.Module, group: str, paths: tuple[str, ...]) -> bool:
+    """Copy the float32 CPU weights ``paths`` of ``module`` (``[N_i, K]``, all multiplied by one input) into one
+    panel copy, each weight's columns from a panel boundary on, as the buffer ``<group>_joint`` beside the
+    attribute ``<group>_joint_of`` (the paths and their widths): :func:`joint_products` then makes all their
+    products in one call of :func:`~flashserve.model.cpu_kernels.dense_rows` (the same sums as one call each).
+    False, changing nothing, for fewer than two weights, other dtypes or shapes, or where the kernel is not
+    available."""
+    ws = [_parameter(module, p) for p in paths]
+    if (len(ws) < 2 or not cpu_kernels.dense_rows_available()
+            or any(w is None or w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] != ws[0].shape[1]
+                   for w in ws)):
+        return False
+    lanes = cpu_kernels.LANES
+    padded = torch.cat([F.pad(w.detach(), (0, 0, 0, -w.shape[0] % lanes)) for w in ws])
+    module.register_buffer(group + JOINT, cpu_kernels.pack_panels(padded), persistent=False)
+    setattr(module, group + JOINT + "_of", (tuple(paths), tuple(w.shape[0] for w in ws)))
+    return True
+
+
+def _parameter(module: nn.Module, path: str) -> torch.Tensor | None:
+    try:
+        return module.get_parameter(path)
+    except AttributeError:  # a packed or quantized weight (not a parameter of that name)
+        return None
+
+
+def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:
+    """``x`` times each weight of ``module``'s joint ``group`` (:func:`make_joint_panels`) in one call over their
+    joined panels, by path (``"wq_a.weight"``: ``[..., N]``, a view); empty unless the group has its copy and
+    ``x`` is several float32 rows of a compiled CPU step. 44 of the peers checkpoint's 112 calls a 16-row step
+    (a call costs about 5 us besides its products; docs/engine-speed.md)."""
+    panels = getattr(module, group + JOINT, None)
+    if panels is None or compiled_row(x) or not compiled_cpu(x) or x.dtype != torch.float32:
+        return {}
+    paths, widths = getattr(module, group + JOINT + "_of")
+    lanes = cpu_kernels.LANES
+    y = cpu_kernels.dense_rows(x.reshape(-1, x.shape[-1]), panels, panels.shape[0] * lanes)
+    out, start = {}, 0
+    for path, n in zip(paths, widths):
+        out[path] = y[:, start:start + n].view(*x.shape[:-1], n)
+        start += -(-n // lanes) * lanes
+    return out
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose float32 CPU products run through :func:`linear`: one row by OpenBLAS eagerly or
     inductor's reduction compiled, several rows of a compiled step over the weight's panels once

@@ -48,9 +48,13 @@ class Gate(nn.Module):
             self.bias = nn.Parameter(torch.zeros(n_experts))
             self.bias_vl = nn.Parameter(torch.zeros(n_experts)) if cfg.is_v41 else None
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]."""
-        scores = torch.sqrt(F.softplus(blas.linear(fp32(x), fp32(self.weight), blas.panels(self, "weight")) / self.temp))
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None,
+                logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert indices [T, k] and weights [T, k] (fp32) for flat tokens ``x`` [T, D]; ``logits``: ``x`` times
+        ``weight`` made already (by a joint product)."""
+        if logits is None:
+            logits = blas.linear(fp32(x), fp32(self.weight), blas.panels(self, "weight"))
+        scores = torch.sqrt(F.softplus(logits / self.temp))
         if self.hash_routed:
             idx = self.tid2eid[ids]
         else:
@@ -204,8 +208,11 @@ class SharedExpert(nn.Module):
         self.w3 = blas.Linear(dim, inter, bias=False)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit))
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+        """``gate``, ``up``: ``x`` times ``w1`` and ``w3`` made already (by a joint product)."""
+        gate = self.w1(x) if gate is None else gate
+        up = self.w3(x) if up is None else up
+        return self.w2(clamped_swiglu(gate, up, self.limit))
 
 
 class MoE(nn.Module):
@@ -218,11 +225,18 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, D, I, cfg.swiglu_limit)
         self.shared_experts = SharedExpert(D, I * cfg.n_shared_experts, cfg.swiglu_limit) if cfg.n_shared_experts else None
 
+    def joint_row_weights(self) -> dict[str, tuple[str, ...]]:
+        """The router's and the shared expert's gate and up weights, all multiplied by the rows: one product in a
+        compiled step of several rows (blas.joint_products)."""
+        shared = ("shared_experts.w1.weight", "shared_experts.w3.weight") if self.shared_experts is not None else ()
+        return {"x": ("gate.weight", *shared)}
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        idx, w = self.gate(flat, ids.reshape(-1), None if image is None else image.reshape(-1))
+        made = blas.joint_products(flat, self, "x")  # the router's and shared gate/up products in one call
+        idx, w = self.gate(flat, ids.reshape(-1), None if image is None else image.reshape(-1), made.get("gate.weight"))
         y = self.experts(flat, idx, w)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
+            y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"), made.get("shared_experts.w3.weight"))
         return y.view(shape)

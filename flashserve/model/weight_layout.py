@@ -14,8 +14,9 @@ own reduction kernel (:func:`flashserve.model.blas.reduce_linear`), which reads 
 A compiled CPU step of several rows (a batch, or speculative verification) multiplies its float32 weights
 through copies in column panels made once at start-up (:func:`prepack_for_rows`,
 :func:`flashserve.model.blas.make_panels`): torch's ``mm`` repacks the weight inside MKL on every call (the LM
-head at 16 rows, 2 threads: 8.8 ms against 1.7). The copies cost the weights' bytes again; one-row and eager
-steps keep the weights as they are.
+head at 16 rows, 2 threads: 8.8 ms against 1.7). The weights a layer multiplies one input by share one copy,
+multiplied in one call. The copies cost the weights' bytes again; one-row and eager steps keep the weights as
+they are.
 """
 
 from __future__ import annotations
@@ -52,8 +53,20 @@ def column_major_tall_weights(model: nn.Module) -> list[str]:
 
 
 def prepack_for_rows(model: nn.Module) -> list[str]:
-    """Give the float32 CPU weights that ``model``'s modules multiply several rows by (each module's
-    ``ROW_WEIGHTS``) panel copies for compiled steps (:func:`flashserve.model.blas.make_panels`); returns the
-    names of the weights copied."""
-    return [f"{name}.{w}" if name else w for name, mod in model.named_modules()
-            for w in getattr(mod, "ROW_WEIGHTS", ()) if blas.make_panels(mod, w)]
+    """Give the float32 CPU weights that ``model``'s modules multiply several rows by panel copies for compiled
+    steps: the weights a module multiplies one input by (its ``joint_row_weights()``) one joined copy per input
+    (:func:`flashserve.model.blas.make_joint_panels`), every other weight of a module's ``ROW_WEIGHTS`` its own
+    (:func:`flashserve.model.blas.make_panels`). Returns the names of the weights copied."""
+    done, joined = [], set()
+    for name, mod in model.named_modules():
+        for group, paths in getattr(mod, "joint_row_weights", dict)().items():
+            if blas.make_joint_panels(mod, group, paths):
+                names = [f"{name}.{p}" if name else p for p in paths]
+                done += names
+                joined.update(names)
+    for name, mod in model.named_modules():
+        for w in getattr(mod, "ROW_WEIGHTS", ()):
+            full = f"{name}.{w}" if name else w
+            if full not in joined and blas.make_panels(mod, w):
+                done.append(full)
+    return done

@@ -278,6 +278,37 @@ def test_stream_panels_serve_compiled_rows_with_the_panels_values(monkeypatch):
     assert torch.equal(got, cpu_kernels.dense_rows(h, blas.panels(ref, "weight"), 40))
 
 
+def test_weights_of_one_input_share_one_joint_product_with_their_own_sums():
+    """Weights a module multiplies one input by (widths 40, 8 and 33: none a whole number of panels) get one joined
+    panel copy; several rows of a compiled CPU graph multiply all three in one call, each output the sum its own
+    panels give, bit for bit. One row, eager code, a group of one, or a weight that is not a float32 parameter
+    get no joint product."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(4)
+    mod = torch.nn.ModuleDict({"a": blas.Linear(64, 40, bias=False), "b": blas.Linear(64, 8, bias=False),
+                               "c": blas.Linear(64, 33, bias=False)})
+    paths = ("a.weight", "b.weight", "c.weight")
+    assert blas.make_joint_panels(mod, "x", paths)
+    assert mod.x_joint.shape == (3 + 1 + 3, 64, cpu_kernels.LANES) and mod.x_joint_of == (paths, (40, 8, 33))
+    assert not blas.make_joint_panels(mod, "one", ("a.weight",))
+    assert not blas.make_joint_panels(mod, "missing", ("a.weight", "d.weight"))
+    x = torch.randn(2, 3, 64)
+    assert blas.joint_products(x, mod, "x") == {}  # eager
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: (torch.tanh(x), blas.joint_products(torch.tanh(x), mod, "x")), dynamic=False,
+                          options={"cpp_wrapper": True})
+        (h, got), (code,) = run_and_get_code(f, x)
+        torch._dynamo.reset()
+        one = torch.compile(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x[:1, :1])
+    assert code.count("flashserve::dense_rows") == 1 and one == {}
+    for path, n in zip(paths, (40, 8, 33)):
+        w = mod.get_parameter(path)
+        want = cpu_kernels.dense_rows(h.reshape(6, 64), cpu_kernels.pack_panels(w), n).view(2, 3, n)
+        assert got[path].shape == (2, 3, n) and torch.equal(got[path], want)
+
+
 def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():
     """A float32 weight with a panel copy: several rows of a compiled CPU graph (inductor, C++ wrapper) call the
     panel kernel, one row keeps inductor's own product, eager keeps torch's; values equal ``F.linear`` to float32
