@@ -220,8 +220,8 @@ def make_panels(module: nn.Module, name: str) -> bool:
     padded to 16 columns), and one-row or eager steps keep reading the weight itself. The panels are bfloat16
     when that holds every value exactly (a checkpoint stored in bf16, as DeepSeek releases its LM head): half
     the bytes to stream, the same products. A large float32 weight on an AVX2 CPU gets stream panels
-    (:func:`~flashserve.model.cpu_kernels.streams`), read once a call. False, changing nothing, for a weight it does not take or where the
-    kernel is not available."""
+    (:func:`~flashserve.model.cpu_kernels.streams`), read once a call. False, changing nothing, for a weight it
+    does not take or where the kernel is not available."""
     w = getattr(module, name)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
             and cpu_kernels.dense_rows_available()):
@@ -249,8 +249,8 @@ def make_joint_panels(module: nn.Module, group: str, paths: tuple[str, ...]) -> 
     available."""
     ws = [_parameter(module, p) for p in paths]
     if (len(ws) < 2 or not cpu_kernels.dense_rows_available()
-            or any(w is None or w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] != ws[0].shape[1]
-                   for w in ws)):
+            or any(w is None or w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu"
+                   or w.shape[1] != ws[0].shape[1] for w in ws)):
         return False
     lanes = cpu_kernels.LANES
     padded = torch.cat([F.pad(w.detach(), (0, 0, 0, -w.shape[0] % lanes)) for w in ws])
@@ -269,8 +269,8 @@ def _parameter(module: nn.Module, path: str) -> torch.Tensor | None:
 def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:
     """``x`` times each weight of ``module``'s joint ``group`` (:func:`make_joint_panels`) in one call over their
     joined panels, by path (``"wq_a.weight"``: ``[..., N]``, a view); empty unless the group has its copy and
-    ``x`` is several float32 rows of a compiled CPU step. 44 of the peers checkpoint's 112 calls a 16-row step
-    (a call costs about 5 us besides its products; docs/engine-speed.md)."""
+    ``x`` is several float32 rows of a compiled CPU step. The peers checkpoint's 16-row step makes 66 calls where
+    it made 112 (a call costs about 5 us besides its products; docs/engine-speed.md)."""
     panels = getattr(module, group + JOINT, None)
     if panels is None or compiled_row(x) or not compiled_cpu(x) or x.dtype != torch.float32:
         return {}

@@ -278,6 +278,6 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear", "int8_pairs",
-           "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs", "mxfp4_pairs_available",
-           "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "streams"]
+__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear",
+           "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
+           "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "streams"]

@@ -208,7 +208,8 @@ class SharedExpert(nn.Module):
         self.w3 = blas.Linear(dim, inter, bias=False)
         self.limit = limit
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None,
+                up: torch.Tensor | None = None) -> torch.Tensor:
         """``gate``, ``up``: ``x`` times ``w1`` and ``w3`` made already (by a joint product)."""
         gate = self.w1(x) if gate is None else gate
         up = self.w3(x) if up is None else up
@@ -238,5 +239,6 @@ class MoE(nn.Module):
         idx, w = self.gate(flat, ids.reshape(-1), None if image is None else image.reshape(-1), made.get("gate.weight"))
         y = self.experts(flat, idx, w)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"), made.get("shared_experts.w3.weight"))
+            y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"),
+                                        made.get("shared_experts.w3.weight"))
         return y.view(shape)

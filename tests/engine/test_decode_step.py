@@ -115,6 +115,27 @@ def test_compiled_graph_equals_eager(monkeypatch, dtype, cache_dtype, weights, l
         assert ((a - b).abs().max() / b.abs().max()).item() <= tol
 
 
+def test_compiled_v4_step_with_joint_products_equals_eager():
+    """V4 in float32 with float weights (the layout of the benchmark's peers checkpoint): a CSA layer's seven
+    products of its rows (two compressors and the indexer's weights) and two of its query latent, an HCA layer's
+    four, each in one call of the compiled step (dynamo's ``eager`` backend); greedy tokens equal the eager
+    engine's, logits within 1e-5 relative."""
+    raw = preset_json("tiny-v4")
+    raw.update(num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1, hc_sinkhorn_iters=3,
+               num_nextn_predict_layers=0)
+    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=2).float().eval()
+    model.fake_quant = False
+    kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=4)
+    eager = make_engine(model, "tiny-v4", enforce_eager=True, **kw)
+    compiled = make_engine(model, "tiny-v4", enforce_eager=False, compile_backend="eager", **kw)
+    groups = {g for m in model.modules() for g in ("x", "qr") if hasattr(m, f"{g}_joint")}
+    assert groups == {"x", "qr"} and len(model.layers[1].attn.x_joint_of[0]) == 7
+    a_logits, b_logits = _recording(eager), _recording(compiled)
+    assert _staggered(eager) == _staggered(compiled)
+    for a, b in zip(a_logits, b_logits, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
 def test_inductor_step_equals_eager(caplog):
     """The compiled step as users run it (inductor, its C++ wrapper on the CPU): greedy tokens equal, logits
     within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph: the

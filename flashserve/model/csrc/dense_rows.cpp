@@ -294,7 +294,8 @@ inline void stream_rows_in_lanes(const float* xt, const float* panel, int64_t K,
         for (int j = 0; j < G * C; ++j) _mm256_store_ps(lanes + (v * G * C + j) * 8, acc[v][j]);
     for (int v = 0; v < RV; ++v)
         for (int64_t j = 0; j < G * C && j < cols; ++j)
-            for (int64_t r = 0; r < 8 && v * 8 + r < M; ++r) out[(v * 8 + r) * N + col0 + j] = lanes[(v * G * C + j) * 8 + r];
+            for (int64_t r = 0; r < 8 && v * 8 + r < M; ++r)
+                out[(v * 8 + r) * N + col0 + j] = lanes[(v * G * C + j) * 8 + r];
 }
 
 // Columns in lanes for up to 4 rows: each line's 6 values (a masked load) times each row's x[r, k] broadcast, G
@@ -326,7 +327,8 @@ inline void stream_columns_in_lanes(const float* x, const float* panel, int64_t 
         for (int r = 0; r < R; ++r) _mm256_store_ps(lanes + (g * R + r) * 8, acc[g][r]);
     for (int g = 0; g < G; ++g)
         for (int r = 0; r < R; ++r)
-            for (int64_t c = 0; c < C && g * C + c < cols; ++c) out[r * N + col0 + g * C + c] = lanes[(g * R + r) * 8 + c];
+            for (int64_t c = 0; c < C && g * C + c < cols; ++c)
+                out[r * N + col0 + g * C + c] = lanes[(g * R + r) * 8 + c];
 }
 
 // f(panel index, panels at once) over P stream panels, G at a time and the rest alone, split over threads
