@@ -381,14 +381,15 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         H, hd = self.n_heads, self.head_dim
         cos, sin = ctx.angles(self.rope_kind)
-        made = blas.joint_products(x, self, "x")  # x's products in one call (compiled steps of several rows)
-        qr = self.q_norm(made["wq_a.weight"] if made else self.wq_a(x))
-        made.update(blas.joint_products(qr, self, "qr"))
-        q = (made["wq_b.weight"] if "wq_b.weight" in made else self.wq_b(qr)).view(B, S, H, hd)
+        xw = blas.joint_products(x, self, "x")  # x's products in one call (compiled steps of several rows)
+        qr = self.q_norm(xw["wq_a.weight"] if xw else self.wq_a(x))
+        qw = blas.joint_products(qr, self, "qr")
+        q = (qw["wq_b.weight"] if qw else self.wq_b(qr)).view(B, S, H, hd)
+        made = {**xw, **qw}
         if not self.v41:
             q = rms(q, self.cfg.rms_norm_eps)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(made["wkv.weight"] if made else self.wkv(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(xw["wkv.weight"] if xw else self.wkv(x)), cos, sin)
         if ctx.fake_quant:
             kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
         keys, kpos = ctx.state.window(self.layer, kv)

@@ -236,7 +236,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         made = blas.joint_products(flat, self, "x")  # the router's and shared gate/up products in one call
-        idx, w = self.gate(flat, ids.reshape(-1), None if image is None else image.reshape(-1), made.get("gate.weight"))
+        image = None if image is None else image.reshape(-1)
+        idx, w = self.gate(flat, ids.reshape(-1), image, made.get("gate.weight"))
         y = self.experts(flat, idx, w)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"),
