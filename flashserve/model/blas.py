@@ -236,14 +236,14 @@ def make_panels(module: nn.Module, name: str) -> bool:
     return True
 
 
-JOINT = "_joint"  # suffix of a joint group's panels (a buffer) and its (paths, widths) (an attribute)
+JOINT = "_joint"  # a joint group's panels: the buffer <group>_joint_panels, its (paths, widths): <group>_joint_of
 
 
 @torch.no_grad()
 def make_joint_panels(module: nn.Module, group: str, paths: tuple[str, ...]) -> bool:
     """Copy the float32 CPU weights ``paths`` of ``module`` (``[N_i, K]``, all multiplied by one input) into one
-    panel copy, each weight's columns from a panel boundary on, as the buffer ``<group>_joint`` beside the
-    attribute ``<group>_joint_of`` (the paths and their widths): :func:`joint_products` then makes all their
+    panel copy, each weight's columns from a panel boundary on, as the buffer ``<group>_joint_panels`` beside
+    the attribute ``<group>_joint_of`` (the paths and their widths): :func:`joint_products` then makes all their
     products in one call of :func:`~flashserve.model.cpu_kernels.dense_rows` (the same sums as one call each).
     False, changing nothing, for fewer than two weights, other dtypes or shapes, or where the kernel is not
     available."""
@@ -254,7 +254,7 @@ def make_joint_panels(module: nn.Module, group: str, paths: tuple[str, ...]) -> 
         return False
     lanes = cpu_kernels.LANES
     padded = torch.cat([F.pad(w.detach(), (0, 0, 0, -w.shape[0] % lanes)) for w in ws])
-    module.register_buffer(group + JOINT, cpu_kernels.pack_panels(padded), persistent=False)
+    module.register_buffer(group + JOINT + PANELS, cpu_kernels.pack_panels(padded), persistent=False)
     setattr(module, group + JOINT + "_of", (tuple(paths), tuple(w.shape[0] for w in ws)))
     return True
 
@@ -271,7 +271,7 @@ def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, 
     joined panels, by path (``"wq_a.weight"``: ``[..., N]``, a view); empty unless the group has its copy and
     ``x`` is several float32 rows of a compiled CPU step. The peers checkpoint's 16-row step makes 66 calls where
     it made 112 (a call costs about 5 us besides its products; docs/engine-speed.md)."""
-    panels = getattr(module, group + JOINT, None)
+    panels = getattr(module, group + JOINT + PANELS, None)
     if panels is None or compiled_row(x) or not compiled_cpu(x) or x.dtype != torch.float32:
         return {}
     paths, widths = getattr(module, group + JOINT + "_of")

@@ -128,7 +128,7 @@ def test_compiled_v4_step_with_joint_products_equals_eager():
     kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=4)
     eager = make_engine(model, "tiny-v4", enforce_eager=True, **kw)
     compiled = make_engine(model, "tiny-v4", enforce_eager=False, compile_backend="eager", **kw)
-    groups = {g for m in model.modules() for g in ("x", "qr") if hasattr(m, f"{g}_joint")}
+    groups = {g for m in model.modules() for g in ("x", "qr") if hasattr(m, f"{g}_joint_panels")}
     assert groups == {"x", "qr"} and len(model.layers[1].attn.x_joint_of[0]) == 7
     a_logits, b_logits = _recording(eager), _recording(compiled)
     assert _staggered(eager) == _staggered(compiled)

@@ -66,7 +66,8 @@ def _two_layer_model() -> Transformer:
 def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights(monkeypatch):
     """An engine compiled for several rows on the CPU gives its float32 products panel copies (torch's ``mm``
     repacks the weight every call): the head, the routers, the mHC mixing; its greedy tokens equal an eager
-    engine's and its logits agree to float32 rounding. One row (``max_num_seqs=1``) and eager engines make no
+    engine's and its logits agree to float32 rounding; weights of one input (the router and the shared expert's gate
+    and up) share one copy. One row (``max_num_seqs=1``) and eager engines make no
     copy. A compiled step keeps the head row-major (inductor's one-row reduction kernels read it faster); only
     an eager step's engine stores it column-major."""
     from flashserve.engine import decode_step
@@ -84,7 +85,11 @@ def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights(
     compiled = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=2, enforce_eager=False,
                            compile_backend="eager")
     copied = {name[: -len(blas.PANELS)] for name, _ in model.named_buffers() if name.endswith(blas.PANELS)}
-    assert {"head.weight", "layers.0.hc_attn_fn", "layers.1.ffn.gate.weight"} <= copied  # V4.1: no hc_head
+    assert {"head.weight", "layers.0.hc_attn_fn"} <= copied  # V4.1: no hc_head
+    # the router shares one copy with the shared expert's gate and up (one input), and has none of its own
+    assert model.layers[1].ffn.x_joint_of[0] == ("gate.weight", "shared_experts.w1.weight",
+                                                 "shared_experts.w3.weight")
+    assert "layers.1.ffn.gate.weight" not in copied
     assert not any(name.endswith(blas.PANELS) for name, _ in ref.named_buffers())
     assert set(model.checkpoint_tensors()) == set(ref.checkpoint_tensors())  # the copy is not a checkpoint tensor
     seen = {e: [] for e in (eager, compiled)}

@@ -290,7 +290,7 @@ def test_weights_of_one_input_share_one_joint_product_with_their_own_sums():
                                "c": blas.Linear(64, 33, bias=False)})
     paths = ("a.weight", "b.weight", "c.weight")
     assert blas.make_joint_panels(mod, "x", paths)
-    assert mod.x_joint.shape == (3 + 1 + 3, 64, cpu_kernels.LANES) and mod.x_joint_of == (paths, (40, 8, 33))
+    assert mod.x_joint_panels.shape == (3 + 1 + 3, 64, cpu_kernels.LANES) and mod.x_joint_of == (paths, (40, 8, 33))
     assert not blas.make_joint_panels(mod, "one", ("a.weight",))
     assert not blas.make_joint_panels(mod, "missing", ("a.weight", "d.weight"))
     x = torch.randn(2, 3, 64)
