@@ -163,7 +163,7 @@ class Indexer(nn.Module):
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
                fake_quant: bool | str, products: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d].
-        ``products``: ``qr`` times ``wq_b`` and ``x`` times ``weights_proj`` made already (``"wq_b"``, ``"w"``)."""
+        ``products``: ``qr`` times ``wq_b`` and ``x`` times ``weights_proj`` made already (by their names)."""
         B, S, _ = x.shape
         products = products or {}
         q = products.get("wq_b")
@@ -174,7 +174,7 @@ class Indexer(nn.Module):
             q = fake_quant_fp4(q, block=32, e4m3_scale=False)
         if fake_quant == "v4":
             q = v4_fake_quant_index(q)
-        w = products.get("w")
+        w = products.get("weights_proj")
         if w is None:
             w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
         w = w * self.n_heads ** -0.5
@@ -333,9 +333,7 @@ class Attention(nn.Module):
         keys, n_entries = ctx.state.compressed(self.src_index)
         visible = self._visible(t, keys.shape[1], n_entries)
         mode = (True if self.v41 else "v4") if ctx.fake_quant else False
-        made = {k: products[p] for k, p in (("wq_b", "indexer.wq_b.weight"), ("w", "indexer.weights_proj.weight"))
-                if p in products}
-        scores = self.indexer.scores(x, qr, keys, ctx, mode, made)
+        scores = self.indexer.scores(x, qr, keys, ctx, mode, _under(products, "indexer."))
         cfg = self.cfg
         if self.v41 and cfg.candidate_source_layer_id >= 0:
             if self.layer == cfg.candidate_source_layer_id:

@@ -165,6 +165,15 @@ def bf16_exact(w: torch.Tensor) -> bool:
     return bool(torch.equal(w.detach().to(torch.bfloat16).to(w.dtype), w.detach()))
 
 
+def _in_panels(w: torch.Tensor, lanes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``w [N, K]`` as [ceil(N / lanes), K, lanes] (a view of a zero-padded copy): panel ``p``, line ``k`` holds
+    ``w[lanes * p + c, k]`` in slot ``c``."""
+    N, K = w.shape
+    padded = torch.zeros(-(-N // lanes) * lanes, K, dtype=dtype)
+    padded[:N] = w.detach()
+    return padded.view(-1, lanes, K).transpose(1, 2)
+
+
 def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``w [N, K]`` (any strides) as the panels :func:`dense_rows` reads: [ceil(N / 16), K, 16], panel ``p``
     holding output columns ``16p .. 16p + 15`` k by k, zero past ``N``. ``dtype`` bfloat16 halves the bytes for
@@ -174,10 +183,7 @@ def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
         raise ValueError(f"pack_panels: panels are float32 or bfloat16, not {dtype}")
     if dtype == torch.bfloat16 and not bf16_exact(w):
         raise ValueError("pack_panels: bfloat16 panels would round this weight (bf16_exact is False)")
-    N, K = w.shape
-    padded = torch.zeros(-(-N // LANES) * LANES, K, dtype=dtype)
-    padded[:N] = w.detach()
-    panels = padded.view(-1, LANES, K).transpose(1, 2)
+    panels = _in_panels(w, LANES, dtype)
     if dtype == torch.bfloat16:
         order = torch.tensor(BF16_SLOTS).argsort()  # slot s holds column order[s]
         panels = panels[..., order]
@@ -188,10 +194,7 @@ def pack_stream_panels(w: torch.Tensor) -> torch.Tensor:
     """``w [N, K]`` (any strides) as the stream panels :func:`dense_rows` reads: [ceil(N / 6), K, 6] float32, panel
     ``p`` holding output columns ``6p .. 6p + 5`` k by k, zero past ``N``. The kernel reads each line once a call,
     with up to 16 rows in its registers' lanes (``csrc/dense_rows.cpp``)."""
-    N, K = w.shape
-    padded = torch.zeros(-(-N // STREAM_LANES) * STREAM_LANES, K, dtype=torch.float32)
-    padded[:N] = w.detach()
-    return padded.view(-1, STREAM_LANES, K).transpose(1, 2).contiguous()
+    return _in_panels(w, STREAM_LANES, torch.float32).contiguous()
 
 
 def streams(w: torch.Tensor) -> bool:

@@ -264,6 +264,17 @@ inline void stream_request(const float* panel, int64_t k0) {
     for (int64_t b = 0; b < 8 * STREAM_LANES; b += 16) __builtin_prefetch(ahead + b);
 }
 
+// line(k) for k = 0 .. K - 1, eight at a time, each eight requesting those STREAM_AHEAD lines later in G panels
+template <int G, typename F>
+inline void stream_lines(const float* panel, int64_t K, F&& line) {
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        for (int g = 0; g < G; ++g) stream_request(panel + g * K * STREAM_LANES, k);
+        for (int64_t i = 0; i < 8; ++i) line(k + i);
+    }
+    for (; k < K; ++k) line(k);
+}
+
 // Rows in lanes: xt [K, 8 * RV] (x transposed, zero past M) times G adjacent stream panels starting at column
 // col0; writes out[r, col0 .. col0 + min(6G, cols)) for r < M.
 template <int RV, int G>
@@ -282,12 +293,7 @@ inline void stream_rows_in_lanes(const float* xt, const float* panel, int64_t K,
                 for (int v = 0; v < RV; ++v) acc[v][g * C + c] = _mm256_fmadd_ps(xv[v], w, acc[v][g * C + c]);
             }
     };
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        for (int g = 0; g < G; ++g) stream_request(panel + g * K * C, k);
-        for (int64_t i = 0; i < 8; ++i) line(k + i);
-    }
-    for (; k < K; ++k) line(k);
+    stream_lines<G>(panel, K, line);
     // through a buffer with fixed indices: a store loop bounded by cols kept the sums in memory (2x slower)
     alignas(32) float lanes[RV * G * C * 8];
     for (int v = 0; v < RV; ++v)
@@ -316,12 +322,7 @@ inline void stream_columns_in_lanes(const float* x, const float* panel, int64_t 
             for (int g = 0; g < G; ++g) acc[g][r] = _mm256_fmadd_ps(b, w[g], acc[g][r]);
         }
     };
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        for (int g = 0; g < G; ++g) stream_request(panel + g * K * C, k);
-        for (int64_t i = 0; i < 8; ++i) line(k + i);
-    }
-    for (; k < K; ++k) line(k);
+    stream_lines<G>(panel, K, line);
     alignas(32) float lanes[G * R * 8];
     for (int g = 0; g < G; ++g)
         for (int r = 0; r < R; ++r) _mm256_store_ps(lanes + (g * R + r) * 8, acc[g][r]);
