@@ -50,21 +50,22 @@ inline void prefetch_rows(const uint8_t* q, const uint8_t* s, int64_t count, int
 }
 
 #if defined(FS_AVX2)
-// The 8 low-nibble and 8 high-nibble values of 8 code bytes, times the block's scale (`pos`: the 8 magnitudes
-// scaled): vpermps reads an index's low 3 bits (the magnitude), and the sign bit (3 or 7 of the byte) is moved
-// to the float's. The same floats as the table's entry times the scale.
+// The 8 low-nibble and 8 high-nibble values of 8 code bytes, times the block's scale (`pos`: block_table's 8
+// scaled magnitudes): vpermps reads an index's low 3 bits (the magnitude), and a shift puts the code's 4 bits at
+// bits 28-31, where one xor sets the sign bit and undoes the magnitude bits block_table xored into the entry's
+// bits 28-30. The same floats as the table's entry times the scale, two instructions fewer per 16 values than
+// masking the sign bit alone (one layer's gate/up and down, peers shapes: 1.018x and 1.027x, mbk.py).
 inline void decode8(const uint8_t* q, __m256 pos, __m256& lo, __m256& hi) {
     const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    const __m256i sign = _mm256_set1_epi32(static_cast<int32_t>(0x80000000u));
-    lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, codes),
-                       _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(codes, 28), sign)));
-    hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, _mm256_srli_epi32(codes, 4)),
-                       _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(codes, 24), sign)));
+    const __m256i high = _mm256_srli_epi32(codes, 4);
+    lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, codes), _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+    hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, high), _mm256_castsi256_ps(_mm256_slli_epi32(high, 28)));
 }
 
-// The scaled magnitudes of block b
+// The scaled magnitudes of block b, entry i xored with i << 28 (decode8 xors the code's 4 bits back in)
 inline __m256 block_table(const uint8_t* s, int64_t b) {
-    return _mm256_mul_ps(_mm256_load_ps(E2M1), _mm256_set1_ps(e8m0(s[b])));
+    const __m256i undo = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
+    return _mm256_xor_ps(_mm256_mul_ps(_mm256_load_ps(E2M1), _mm256_set1_ps(e8m0(s[b]))), _mm256_castsi256_ps(undo));
 }
 
 // The 8 lanes of a sum, in order
