@@ -22,7 +22,6 @@
 // result does not depend on the number of threads. FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the
 // narrower paths (the tests build all three).
 #include <cstdint>
-#include <memory>
 #include <type_traits>
 // FS_AVX512 / FS_AVX2: csrc/isa.h, prepended by the loader
 
@@ -238,7 +237,7 @@ void rows_times_panels(const float* x, const W* panels, float* out, int64_t M, i
     const int64_t count = (N + LANES - 1) / LANES;
 #if defined(FS_AVX512)
     if (count >= PAIRED_PANELS) {
-        std::unique_ptr<float[]> buf(new float[M * K]);  // x k-major
+        const auto buf = aligned_floats(M * K);  // x k-major
         float* const xt = buf.get();
         for (int64_t r = 0; r < M; ++r)
             for (int64_t k = 0; k < K; ++k) xt[k * M + r] = x[r * K + k];
@@ -356,7 +355,7 @@ inline void stream_block(const float* x, const float* panels, float* out, int64_
         return;
     }
     const int64_t width = M > 8 ? 16 : 8;  // rows in lanes: one register of 8 or two
-    std::unique_ptr<float[]> buf(new float[K * width]());
+    const auto buf = aligned_floats(K * width);
     float* const xt = buf.get();
     for (int64_t r = 0; r < M; ++r)
         for (int64_t k = 0; k < K; ++k) xt[k * width + r] = x[r * K + k];
