@@ -1,5 +1,6 @@
 // Shared by the kernels in this folder (flashserve.model.cpu_kernels prepends it to each source before
-// compiling): which vector path to build. FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the narrower ones.
+// compiling): which vector path to build (FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the narrower ones),
+// and aligned_floats for the kernels' copies of x.
 #include <cstdint>
 #if !defined(FLASHSERVE_NO_SIMD) && (defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h>

@@ -64,7 +64,8 @@ inline void decode8(const uint8_t* q, __m256 pos, __m256& lo, __m256& hi) {
 // The scaled magnitudes of block b, entry i xored with i << 28 (decode8 xors the code's 4 bits back in)
 inline __m256 block_table(const uint8_t* s, int64_t b) {
     const __m256i undo = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
-    return _mm256_xor_ps(_mm256_mul_ps(_mm256_load_ps(E2M1), _mm256_set1_ps(e8m0(s[b]))), _mm256_castsi256_ps(undo));
+    const __m256 scaled = _mm256_mul_ps(_mm256_load_ps(E2M1), _mm256_set1_ps(e8m0(s[b])));
+    return _mm256_xor_ps(scaled, _mm256_castsi256_ps(undo));
 }
 
 // The 8 lanes of a sum, in order
