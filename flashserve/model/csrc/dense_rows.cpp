@@ -237,7 +237,7 @@ void rows_times_panels(const float* x, const W* panels, float* out, int64_t M, i
     const int64_t count = (N + LANES - 1) / LANES;
 #if defined(FS_AVX512)
     if (count >= PAIRED_PANELS) {
-        const auto buf = aligned_floats(M * K);  // x k-major
+        const auto buf = aligned_floats(M * K, false);  // x k-major
         float* const xt = buf.get();
         for (int64_t r = 0; r < M; ++r)
             for (int64_t k = 0; k < K; ++k) xt[k * M + r] = x[r * K + k];
@@ -355,7 +355,7 @@ inline void stream_block(const float* x, const float* panels, float* out, int64_
         return;
     }
     const int64_t width = M > 8 ? 16 : 8;  // rows in lanes: one register of 8 or two
-    const auto buf = aligned_floats(K * width);
+    const auto buf = aligned_floats(K * width, true);  // zero past row M
     float* const xt = buf.get();
     for (int64_t r = 0; r < M; ++r)
         for (int64_t k = 0; k < K; ++k) xt[k * width + r] = x[r * K + k];

@@ -18,14 +18,14 @@
 
 namespace {
 
-// n floats (zeroed) from a 64-byte boundary, for the copies of x the kernels make: a 32-byte load from them
-// never straddles a cache line. malloc's 16-byte alignment left the MXFP4 kernel's rows of x at 16 bytes past a
-// 32-byte boundary in some processes: one layer's gate/up and down measured 1.037x slower (peers shapes).
-inline std::unique_ptr<float, void (*)(void*)> aligned_floats(int64_t n) {
+// n floats from a 64-byte boundary (zeroed if asked), for the copies of x the kernels make: a 32-byte load from
+// them never straddles a cache line. malloc's 16-byte alignment left the MXFP4 kernel's rows of x at 16 bytes past
+// a 32-byte boundary in some processes: one layer's gate/up and down measured 1.037x slower (peers shapes).
+inline std::unique_ptr<float, void (*)(void*)> aligned_floats(int64_t n, bool zeroed) {
     const size_t bytes = (static_cast<size_t>(n > 0 ? n : 1) * sizeof(float) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, bytes);
     if (p == nullptr) throw std::bad_alloc();
-    std::memset(p, 0, bytes);
+    if (zeroed) std::memset(p, 0, bytes);
     return {static_cast<float*>(p), &std::free};
 }
 

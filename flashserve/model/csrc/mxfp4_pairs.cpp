@@ -258,7 +258,7 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
     const std::vector<int64_t>& order = groups.order;
     // x with each 32-block reordered as [even | odd] columns
     const int64_t T = P / k;
-    const auto xs_buf = aligned_floats(T * K);
+    const auto xs_buf = aligned_floats(T * K, false);  // every value written below
     float* const xs = xs_buf.get();
     for (int64_t t = 0; t < T; ++t)
         for (int64_t c = 0; c < K; c += BLOCK) {
