@@ -183,6 +183,12 @@ class ModelConfig:
             return layer if ratio == self.compress_rate_csa else None
         return max(s for s in self.index_source_layer_ids if s <= layer)
 
+    def indexed_ratios(self) -> tuple[int, ...]:
+        """Compression ratios of the caches an indexer picks top-k entries from (its layer's KV source's),
+        ascending; V4's HCA caches (every entry attended) are not among them."""
+        L = self.num_hidden_layers
+        return tuple(sorted({self.compress_ratios[self.kv_source(i)] for i in range(L) if self.index_source(i) == i}))
+
     def layer_role(self, layer: int) -> str:
         """``swa``, ``full``, ``reindex`` or ``reuse`` for V4.1; ``swa``, ``csa`` or ``hca`` for V4."""
         ratio = self.compress_ratios[layer]

@@ -96,11 +96,14 @@ class DecodeStep:
         self.buckets = decode_buckets(max_num_seqs, one_row_graph=cache.device.type == "cpu")
         self.enforce_eager = enforce_eager
         cfg = model.cfg
-        ratios = [r for r in cfg.compress_ratios[:cfg.num_hidden_layers] if r > 0]
-        # the fewest pages a step reads: enough entries that every top-k and candidate-pool size is below the
-        # read width, so those size checks never flip (and recompile) as a context grows
+        # the fewest pages a step reads: enough entries in every cache an indexer selects from that its top-k and
+        # candidate-pool sizes stay below the read width, so those size checks never flip (and recompile) as a
+        # context grows. Only those caches count: sized by V4's HCA caches (one entry a 128-token page), every
+        # 16-row step of the engine benchmark's checkpoint read 16 pages where its requests held 2, and scored
+        # 512 index entries a CSA layer for 48 (1.097x a step, same tokens; docs/engine-speed.md)
         pool = cfg.candidate_topk_blocks * cfg.candidate_block_size if cfg.candidate_source_layer_id >= 0 else 0
         need = max(cfg.index_topk, pool, 1)
+        ratios = cfg.indexed_ratios()
         entries_per_page = cache.page_tokens // max(ratios) if ratios else cache.page_tokens
         self.min_pages = max(2, -(-need // max(entries_per_page, 1)))
         # CUDA graphs replay a direct call per input shape (table widths rounded up to powers of two, so a

@@ -46,6 +46,14 @@ def test_v41_roles_from_config_lists():
     assert [i for i, r in enumerate(roles) if r == "reindex"] == [24, 28, 32, 36]
     assert cfg.kv_source(19) == 14 and cfg.kv_source(39) == 20 and cfg.index_source(27) == 24
     assert cfg.decoder_start == 20
+    # the indexers of 2, 8 and 14 select from their own ratio-2 caches; those of 20-36 from layer 20's ratio-1 cache
+    assert [cfg.compress_ratios[i] for i in (2, 8, 14, 20)] == [2, 2, 2, 1] and cfg.indexed_ratios() == (1, 2)
+
+
+def test_v4_indexers_select_from_csa_caches_only():
+    """V4's CSA layers (ratio 4) pick top-k entries; its HCA layers (ratio 128) attend to every entry."""
+    cfg = load_config("deepseek-v4-flash")
+    assert set(cfg.compress_ratios) == {0, 4, 128} and cfg.indexed_ratios() == (4,)
 
 
 def test_transformers_style_v4_config_is_read():

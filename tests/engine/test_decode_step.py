@@ -136,6 +136,37 @@ def test_compiled_v4_step_with_joint_products_equals_eager():
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
+def test_v4_step_reads_the_pages_its_requests_hold():
+    """A V4 step reads as many pages as its longest request holds, two at least: enough for the CSA indexer's
+    top-k, whose cache gets 32 entries a page. The HCA caches get one entry a page but pick no top-k, so they do
+    not set the width (they once made every step read ``index_topk`` pages). Contexts growing from 2 to 3 pages
+    compile nothing after the warm-up, and the logits equal the eager engine's."""
+    from torch._dynamo.utils import counters
+
+    raw = preset_json("tiny-v4")
+    raw.update(num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1, hc_sinkhorn_iters=3,
+               num_nextn_predict_layers=0)
+    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=3).float().eval()
+    model.fake_quant = False
+    kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=2)
+    compiled = make_engine(model, "tiny-v4", enforce_eager=False, compile_backend="eager", **kw)
+    assert compiled.cache.page_tokens == 128 and model.cfg.index_topk > 2
+    graphs = counters["stats"]["unique_graphs"]
+    step_fn, widths = compiled.runner.decode_step._forward, []
+    compiled.runner.decode_step._forward = lambda ids, st, sl, table: widths.append(table.shape[1]) or step_fn(
+        ids, st, sl, table)
+    prompts = [prompt_of(200, seed=1), prompt_of(120, seed=2)]  # 2 pages, then 3; 1 page, then 2
+    b_logits = _recording(compiled)
+    got = run_greedy(compiled, prompts, 70)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert sorted(set(widths)) == [2, 3]
+    eager = make_engine(model, "tiny-v4", enforce_eager=True, **kw)
+    a_logits = _recording(eager)
+    assert run_greedy(eager, prompts, 70) == got
+    for a, b in zip(a_logits, b_logits, strict=True):
+        assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
 def test_inductor_step_equals_eager(caplog):
     """The compiled step as users run it (inductor, its C++ wrapper on the CPU): greedy tokens equal, logits
     within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph: the
