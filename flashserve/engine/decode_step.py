@@ -100,7 +100,7 @@ class DecodeStep:
         # candidate-pool sizes stay below the read width, so those size checks never flip (and recompile) as a
         # context grows. Only those caches count: sized by V4's HCA caches (one entry a 128-token page), every
         # 16-row step of the engine benchmark's checkpoint read 16 pages where its requests held 2, and scored
-        # 512 index entries a CSA layer for 48 (1.097x a step, same tokens; docs/engine-speed.md)
+        # 512 index entries a CSA layer for 48 (1.06-1.10x a step, same tokens; docs/engine-speed.md)
         pool = cfg.candidate_topk_blocks * cfg.candidate_block_size if cfg.candidate_source_layer_id >= 0 else 0
         need = max(cfg.index_topk, pool, 1)
         ratios = cfg.indexed_ratios()
