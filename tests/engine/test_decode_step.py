@@ -53,6 +53,16 @@ def compact_v41(dtype: torch.dtype, quantization: str | None = None, layers: dic
     return model
 
 
+def compact_v4(seed: int) -> Transformer:
+    """``tiny-v4`` cut to three float32 layers, one of each kind: window, CSA (ratio 4) and HCA (ratio 128)."""
+    raw = preset_json("tiny-v4")
+    raw.update(num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1, hc_sinkhorn_iters=3,
+               num_nextn_predict_layers=0)
+    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=seed).float().eval()
+    model.fake_quant = False
+    return model
+
+
 def _recording(engine) -> list[torch.Tensor]:
     """Record the logits of every decode step the engine runs."""
     seen, decode = [], engine.runner.decode
@@ -120,11 +130,7 @@ def test_compiled_v4_step_with_joint_products_equals_eager():
     products of its rows (two compressors and the indexer's weights) and two of its query latent, an HCA layer's
     four, each in one call of the compiled step (dynamo's ``eager`` backend); greedy tokens equal the eager
     engine's, logits within 1e-5 relative."""
-    raw = preset_json("tiny-v4")
-    raw.update(num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1, hc_sinkhorn_iters=3,
-               num_nextn_predict_layers=0)
-    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=2).float().eval()
-    model.fake_quant = False
+    model = compact_v4(seed=2)
     kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=4)
     eager = make_engine(model, "tiny-v4", enforce_eager=True, **kw)
     compiled = make_engine(model, "tiny-v4", enforce_eager=False, compile_backend="eager", **kw)
@@ -143,11 +149,7 @@ def test_v4_step_reads_the_pages_its_requests_hold():
     compile nothing after the warm-up, and the logits equal the eager engine's."""
     from torch._dynamo.utils import counters
 
-    raw = preset_json("tiny-v4")
-    raw.update(num_hidden_layers=3, compress_ratios=[0, 4, 128], num_hash_layers=1, hc_sinkhorn_iters=3,
-               num_nextn_predict_layers=0)
-    model = random_init(Transformer(config_from_dict(raw), with_mtp=False), seed=3).float().eval()
-    model.fake_quant = False
+    model = compact_v4(seed=3)
     kw = dict(dtype="float32", cache_dtype="float", max_num_seqs=2)
     compiled = make_engine(model, "tiny-v4", enforce_eager=False, compile_backend="eager", **kw)
     assert compiled.cache.page_tokens == 128 and model.cfg.index_topk > 2
