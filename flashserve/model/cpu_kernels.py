@@ -17,6 +17,10 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   steps use it on CPUs with AVX2 but not AVX-512 (:func:`int8_pairs_preferred`), where inductor's code for
   the same product converts the bytes one at a time (the peers checkpoint's int8 LM head at one row, 2
   threads: 11.5 ms against 2.7 for float32 weights).
+* :func:`sinkhorn`: mHC's Sinkhorn normalisation of a batch of small matrices, eight matrices a vector
+  (``csrc/sinkhorn.cpp``). Compiled CPU steps call it instead of tracing the iterations
+  (:func:`flashserve.model.mhc.sinkhorn`): the same values (bit for bit for mHC's 4x4 matrices), and far fewer
+  graph operations to compile.
 
 They are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
 the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (16-row peers
@@ -49,6 +53,8 @@ _ARGS = {
     # x, experts, q, scale, out, P, k, E, N, K, threads
     "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "float*", "int64_t",
                    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
+    # comb, out, B, n, iters, eps
+    "sinkhorn": ("const float*", "float*", "int64_t", "int64_t", "int64_t", "float"),
 }
 _HEADERS = {k: ("isa.h", "pairs.h") for k in ("mxfp4_pairs", "int8_pairs")}  # csrc headers a kernel's source needs
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
@@ -95,6 +101,12 @@ def dense_rows_available() -> bool:
 
 
 @torch.compiler.assume_constant_result
+def sinkhorn_available() -> bool:
+    """Whether :func:`sinkhorn` has its compiled kernel on this machine (compiling it if needed)."""
+    return _load("sinkhorn") is not None
+
+
+@torch.compiler.assume_constant_result
 def int8_pairs_preferred() -> bool:
     """Whether compiled steps multiply int8 weights through :func:`int8_pairs`: on CPUs with AVX2 but not
     AVX-512, where it was measured (AMD EPYC Zen 3: the peers checkpoint's int8 step at batch 1, see
@@ -129,6 +141,22 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     flat = x.reshape(-1, x.shape[-1])
     experts = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
     return int8_pairs(flat, experts, q[None], scale[None]).view(*x.shape[:-1], q.shape[0])
+
+
+def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float, isa: str = "native") -> torch.Tensor:
+    """:func:`flashserve.model.mhc._sinkhorn_scalings` of float32 matrices ``comb`` [.., n, n] (n <= 8, ``iters``
+    >= 1) through the C++ kernel: the same operations, rounded alike, each sum in index order (bit for bit the
+    traced values for n <= 4, where torch sums in that order too).
+    ``isa`` as in :func:`mxfp4_pairs_eager` (the source has no intrinsics: the compiler vectorizes it)."""
+    n = comb.shape[-1] if comb.dim() >= 2 else 0
+    if not 1 <= n <= 8 or comb.shape[-2] != n or iters < 1 or comb.dtype != torch.float32:
+        raise ValueError(f"sinkhorn: comb {tuple(comb.shape)} {comb.dtype}, iters {iters}: expected float32 "
+                         "[.., n, n] with 1 <= n <= 8 and iters >= 1")
+    fn = _kernel("sinkhorn", isa)
+    c = comb.contiguous()
+    out = torch.empty_like(c)
+    fn(c, out, c.numel() // (n * n), n, iters, float(eps))
+    return out
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -231,11 +259,13 @@ _LIB.define("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor
 _LIB.define("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
 _LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
 _LIB.define("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor")
+_LIB.define("sinkhorn(Tensor comb, int iters, float eps) -> Tensor")
 _LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CompositeExplicitAutograd")
 _LIB.impl("mxfp4_gate_up", lambda x, experts, q1, s1, q3, s3: mxfp4_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
           "CompositeExplicitAutograd")
 _LIB.impl("dense_rows", dense_rows_eager, "CompositeExplicitAutograd")
 _LIB.impl("int8_pairs", int8_pairs_eager, "CompositeExplicitAutograd")
+_LIB.impl("sinkhorn", sinkhorn_eager, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("flashserve::mxfp4_pairs")
@@ -252,6 +282,11 @@ def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor
 @torch.library.register_fake("flashserve::int8_pairs")
 def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("flashserve::sinkhorn")
+def _(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return torch.empty_like(comb, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("flashserve::dense_rows")
@@ -276,6 +311,11 @@ def int8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: t
     return torch.ops.flashserve.int8_pairs(x, experts, q, scale)
 
 
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """:func:`sinkhorn_eager` as the operator ``flashserve::sinkhorn``."""
+    return torch.ops.flashserve.sinkhorn(comb, iters, eps)
+
+
 def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`dense_rows_eager` with the CPU's own path, as the operator ``flashserve::dense_rows``."""
     return torch.ops.flashserve.dense_rows(x, panels, n)
@@ -283,4 +323,5 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 __all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear",
            "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
-           "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "streams"]
+           "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "sinkhorn",
+           "sinkhorn_available", "sinkhorn_eager", "streams"]

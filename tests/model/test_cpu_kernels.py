@@ -233,15 +233,18 @@ def test_dense_rows_do_not_depend_on_the_number_of_threads_and_refuse_mismatches
 
 
 def test_the_operators_run_their_cpp_implementations_once_built():
-    """Loading the native builds registers both operators' CPU implementations in C++ (a compiled step's C++ then
+    """Loading the native builds registers the operators' CPU implementations in C++ (a compiled step's C++ then
     calls them without Python); they give the Python bindings' values bit for bit and check shapes too."""
     assert cpu_kernels.mxfp4_pairs_available() and cpu_kernels.dense_rows_available()
-    for op in ("flashserve::mxfp4_pairs", "flashserve::dense_rows"):
+    assert cpu_kernels.sinkhorn_available()
+    for op in ("flashserve::mxfp4_pairs", "flashserve::dense_rows", "flashserve::sinkhorn"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(40, 64, generator=g), torch.randn(5, 64, generator=g)
     panels = cpu_kernels.pack_panels(w)
     assert torch.equal(torch.ops.flashserve.dense_rows(x, panels, 40), cpu_kernels.dense_rows_eager(x, panels, 40))
+    comb = torch.softmax(torch.randn(3, 4, 4, generator=g), -1) + 1e-6
+    assert torch.equal(torch.ops.flashserve.sinkhorn(comb, 20, 1e-6), cpu_kernels.sinkhorn_eager(comb, 20, 1e-6))
     pw = _experts(4, 24, 64, seed=3)
     experts = torch.tensor([3, 0, 0, 1, 3])
     assert torch.equal(torch.ops.flashserve.mxfp4_pairs(x, experts, pw.qweight, pw.scale),
@@ -338,3 +341,30 @@ def test_a_compiled_int8_layer_uses_the_kernel_where_preferred(monkeypatch):
     assert got[2].shape == (1, 1, 4, 24)
     for a, b in zip(got, want):
         assert _rel(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("shape", [(1, 4, 4), (9, 4, 4), (2, 8, 4, 4), (3, 2, 2), (16, 3, 3), (7, 8, 8)])
+def test_sinkhorn_gives_the_traced_scalings_bit_for_bit_on_every_path(isa, shape):
+    """Batches that fill the kernel's eight lanes, leave some empty, or take several passes, for n up to 8:
+    against the plain loop in float64, and for n <= 4 (mHC's 4) the traced scalings bit for bit (torch sums 8
+    terms in another order)."""
+    from flashserve.model import mhc
+
+    g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
+    comb = torch.softmax(3 * torch.randn(*shape, generator=g), -1) + 1e-6
+    for iters in (1, 2, 20):
+        got = cpu_kernels.sinkhorn_eager(comb, iters, 1e-6, isa=isa)
+        assert got.shape == comb.shape
+        if shape[-1] <= 4:
+            assert torch.equal(got, mhc._sinkhorn_scalings(comb, iters, 1e-6))
+        assert _rel(got, mhc._sinkhorn_sums(comb.double(), iters, 1e-6)) <= 1e-6
+
+
+def test_sinkhorn_refuses_what_it_cannot_normalise():
+    comb = torch.softmax(torch.randn(2, 4, 4), -1)
+    for bad, iters in ((comb.double(), 20), (comb[..., :3], 20), (torch.ones(2, 9, 9), 20), (comb, 0)):
+        with pytest.raises(ValueError, match="sinkhorn: comb .* expected float32"):
+            cpu_kernels.sinkhorn_eager(bad, iters, 1e-6)
+        with pytest.raises(RuntimeError, match="sinkhorn: comb .* expected float32"):
+            torch.ops.flashserve.sinkhorn(bad, iters, 1e-6)

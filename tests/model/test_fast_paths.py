@@ -5,6 +5,7 @@ import torch
 
 from torch._inductor.utils import run_and_get_code
 
+from flashserve.model import cpu_kernels, mhc
 from flashserve.model.mhc import _sinkhorn_scalings, sinkhorn
 from flashserve.model.moe import Experts
 
@@ -40,10 +41,12 @@ def test_sinkhorn_as_row_and_column_scalings_equals_plain_loop(iters, shape):
     torch.testing.assert_close(got, plain_sinkhorn(comb, iters, 1e-6), rtol=0, atol=1e-12)
 
 
-def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels():
-    """Compiled, Sinkhorn has no batched product (which inductor would call as an external kernel per half-step),
-    its graph grows by a handful of ops an iteration (entry by entry it grew by 88, and tracing them was most of
-    a compile), and inductor keeps it in the same few kernels whatever the iterations."""
+def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels(monkeypatch):
+    """Traced (as compiled steps run it where the C++ kernel is not used: CUDA, float64), Sinkhorn has no batched
+    product (which inductor would call as an external kernel per half-step), its graph grows by a handful of ops
+    an iteration (entry by entry it grew by 88, and tracing them was most of a compile), and inductor keeps it in
+    the same few kernels whatever the iterations."""
+    monkeypatch.setattr(mhc.cpu_kernels, "sinkhorn_available", lambda: False)
     graphs = []
 
     def recording(gm, _inputs):
@@ -70,6 +73,32 @@ def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels():
         torch.testing.assert_close(got, plain_sinkhorn(comb[:1, :1], iters, 1e-6), rtol=1e-6, atol=1e-7)
         kernels[iters] = "\n".join(code).count("cpp_fused")
     assert 0 < kernels[6] == kernels[3] <= 2
+
+
+@pytest.mark.parametrize("iters", [1, 3, 20])
+def test_a_compiled_cpu_sinkhorn_is_one_kernel_call_with_the_traced_values(iters):
+    """In a compiled CPU step, float32 Sinkhorn is one call of the C++ kernel whatever the iterations (its graph
+    does not grow with them), and gives the traced scalings' values bit for bit; float64 stays traced."""
+    assert cpu_kernels.sinkhorn_available()
+    graphs = []
+
+    def recording(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(iters)
+    comb = torch.softmax(3 * torch.randn(5, 2, 4, 4, generator=g), -1) + 1e-6
+    torch._dynamo.reset()
+    got = torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.clone(), iters, 1e-6)
+    ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum("flashserve.sinkhorn" in op for op in ops) == 1 and len(ops) <= 2
+    assert torch.equal(got, _sinkhorn_scalings(comb, iters, 1e-6))
+    assert torch.equal(torch.compile(sinkhorn, fullgraph=True, options={"cpp_wrapper": True})(comb.clone(), iters, 1e-6),
+                       got)
+    graphs.clear()
+    torch._dynamo.reset()
+    torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.double(), iters, 1e-6)
+    assert graphs and not any("flashserve.sinkhorn" in str(n.target) for gm in graphs for n in gm.graph.nodes)
 
 
 def _experts(dtype):
