@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flashserve.model import blas, cpu_kernels
+from flashserve.model import blas, cpu_kernels, mhc
 from flashserve.model.packed import EXPERT_FP4, PackedWeights
 
 
@@ -349,8 +349,6 @@ def test_sinkhorn_gives_the_traced_scalings_bit_for_bit_on_every_path(isa, shape
     """Batches that fill the kernel's eight lanes, leave some empty, or take several passes, for n up to 8:
     against the plain loop in float64, and for n <= 4 (mHC's 4) the traced scalings bit for bit (torch sums 8
     terms in another order)."""
-    from flashserve.model import mhc
-
     g = torch.Generator().manual_seed(len(shape) * 10 + shape[-1])
     comb = torch.softmax(3 * torch.randn(*shape, generator=g), -1) + 1e-6
     for iters in (1, 2, 20):

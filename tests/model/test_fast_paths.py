@@ -93,8 +93,8 @@ def test_a_compiled_cpu_sinkhorn_is_one_kernel_call_with_the_traced_values(iters
     ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("flashserve.sinkhorn" in op for op in ops) == 1 and len(ops) <= 2
     assert torch.equal(got, _sinkhorn_scalings(comb, iters, 1e-6))
-    assert torch.equal(torch.compile(sinkhorn, fullgraph=True, options={"cpp_wrapper": True})(comb.clone(), iters, 1e-6),
-                       got)
+    through_cpp = torch.compile(sinkhorn, fullgraph=True, options={"cpp_wrapper": True})
+    assert torch.equal(through_cpp(comb.clone(), iters, 1e-6), got)
     graphs.clear()
     torch._dynamo.reset()
     torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.double(), iters, 1e-6)
