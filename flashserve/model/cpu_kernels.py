@@ -143,16 +143,16 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return int8_pairs(flat, experts, q[None], scale[None]).view(*x.shape[:-1], q.shape[0])
 
 
-def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float, isa: str = "native") -> torch.Tensor:
+def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`flashserve.model.mhc._sinkhorn_scalings` of float32 matrices ``comb`` [.., n, n] (n <= 8, ``iters``
     >= 1) through the C++ kernel: the same operations, rounded alike, each sum in index order (bit for bit the
-    traced values for n <= 4, where torch sums in that order too).
-    ``isa`` as in :func:`mxfp4_pairs_eager` (the source has no intrinsics: the compiler vectorizes it)."""
+    traced values for n <= 4, where torch sums in that order too). The source has no intrinsics (the compiler
+    vectorizes it), so its native build is the only one."""
     n = comb.shape[-1] if comb.dim() >= 2 else 0
     if not 1 <= n <= 8 or comb.shape[-2] != n or iters < 1 or comb.dtype != torch.float32:
         raise ValueError(f"sinkhorn: comb {tuple(comb.shape)} {comb.dtype}, iters {iters}: expected float32 "
                          "[.., n, n] with 1 <= n <= 8 and iters >= 1")
-    fn = _kernel("sinkhorn", isa)
+    fn = _kernel("sinkhorn", "native")
     c = comb.contiguous()
     out = torch.empty_like(c)
     fn(c, out, c.numel() // (n * n), n, iters, float(eps))
