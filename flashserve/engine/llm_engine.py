@@ -10,7 +10,7 @@ import torch
 
 from ..config import ConfigError
 from ..model.packed import prepare_kernels
-from ..model.weight_layout import column_major_tall_weights, prepack_for_rows
+from ..model.weight_layout import column_major_tall_weights, join_int8_rows, prepack_for_rows
 
 from . import preflight
 from .cache import KVCache
@@ -81,6 +81,10 @@ class LLMEngine:
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         if eager:  # torch's one-row products over the LM head run ~2x faster column-major (weight_layout); a
             column_major_tall_weights(self.model)  # compiled CPU step's own products want it row-major (blas)
+        if not eager and self.cache.device.type == "cpu":  # one-row int8 products of one input in one call
+            joined = join_int8_rows(self.model)
+            if joined:
+                log.info("int8 rows of %d weights joined by input for one-row steps", len(joined))
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         if not eager and self.cache.device.type == "cpu" and rows > 1:  # several rows: panel copies (blas)
             packed = prepack_for_rows(self.model)

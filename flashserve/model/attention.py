@@ -232,6 +232,12 @@ def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch
     return chosen.repeat_interleave(block, dim=-1)[..., :T]
 
 
+def _made(products: dict[str, torch.Tensor], path: str, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` times ``layer``'s weight: its joint product when ``products`` has it (by ``path``), else the layer's."""
+    y = products.get(path)
+    return layer(x) if y is None else y
+
+
 def _under(products: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """The joint products of the weights under ``prefix`` (``"compressor."``), by their module's name there."""
     return {p[len(prefix):].removesuffix(".weight"): y for p, y in products.items() if p.startswith(prefix)}
@@ -380,14 +386,14 @@ class Attention(nn.Module):
         H, hd = self.n_heads, self.head_dim
         cos, sin = ctx.angles(self.rope_kind)
         xw = blas.joint_products(x, self, "x")  # x's products in one call (compiled steps of several rows)
-        qr = self.q_norm(xw["wq_a.weight"] if xw else self.wq_a(x))
+        qr = self.q_norm(_made(xw, "wq_a.weight", self.wq_a, x))
         qw = blas.joint_products(qr, self, "qr")
-        q = (qw["wq_b.weight"] if qw else self.wq_b(qr)).view(B, S, H, hd)
+        q = _made(qw, "wq_b.weight", self.wq_b, qr).view(B, S, H, hd)
         made = {**xw, **qw}
         if not self.v41:
             q = rms(q, self.cfg.rms_norm_eps)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        kv = apply_rope(self.kv_norm(xw["wkv.weight"] if xw else self.wkv(x)), cos, sin)
+        kv = apply_rope(self.kv_norm(_made(xw, "wkv.weight", self.wkv, x)), cos, sin)
         if ctx.fake_quant:
             kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
         keys, kpos = ctx.state.window(self.layer, kv)

@@ -267,10 +267,15 @@ def _parameter(module: nn.Module, path: str) -> torch.Tensor | None:
 
 
 def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:
-    """``x`` times each weight of ``module``'s joint ``group`` (:func:`make_joint_panels`) in one call over their
-    joined panels, by path (``"wq_a.weight"``: ``[..., N]``, a view); empty unless the group has its copy and
-    ``x`` is several float32 rows of a compiled CPU step. The peers checkpoint's 16-row step makes 66 calls where
-    it made 112 (a call costs about 5 us besides its products; docs/engine-speed.md)."""
+    """``x`` times each weight of ``module``'s joint ``group`` in one call, by path (``"wq_a.weight"``:
+    ``[..., N]``, a view): over the joined panels of :func:`make_joint_panels` for several float32 rows of a
+    compiled CPU step (the peers checkpoint's 16-row step makes 66 calls where it made 112; a call costs about
+    5 us besides its products, docs/engine-speed.md), or over the joined int8 rows of
+    :func:`flashserve.model.packed.join_int8_rows` for one row (:func:`joint_int8_products`). Empty otherwise;
+    the group's other weights are the caller's to multiply."""
+    made = joint_int8_products(x, module, group)
+    if made:
+        return made
     panels = getattr(module, group + JOINT + PANELS, None)
     if panels is None or compiled_row(x) or not compiled_cpu(x) or x.dtype != torch.float32:
         return {}
@@ -282,6 +287,24 @@ def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, 
         out[path] = y[:, start:start + n].view(*x.shape[:-1], n)
         start += -(-n // lanes) * lanes
     return out
+
+
+INT8_JOINT = "_joint_int8"  # int8 rows of one input: buffers <group>_joint_int8_q / _s, (paths, widths): _of
+
+
+def joint_int8_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:
+    """One row ``x`` of a compiled CPU step times the int8 weights of ``module``'s ``group`` whose rows
+    :func:`flashserve.model.packed.join_int8_rows` stored one after another, by path: one call of the int8 kernel
+    where the weights took one each, every output the same sum (the kernel sums each output row alone, in a fixed
+    order). Empty where a one-row product of those weights would not take the kernel (eager code, several rows,
+    CPUs that prefer inductor's product: :func:`~flashserve.model.cpu_kernels.int8_pairs_preferred`)."""
+    if (getattr(module, group + INT8_JOINT + "_of", None) is None or not compiled_row(x)
+            or not cpu_kernels.int8_pairs_preferred()):
+        return {}
+    q, s = getattr(module, group + INT8_JOINT + "_q"), getattr(module, group + INT8_JOINT + "_s")
+    paths, widths = getattr(module, group + INT8_JOINT + "_of")
+    y = cpu_kernels.int8_linear(x, q, s).to(x.dtype)  # [..., sum of widths]
+    return dict(zip(paths, y.split(list(widths), dim=-1)))
 
 
 class Linear(nn.Linear):

@@ -16,7 +16,8 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   quantization stores them (``csrc/int8_pairs.cpp``): a dense product, or each row its own expert. Compiled
   steps use it on CPUs with AVX2 but not AVX-512 (:func:`int8_pairs_preferred`), where inductor's code for
   the same product converts the bytes one at a time (the peers checkpoint's int8 LM head at one row, 2
-  threads: 11.5 ms against 2.7 for float32 weights).
+  threads: 11.5 ms against 2.7 for float32 weights). :func:`int8_gate_up` runs a MoE's gate and up projections
+  in one call.
 * :func:`sinkhorn`: mHC's Sinkhorn normalisation of a batch of small matrices, eight matrices a vector
   (``csrc/sinkhorn.cpp``). Compiled CPU steps call it instead of tracing the iterations
   (:func:`flashserve.model.mhc.sinkhorn`): the same values (bit for bit for mHC's 4x4 matrices), and far fewer
@@ -50,9 +51,10 @@ _ARGS = {
                     "int64_t"),
     # x, panels, out, M, N, K, layout (0 float32 panels, 1 bfloat16 panels, 2 stream panels), threads
     "dense_rows": ("const float*", "const void*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
-    # x, experts, q, scale, out, P, k, E, N, K, threads
-    "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "float*", "int64_t",
-                   "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
+    # x, experts, q, scale, q2, scale2, out, P, k, E, N, K, matrices, threads
+    "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "const int8_t*",
+                   "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
+                   "int64_t"),
     # comb, out, B, n, iters, eps
     "sinkhorn": ("const float*", "float*", "int64_t", "int64_t", "int64_t", "float"),
 }
@@ -115,24 +117,31 @@ def int8_pairs_preferred() -> bool:
 
 
 def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                     isa: str = "native") -> torch.Tensor:
+                     isa: str = "native", up: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Pair ``p`` (``experts`` flattened) is a row of ``x`` times expert ``experts[p]``'s int8 matrix ``q [E, N,
     K]`` with its rows' float32 ``scale [E, N]`` (or their bits as int32, as the int8 quantization stores
     them): [P, N] float32. ``x [P, K]`` gives each pair its own row, ``x [T, K]`` with ``experts [T, k]`` gives
-    token ``t``'s row to its ``k`` pairs. ``isa`` as in :func:`mxfp4_pairs_eager`."""
+    token ``t``'s row to its ``k`` pairs. With ``up`` (the up projection's ``q, scale`` beside the gate's) both
+    matrices' products in one call, [2, P, N]. ``isa`` as in :func:`mxfp4_pairs_eager`."""
     E, N, K = q.shape
     if (x.dim() != 2 or x.shape[1] != K or scale.shape != (E, N) or not x.shape[0] or q.dtype != torch.int8
-            or experts.numel() % x.shape[0]):
+            or experts.numel() % x.shape[0]
+            or (up is not None and (up[0].shape != q.shape or up[0].dtype != q.dtype or up[1].shape != scale.shape))):
         raise ValueError(f"int8_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)} "
                          f"{q.dtype}, scale {tuple(scale.shape)} do not match")
     fn = _kernel("int8_pairs", isa)
+
+    def as_float(scale: torch.Tensor) -> torch.Tensor:
+        return (scale.view(torch.float32) if scale.dtype == torch.int32 else scale.to(torch.float32)).contiguous()
+
     x = x.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous().view(-1)
-    scale = scale.view(torch.float32) if scale.dtype == torch.int32 else scale.to(torch.float32)
+    q2, s2 = (q, scale) if up is None else up
     P = experts.numel()
-    out = torch.empty(P, N, dtype=torch.float32)
-    fn(x, experts, q.contiguous(), scale.contiguous(), out, P, P // x.shape[0], E, N, K, torch.get_num_threads())
-    return out
+    out = torch.empty(1 if up is None else 2, P, N, dtype=torch.float32)
+    fn(x, experts, q.contiguous(), as_float(scale), q2.contiguous(), as_float(s2), out, P, P // x.shape[0], E, N, K,
+       1 if up is None else 2, torch.get_num_threads())
+    return out[0] if up is None else out
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -259,12 +268,15 @@ _LIB.define("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor
 _LIB.define("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
 _LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
 _LIB.define("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor")
+_LIB.define("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
 _LIB.define("sinkhorn(Tensor comb, int iters, float eps) -> Tensor")
 _LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CompositeExplicitAutograd")
 _LIB.impl("mxfp4_gate_up", lambda x, experts, q1, s1, q3, s3: mxfp4_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
           "CompositeExplicitAutograd")
 _LIB.impl("dense_rows", dense_rows_eager, "CompositeExplicitAutograd")
 _LIB.impl("int8_pairs", int8_pairs_eager, "CompositeExplicitAutograd")
+_LIB.impl("int8_gate_up", lambda x, experts, q1, s1, q3, s3: int8_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
+          "CompositeExplicitAutograd")
 _LIB.impl("sinkhorn", sinkhorn_eager, "CompositeExplicitAutograd")
 
 
@@ -282,6 +294,12 @@ def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor
 @torch.library.register_fake("flashserve::int8_pairs")
 def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.register_fake("flashserve::int8_gate_up")
+def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
+      s3: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
 
 @torch.library.register_fake("flashserve::sinkhorn")
@@ -311,6 +329,13 @@ def int8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: t
     return torch.ops.flashserve.int8_pairs(x, experts, q, scale)
 
 
+def int8_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
+                 s3: torch.Tensor) -> torch.Tensor:
+    """The gate's and the up projection's int8 pair products in one call, [2, P, N] (:func:`int8_pairs_eager` with
+    ``up``), as the operator ``flashserve::int8_gate_up``."""
+    return torch.ops.flashserve.int8_gate_up(x, experts, q1, s1, q3, s3)
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`sinkhorn_eager` as the operator ``flashserve::sinkhorn``."""
     return torch.ops.flashserve.sinkhorn(comb, iters, eps)
@@ -321,7 +346,7 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_linear",
-           "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
+__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_gate_up",
+           "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
            "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "sinkhorn",
            "sinkhorn_available", "sinkhorn_eager", "streams"]

@@ -355,6 +355,39 @@ class PackedLinear(_PackedMatrix):
             self.kernel = w8a8.Int8Kernel(p.qweight, p.scale)
 
 
+@torch.no_grad()
+def join_int8_rows(module: nn.Module, group: str, paths: tuple[str, ...]) -> bool:
+    """Store the int8 rows (and scales) of the weights ``paths`` of ``module`` that are ``int8`` CPU
+    :class:`PackedLinear` layers one after another, in one tensor each, as the buffers ``<group>_joint_int8_q``
+    and ``_s``; each layer's ``qweight`` and ``scale`` become views of them (no bytes added), and
+    ``<group>_joint_int8_of`` names them with their widths: :func:`blas.joint_int8_products` then makes their
+    one-row products in one kernel call. The group's other weights are left alone. False, changing nothing,
+    where fewer than two such layers of one input width are in the group."""
+    layers = []
+    for path in paths:
+        try:
+            mod = module.get_submodule(path.removesuffix(".weight"))
+        except AttributeError:
+            continue
+        if (path.endswith(".weight") and isinstance(mod, PackedLinear) and mod.packed.fmt.name == INT8
+                and mod.packed.qweight.device.type == "cpu"):
+            layers.append((path, mod.packed))
+    if len(layers) < 2 or len({p.qweight.shape[-1] for _, p in layers}) != 1:
+        return False
+    q = torch.cat([p.qweight for _, p in layers])
+    s = torch.cat([p.scale for _, p in layers])
+    start = 0
+    for _, p in layers:
+        n = p.qweight.shape[0]
+        p._buffers["qweight"], p._buffers["scale"] = q[start:start + n], s[start:start + n]
+        start += n
+    module.register_buffer(group + blas.INT8_JOINT + "_q", q, persistent=False)
+    module.register_buffer(group + blas.INT8_JOINT + "_s", s, persistent=False)
+    setattr(module, group + blas.INT8_JOINT + "_of",
+            (tuple(path for path, _ in layers), tuple(p.qweight.shape[0] for _, p in layers)))
+    return True
+
+
 class PackedEmbedding(_PackedMatrix):
     """``nn.Embedding`` over packed rows (engram tables): gathers the rows a step reads, then dequantizes."""
 
@@ -430,13 +463,26 @@ class PackedExperts(Experts):
         return False  # it would decode every expert each step; the loop decodes only the experts hit
 
     def gate_up_products(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """With the MXFP4 kernel one call over the tokens' rows (each read once for its k pairs, no [pairs, D]
-        copy), the same sums as two :meth:`pair_products` calls; otherwise :meth:`Experts.gate_up_products`."""
-        if not self.mxfp4_kernel(x):
-            return super().gate_up_products(x, idx)
+        """With the MXFP4 kernel, or the int8 kernel in a compiled step (:meth:`int8_kernel`), one call over the
+        tokens' rows (each read once for its k pairs, no [pairs, D] copy), the same sums as two
+        :meth:`pair_products` calls; otherwise :meth:`Experts.gate_up_products`."""
         w1, w3 = self.w1_packed, self.w3_packed
-        gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale).to(x.dtype)
+        if self.mxfp4_kernel(x):
+            gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale)
+        elif self.int8_kernel(idx):
+            gate_up = cpu_kernels.int8_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale)
+        else:
+            return super().gate_up_products(x, idx)
+        gate_up = gate_up.to(x.dtype)
         return gate_up[0], gate_up[1]
+
+    def int8_kernel(self, experts: torch.Tensor) -> bool:
+        """Whether the int8 pair products of ``experts`` (one index a pair) run :func:`cpu_kernels.int8_pairs`:
+        int8 experts in a compiled CPU step of a static count of pairs, at most :data:`INT8_KERNEL_PAIRS` (one
+        token's; a dynamic count would be guarded on), on a CPU that prefers the kernel."""
+        return (self.w1_packed.fmt.name == INT8 and blas.compiled_cpu(experts)
+                and isinstance(experts.numel(), int) and experts.numel() <= INT8_KERNEL_PAIRS
+                and cpu_kernels.int8_pairs_preferred())
 
     def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
@@ -450,9 +496,7 @@ class PackedExperts(Experts):
             return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:
             return super().pair_products(name, h, experts)
-        # a static count of pairs only (one token's, the batch-1 graph): a dynamic one would be guarded on
-        if (blas.compiled_cpu(h) and isinstance(h.shape[0], int) and h.shape[0] <= INT8_KERNEL_PAIRS
-                and cpu_kernels.int8_pairs_preferred()):
+        if self.int8_kernel(experts):
             return cpu_kernels.int8_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
         return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
 

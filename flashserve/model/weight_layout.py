@@ -11,6 +11,10 @@ checkpoint). The engine converts only for an eager decode step: a compiled CPU s
 own reduction kernel (:func:`flashserve.model.blas.reduce_linear`), which reads a row-major head faster
 (32000x512 in one graph, 2 threads: 1.9-2.0 ms row-major against 2.9-3.1 column-major).
 
+A compiled one-row step on a CPU whose int8 products take flashserve's kernel multiplies the int8 weights of one
+input in one call (:func:`join_int8_rows`): their rows stored one after another, the layers' own weights views of
+them, no bytes added.
+
 A compiled CPU step of several rows (a batch, or speculative verification) multiplies its float32 weights
 through copies in column panels made once at start-up (:func:`prepack_for_rows`,
 :func:`flashserve.model.blas.make_panels`): torch's ``mm`` repacks the weight inside MKL on every call (the LM
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import blas
+from . import blas, cpu_kernels, packed
 
 TALL_RATIO = 16  # rows per column from which a float32 CPU weight is stored column-major
 TALL_MIN_ELEMENTS = 1 << 20  # smaller matrices stay as they are (the difference is within noise there)
@@ -69,4 +73,19 @@ def prepack_for_rows(model: nn.Module) -> list[str]:
             full = f"{name}.{w}" if name else w
             if full not in joined and blas.make_panels(mod, w):
                 done.append(full)
+    return done
+
+
+def join_int8_rows(model: nn.Module) -> list[str]:
+    """Give the int8 weights ``model``'s modules multiply one input by (their ``joint_row_weights()``) one tensor
+    of rows per input (:func:`flashserve.model.packed.join_int8_rows`), where compiled one-row steps multiply int8
+    weights through the kernel (:func:`~flashserve.model.cpu_kernels.int8_pairs_preferred`). Returns the names of
+    the weights joined."""
+    if not cpu_kernels.int8_pairs_preferred():
+        return []
+    done = []
+    for name, mod in model.named_modules():
+        for group, paths in getattr(mod, "joint_row_weights", dict)().items():
+            if packed.join_int8_rows(mod, group, paths):
+                done += [f"{name}.{p}" if name else p for p in getattr(mod, group + blas.INT8_JOINT + "_of")[0]]
     return done

@@ -142,6 +142,49 @@ def test_compiled_v4_step_with_joint_products_equals_eager():
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
 
+def test_a_one_row_int8_step_multiplies_each_inputs_int8_weights_in_one_call(monkeypatch):
+    """Where one-row int8 products take the int8 kernel (monkeypatched on, as on AVX2-only CPUs), a compiled
+    engine stores the int8 weights of one input one after another and makes their products in one call: the
+    attention's ``wq_a`` and ``wkv``, its query latent's two ``wq_b``, the shared expert's gate and up; the
+    routed experts' gate and up take one call too. Its logits equal, bit for bit, those of the same engine with
+    one call a weight, and its greedy tokens the eager engine's."""
+    from flashserve.engine import llm_engine
+
+    monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: True)
+    calls = {"int8_pairs": [], "int8_gate_up": []}
+    for op, seen in calls.items():
+        real = getattr(cpu_kernels, op)
+        monkeypatch.setattr(cpu_kernels, op, lambda *a, real=real, seen=seen: seen.append(a[2].shape[1]) or real(*a))
+    kw = dict(dtype="float32", cache_dtype="packed", max_num_seqs=1)
+    with monkeypatch.context() as m:
+        m.setattr(llm_engine, "join_int8_rows", lambda model: [])
+        apart = make_engine(compact_v41(torch.float32, "int8", TWO), "tiny-v41", enforce_eager=False,
+                            compile_backend="eager", **kw)
+    traced_apart = {k: list(v) for k, v in calls.items()}
+    for v in calls.values():
+        v.clear()
+    model = compact_v41(torch.float32, "int8", TWO)
+    joined = make_engine(model, "tiny-v41", enforce_eager=False, compile_backend="eager", **kw)
+    attn, ffn = model.layers[1].attn, model.layers[1].ffn
+    assert attn.x_joint_int8_of[0] == ("wq_a.weight", "wkv.weight")
+    assert attn.qr_joint_int8_of[0] == ("wq_b.weight", "indexer.wq_b.weight")
+    assert ffn.x_joint_int8_of[0] == ("shared_experts.w1.weight", "shared_experts.w3.weight")
+    assert attn.wkv.packed.qweight.untyped_storage().data_ptr() == attn.x_joint_int8_q.untyped_storage().data_ptr()
+    groups = [getattr(mod, f"{g}_joint_int8_of")[1] for mod in model.modules() for g in ("x", "qr")
+              if hasattr(mod, f"{g}_joint_int8_of")]
+    assert len(groups) == 5  # each a call where its weights took one each
+    assert len(traced_apart["int8_pairs"]) - len(calls["int8_pairs"]) == sum(len(w) - 1 for w in groups)
+    assert {sum(w) for w in groups} <= set(calls["int8_pairs"])
+    assert len(calls["int8_gate_up"]) == len(traced_apart["int8_gate_up"]) == 2  # a MoE layer's gate and up
+    a_logits, b_logits = _recording(apart), _recording(joined)
+    prompts = [prompt_of(23, seed=4)]
+    got = run_greedy(joined, prompts, 10)
+    assert got == run_greedy(apart, prompts, 10)
+    assert len(a_logits) == len(b_logits) > 0 and all(torch.equal(a, b) for a, b in zip(a_logits, b_logits))
+    eager = make_engine(compact_v41(torch.float32, "int8", TWO), "tiny-v41", enforce_eager=True, **kw)
+    assert run_greedy(eager, prompts, 10) == got
+
+
 def test_v4_step_reads_the_pages_its_requests_hold():
     """A V4 step reads as many pages as its longest request holds, two at least: enough for the CSA indexer's
     top-k, whose cache gets 32 entries a page. The HCA caches get one entry a page but pick no top-k, so they do

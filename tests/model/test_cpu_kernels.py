@@ -237,7 +237,9 @@ def test_the_operators_run_their_cpp_implementations_once_built():
     calls them without Python); they give the Python bindings' values bit for bit and check shapes too."""
     assert cpu_kernels.mxfp4_pairs_available() and cpu_kernels.dense_rows_available()
     assert cpu_kernels.sinkhorn_available()
-    for op in ("flashserve::mxfp4_pairs", "flashserve::dense_rows", "flashserve::sinkhorn"):
+    cpu_kernels.int8_pairs_eager(torch.ones(1, 8), torch.tensor([0]), *_int8_experts(1, 4, 8, seed=1))  # its build
+    for op in ("flashserve::mxfp4_pairs", "flashserve::dense_rows", "flashserve::sinkhorn",
+               "flashserve::int8_gate_up"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(40, 64, generator=g), torch.randn(5, 64, generator=g)
@@ -278,6 +280,26 @@ def test_int8_pair_products_equal_the_float64_product_on_every_path(isa):
     tokens = x[:3]  # [T, K] with experts [T, k]: token t's row serves its k pairs
     by_token = cpu_kernels.int8_pairs_eager(tokens, experts.view(3, 3), q, scale, isa)
     assert torch.equal(by_token, cpu_kernels.int8_pairs_eager(tokens.repeat_interleave(3, 0), experts, q, scale, isa))
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_int8_gate_and_up_run_in_one_call_with_the_sums_of_two(isa):
+    """The gate's and up projection's int8 pair products in one call (one token's row to its k pairs) equal two
+    separate calls bit for bit, on every path, and so does the operator; an up projection of another shape is
+    refused by both."""
+    gate, up = _int8_experts(6, 71, 100, seed=7), _int8_experts(6, 71, 100, seed=8)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(9))
+    experts = torch.tensor([[0, 5, 2, 1], [0, 1, 5, 4], [3, 0, 2, 5]])
+    both = cpu_kernels.int8_pairs_eager(x, experts, *gate, isa, up=up)
+    assert both.shape == (2, 12, 71)
+    assert torch.equal(both[0], cpu_kernels.int8_pairs_eager(x, experts, *gate, isa))
+    assert torch.equal(both[1], cpu_kernels.int8_pairs_eager(x, experts, *up, isa))
+    with pytest.raises(ValueError, match="int8_pairs: x .* do not match"):
+        cpu_kernels.int8_pairs_eager(x, experts, *gate, isa, up=(up[0][:, :8], up[1][:, :8]))
+    if isa == "native":
+        assert torch.equal(cpu_kernels.int8_gate_up(x, experts, *gate, *up), both)
+        with pytest.raises(RuntimeError, match="int8_pairs: x .* do not match"):
+            cpu_kernels.int8_gate_up(x, experts, *gate, up[0][:, :8], up[1][:, :8])
 
 
 def test_int8_linear_and_the_operator_match_the_bindings_and_threads_do_not_matter():

@@ -363,3 +363,51 @@ def test_compiled_experts_multiply_each_pair_as_stored(fmt, rows):
     assert _rel(got, ex._grouped(x, idx, w)) <= 1e-5
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ops and not any("bmm" in op or "decode_packed" in op or "scatter" in op for op in ops), ops
+
+
+def test_int8_weights_of_one_input_share_one_kernel_call_with_their_own_sums(monkeypatch):
+    """The int8 layers of a group (widths 40, 8 and 33; a float layer and a missing path beside them) get their
+    rows stored one after another, each layer's bytes a view of them with its own values and names. One row of a
+    compiled CPU graph, where the int8 kernel is preferred, multiplies all three in one kernel call, each output
+    the sum the layer's own call gives, bit for bit; the float layer is left to the caller. Several rows, eager
+    code, CPUs that prefer inductor's product, and a group of one int8 layer get no joint product."""
+    from torch._inductor.utils import run_and_get_code
+
+    from flashserve.model import blas, cpu_kernels
+    from flashserve.model.packed import ROW_INT8, join_int8_rows
+
+    monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: True)
+    g = torch.Generator().manual_seed(6)
+    mod = torch.nn.ModuleDict({n: PackedLinear(64, w, ROW_INT8) for n, w in (("a", 40), ("b", 8), ("c", 33))})
+    mod["f"] = blas.Linear(64, 5, bias=False)
+    for n in "abc":
+        mod[n].packed.set_float(torch.randn(mod[n].out_features, 64, generator=g))
+    before = {k: v.clone() for k, v in mod.state_dict().items()}
+    paths = ("a.weight", "f.weight", "b.weight", "missing.weight", "c.weight")
+    assert join_int8_rows(mod, "x", paths)
+    assert mod.x_joint_int8_of == (("a.weight", "b.weight", "c.weight"), (40, 8, 33))
+    assert mod.x_joint_int8_q.shape == (81, 64) and mod.x_joint_int8_s.shape == (81,)
+    state = mod.state_dict()
+    assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in before)
+    for n in "abc":  # views of the joined rows: no bytes added
+        assert mod[n].packed.qweight.untyped_storage().data_ptr() == mod.x_joint_int8_q.untyped_storage().data_ptr()
+    assert not join_int8_rows(mod, "one", ("a.weight", "f.weight"))
+    x = torch.randn(1, 64, generator=g)
+    assert blas.joint_products(x, mod, "x") == {}  # eager
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        f = torch.compile(lambda x: blas.joint_products(torch.tanh(x), mod, "x"), dynamic=False,
+                          options={"cpp_wrapper": True})
+        got, (code,) = run_and_get_code(f, x)
+        torch._dynamo.reset()
+        own = torch.compile(lambda x: [mod[n](torch.tanh(x)) for n in "abc"], dynamic=False)(x)
+        torch._dynamo.reset()
+        rows = torch.compile(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x.expand(3, 64))
+    assert code.count("flashserve::int8_pairs") == 1 and rows == {}
+    assert list(got) == ["a.weight", "b.weight", "c.weight"]
+    for path, want in zip(got, own):
+        assert got[path].shape == want.shape and torch.equal(got[path], want)
+    monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: False)
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        assert torch.compile(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x) == {}

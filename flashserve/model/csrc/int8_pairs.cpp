@@ -7,7 +7,9 @@
 // are multiplied at a time (four independent sums a row). Every output is summed by one thread in a fixed
 // order (8 lanes over k, then the lanes in order, then scaled): the result does not depend on the number of
 // threads. Layout: x [T, K] float32, each row in k = P / T consecutive pairs; experts [P] int64 in [0, E);
-// q [E, N, K] int8; scale [E, N] float32; out [P, N] float32. K % 8 == 0 for the vector path.
+// q [E, N, K] int8; scale [E, N] float32; out [P, N] float32. K % 8 == 0 for the vector path. With
+// matrices = 2 the same pairs also multiply (q2, scale2) (a MoE's up projection beside its gate) into out[P + p]:
+// one call, one fork of the threads, where two took one each.
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
@@ -88,17 +90,21 @@ inline void tile_products(const int8_t* q, const float* scale, int64_t n0, int64
 
 }  // namespace
 
-extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, const float* scale, float* out,
-                       int64_t P, int64_t k, int64_t E, int64_t N, int64_t K, int64_t threads) {
+extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, const float* scale,
+                       const int8_t* q2_or_unused, const float* scale2_or_unused, float* out, int64_t P, int64_t k,
+                       int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
     const ExpertGroups groups(experts, P, E, "int8_pairs");
     const std::vector<int64_t>& first = groups.first;
     const std::vector<int64_t>& order = groups.order;
     const int64_t tiles = (N + TILE - 1) / TILE;
     const std::vector<int64_t> items = groups.items(tiles);
     const int64_t n_items = static_cast<int64_t>(items.size());
+    const int8_t* qs[2] = {q, matrices == 2 ? q2_or_unused : q};
+    const float* scales[2] = {scale, matrices == 2 ? scale2_or_unused : scale};
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n_items; ++i) {
-        const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+    for (int64_t i = 0; i < n_items * matrices; ++i) {  // the first matrix's items, then the second's
+        const int64_t m = i / n_items, item = items[i % n_items];
+        const int64_t e = item / tiles, n0 = (item % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
         for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
             const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
             const float* rows[ROWS];
@@ -106,9 +112,9 @@ extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, 
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t p = order[c0 + r];
                 rows[r] = x + (p / k) * K;
-                outs[r] = out + p * N;
+                outs[r] = out + (m * P + p) * N;
             }
-            tile_products(q + e * N * K, scale + e * N, n0, n1, rows, R, K, outs);
+            tile_products(qs[m] + e * N * K, scales[m] + e * N, n0, n1, rows, R, K, outs);
         }
     }
 }
@@ -122,27 +128,44 @@ extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, 
 #include <torch/library.h>
 
 namespace {
-at::Tensor int8_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q,
-                         const at::Tensor& scale) {
+// x's rows times (q, scale): out [P, N]; with matrices = 2 also times (q2, scale2): out [2, P, N]
+at::Tensor int8_products(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& scale,
+                         const at::Tensor& q2, const at::Tensor& scale2, int64_t matrices) {
     TORCH_CHECK(q.dim() == 3 && scale.dim() == 2 && x.dim() == 2 && x.size(1) == q.size(2) &&
                     scale.size(0) == q.size(0) && scale.size(1) == q.size(1) && x.size(0) > 0 &&
-                    experts.numel() % x.size(0) == 0,
+                    experts.numel() % x.size(0) == 0 && q2.sizes() == q.sizes() && scale2.sizes() == scale.sizes(),
                 "int8_pairs: x ", x.sizes(), ", experts ", experts.sizes(), ", q ", q.sizes(), ", scale ",
                 scale.sizes(), " do not match");
     // scale: float32, or int32 holding float32 bits as the int8 quantization stores them (read as they are: no
     // view op in a compiled step for each of its ~90 int8 products)
-    TORCH_CHECK(q.scalar_type() == at::kChar && (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kInt),
-                "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
+    for (const at::Tensor* t : {&q, &q2})
+        TORCH_CHECK(t->scalar_type() == at::kChar, "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
+    for (const at::Tensor* t : {&scale, &scale2})
+        TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kInt,
+                    "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
     const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
+    const at::Tensor qc2 = matrices == 2 ? q2.contiguous() : qc, sc2 = matrices == 2 ? scale2.contiguous() : sc;
     const int64_t P = ex.numel(), N = q.size(1);
-    at::Tensor out = at::empty({P, N}, xs.options());
-    const float* scales = static_cast<const float*>(sc.data_ptr());  // float32, or its bits as int32
-    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), scales, out.data_ptr<float>(), P,
-           P / x.size(0), q.size(0), N, x.size(1), at::get_num_threads());
+    at::Tensor out = matrices == 2 ? at::empty({2, P, N}, xs.options()) : at::empty({P, N}, xs.options());
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), static_cast<const float*>(sc.data_ptr()),
+           qc2.data_ptr<int8_t>(), static_cast<const float*>(sc2.data_ptr()), out.data_ptr<float>(), P,
+           P / x.size(0), q.size(0), N, x.size(1), matrices, at::get_num_threads());
     return out;
+}
+
+at::Tensor int8_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& scale) {
+    return int8_products(x, experts, q, scale, q, scale, 1);
+}
+
+at::Tensor int8_gate_up_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1, const at::Tensor& s1,
+                           const at::Tensor& q3, const at::Tensor& s3) {
+    return int8_products(x, experts, q1, s1, q3, s3, 2);
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("int8_pairs", &int8_pairs_op); }
+TORCH_LIBRARY_IMPL(flashserve, CPU, m) {
+    m.impl("int8_pairs", &int8_pairs_op);
+    m.impl("int8_gate_up", &int8_gate_up_op);
+}
 #endif
