@@ -290,6 +290,8 @@ def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, 
 
 
 INT8_JOINT = "_joint_int8"  # int8 rows of one input: buffers <group>_joint_int8_q / _s, (paths, widths): _of
+# names' ends of those buffers: the layers' own bytes (they are views of them), not checkpoint tensors
+INT8_JOINT_BUFFERS = (INT8_JOINT + "_q", INT8_JOINT + "_s")
 
 
 def joint_int8_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:

@@ -127,21 +127,23 @@ def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, sc
     if (x.dim() != 2 or x.shape[1] != K or scale.shape != (E, N) or not x.shape[0] or q.dtype != torch.int8
             or experts.numel() % x.shape[0]
             or (up is not None and (up[0].shape != q.shape or up[0].dtype != q.dtype or up[1].shape != scale.shape))):
+        ups = "" if up is None else f", up {tuple(up[0].shape)} {up[0].dtype} and {tuple(up[1].shape)}"
         raise ValueError(f"int8_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)} "
-                         f"{q.dtype}, scale {tuple(scale.shape)} do not match")
+                         f"{q.dtype}, scale {tuple(scale.shape)}{ups} do not match")
     fn = _kernel("int8_pairs", isa)
-
-    def as_float(scale: torch.Tensor) -> torch.Tensor:
-        return (scale.view(torch.float32) if scale.dtype == torch.int32 else scale.to(torch.float32)).contiguous()
-
     x = x.to(torch.float32).contiguous()
     experts = experts.to(torch.int64).contiguous().view(-1)
     q2, s2 = (q, scale) if up is None else up
     P = experts.numel()
     out = torch.empty(1 if up is None else 2, P, N, dtype=torch.float32)
-    fn(x, experts, q.contiguous(), as_float(scale), q2.contiguous(), as_float(s2), out, P, P // x.shape[0], E, N, K,
-       1 if up is None else 2, torch.get_num_threads())
+    fn(x, experts, q.contiguous(), _float_scale(scale), q2.contiguous(), _float_scale(s2), out, P, P // x.shape[0],
+       E, N, K, 1 if up is None else 2, torch.get_num_threads())
     return out[0] if up is None else out
+
+
+def _float_scale(scale: torch.Tensor) -> torch.Tensor:
+    """int8 row scales as float32 (their bits as int32, as the int8 quantization stores them, read as they are)."""
+    return (scale.view(torch.float32) if scale.dtype == torch.int32 else scale.to(torch.float32)).contiguous()
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

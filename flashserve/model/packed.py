@@ -362,14 +362,20 @@ def join_int8_rows(module: nn.Module, group: str, paths: tuple[str, ...]) -> boo
     and ``_s``; each layer's ``qweight`` and ``scale`` become views of them (no bytes added), and
     ``<group>_joint_int8_of`` names them with their widths: :func:`blas.joint_int8_products` then makes their
     one-row products in one kernel call. The group's other weights are left alone. False, changing nothing,
-    where fewer than two such layers of one input width are in the group."""
+    where fewer than two such layers of one input width are in the group. A group joined before stays as it is
+    (two engines over one model) while its layers are still views of its rows."""
+    joined = getattr(module, group + blas.INT8_JOINT + "_of", None)
+    if joined is not None and all(_within(module.get_submodule(path.removesuffix(".weight")).packed.qweight,
+                                          getattr(module, group + blas.INT8_JOINT + "_q")) for path in joined[0]):
+        return True
     layers = []
     for path in paths:
         try:
             mod = module.get_submodule(path.removesuffix(".weight"))
         except AttributeError:
             continue
-        if (path.endswith(".weight") and isinstance(mod, PackedLinear) and mod.packed.fmt.name == INT8
+        # exactly PackedLinear: a row-parallel subclass reduces its output across ranks in its own forward
+        if (path.endswith(".weight") and type(mod) is PackedLinear and mod.packed.fmt.name == INT8
                 and mod.packed.qweight.device.type == "cpu"):
             layers.append((path, mod.packed))
     if len(layers) < 2 or len({p.qweight.shape[-1] for _, p in layers}) != 1:
@@ -386,6 +392,10 @@ def join_int8_rows(module: nn.Module, group: str, paths: tuple[str, ...]) -> boo
     setattr(module, group + blas.INT8_JOINT + "_of",
             (tuple(path for path, _ in layers), tuple(p.qweight.shape[0] for _, p in layers)))
     return True
+
+
+def _within(view: torch.Tensor, base: torch.Tensor) -> bool:
+    return view.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
 
 
 class PackedEmbedding(_PackedMatrix):
@@ -658,10 +668,11 @@ def prepare_kernels(model: nn.Module) -> int:
 
 def resident_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer, computed tables (RoPE, engram hashing, E2M1 values) excluded, and
-    of the w8a8 kernels' copies made so far."""
+    of the w8a8 kernels' copies made so far (joined int8 rows once: the layers' bytes are views of them)."""
     total = sum(m.kernel_bytes() for m in model.modules() if isinstance(m, PackedLinear) and m.kernel is not None)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if not name.startswith(("rope.", "engram_hasher.")) and not name.endswith(E2M1_TABLE):
+        if (not name.startswith(("rope.", "engram_hasher."))
+                and not name.endswith((E2M1_TABLE, *blas.INT8_JOINT_BUFFERS))):
             total += t.numel() * t.element_size()
     return total
 

@@ -211,8 +211,9 @@ class Transformer(nn.Module):
         from .packed import PACKED_BUFFERS, packed_destinations
 
         out: dict[str, torch.Tensor] = dict(packed_destinations(self))  # packed modules take stored bytes
+        not_stored = (*PACKED_BUFFERS, blas.PANELS, *blas.INT8_JOINT_BUFFERS)  # names' ends: no checkpoint tensor
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.startswith(("rope.", "engram_hasher.")) or name.endswith((*PACKED_BUFFERS, blas.PANELS)):
+            if name.startswith(("rope.", "engram_hasher.")) or name.endswith(not_stored):
                 continue
             if ".experts.w" in name:
                 prefix, w = name.rsplit(".experts.", 1)

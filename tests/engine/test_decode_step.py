@@ -146,8 +146,9 @@ def test_a_one_row_int8_step_multiplies_each_inputs_int8_weights_in_one_call(mon
     """Where one-row int8 products take the int8 kernel (monkeypatched on, as on AVX2-only CPUs), a compiled
     engine stores the int8 weights of one input one after another and makes their products in one call: the
     attention's ``wq_a`` and ``wkv``, its query latent's two ``wq_b``, the shared expert's gate and up; the
-    routed experts' gate and up take one call too. Its logits equal, bit for bit, those of the same engine with
-    one call a weight, and its greedy tokens the eager engine's."""
+    routed experts' gate and up take one call too (in both engines; tests/model/test_cpu_kernels.py compares it
+    with two calls). Its logits equal, bit for bit, those of the same engine with one call a weight, and its
+    greedy tokens the eager engine's; its checkpoint names are the same."""
     from flashserve.engine import llm_engine
 
     monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: True)
@@ -169,7 +170,8 @@ def test_a_one_row_int8_step_multiplies_each_inputs_int8_weights_in_one_call(mon
     assert attn.x_joint_int8_of[0] == ("wq_a.weight", "wkv.weight")
     assert attn.qr_joint_int8_of[0] == ("wq_b.weight", "indexer.wq_b.weight")
     assert ffn.x_joint_int8_of[0] == ("shared_experts.w1.weight", "shared_experts.w3.weight")
-    assert attn.wkv.packed.qweight.untyped_storage().data_ptr() == attn.x_joint_int8_q.untyped_storage().data_ptr()
+    assert attn.wkv.packed.qweight.data_ptr() == attn.x_joint_int8_q[attn.wq_a.out_features].data_ptr()
+    assert set(model.checkpoint_tensors()) == set(apart.model.checkpoint_tensors())  # the rows are no checkpoint tensor
     groups = [getattr(mod, f"{g}_joint_int8_of")[1] for mod in model.modules() for g in ("x", "qr")
               if hasattr(mod, f"{g}_joint_int8_of")]
     assert len(groups) == 5  # each a call where its weights took one each

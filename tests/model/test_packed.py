@@ -369,12 +369,13 @@ def test_int8_weights_of_one_input_share_one_kernel_call_with_their_own_sums(mon
     """The int8 layers of a group (widths 40, 8 and 33; a float layer and a missing path beside them) get their
     rows stored one after another, each layer's bytes a view of them with its own values and names. One row of a
     compiled CPU graph, where the int8 kernel is preferred, multiplies all three in one kernel call, each output
-    the sum the layer's own call gives, bit for bit; the float layer is left to the caller. Several rows, eager
-    code, CPUs that prefer inductor's product, and a group of one int8 layer get no joint product."""
+    the sum the layer's own call gives, bit for bit; the float layer is left to the caller. A second join keeps
+    the first. Several rows, eager code, CPUs that prefer inductor's product, a group of one int8 layer, layers of
+    another input width and w8a8 layers get no joint product."""
     from torch._inductor.utils import run_and_get_code
 
     from flashserve.model import blas, cpu_kernels
-    from flashserve.model.packed import ROW_INT8, join_int8_rows
+    from flashserve.model.packed import ROW_INT8, ROW_W8A8, join_int8_rows
 
     monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: True)
     g = torch.Generator().manual_seed(6)
@@ -389,9 +390,18 @@ def test_int8_weights_of_one_input_share_one_kernel_call_with_their_own_sums(mon
     assert mod.x_joint_int8_q.shape == (81, 64) and mod.x_joint_int8_s.shape == (81,)
     state = mod.state_dict()
     assert state.keys() == before.keys() and all(torch.equal(state[k], before[k]) for k in before)
-    for n in "abc":  # views of the joined rows: no bytes added
-        assert mod[n].packed.qweight.untyped_storage().data_ptr() == mod.x_joint_int8_q.untyped_storage().data_ptr()
+    q = mod.x_joint_int8_q
+    for n, row in zip("abc", (0, 40, 48)):  # views of the joined rows: no bytes added
+        assert mod[n].packed.qweight.data_ptr() == q[row].data_ptr()
+        assert mod[n].packed.scale.data_ptr() == mod.x_joint_int8_s[row].data_ptr()
+    joint = mod.x_joint_int8_q
+    assert join_int8_rows(mod, "x", paths) and mod.x_joint_int8_q is joint  # joined once (two engines, one model)
     assert not join_int8_rows(mod, "one", ("a.weight", "f.weight"))
+    other = torch.nn.ModuleDict({"a": PackedLinear(64, 8, ROW_INT8), "k": PackedLinear(32, 8, ROW_INT8),
+                                 "w": PackedLinear(64, 8, ROW_W8A8)})
+    assert not join_int8_rows(other, "x", ("a.weight", "k.weight"))  # another input width
+    assert not join_int8_rows(other, "x", ("a.weight", "w.weight"))  # w8a8 quantizes its input: its own call
+    assert not hasattr(other, "x_joint_int8_of")
     x = torch.randn(1, 64, generator=g)
     assert blas.joint_products(x, mod, "x") == {}  # eager
     with torch.inference_mode():

@@ -99,6 +99,7 @@ extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, 
     const int64_t tiles = (N + TILE - 1) / TILE;
     const std::vector<int64_t> items = groups.items(tiles);
     const int64_t n_items = static_cast<int64_t>(items.size());
+    // matrices: 1 or 2 (the callers' only values)
     const int8_t* qs[2] = {q, matrices == 2 ? q2_or_unused : q};
     const float* scales[2] = {scale, matrices == 2 ? scale2_or_unused : scale};
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -135,22 +136,23 @@ at::Tensor int8_products(const at::Tensor& x, const at::Tensor& experts, const a
                     scale.size(0) == q.size(0) && scale.size(1) == q.size(1) && x.size(0) > 0 &&
                     experts.numel() % x.size(0) == 0 && q2.sizes() == q.sizes() && scale2.sizes() == scale.sizes(),
                 "int8_pairs: x ", x.sizes(), ", experts ", experts.sizes(), ", q ", q.sizes(), ", scale ",
-                scale.sizes(), " do not match");
+                scale.sizes(), matrices == 2 ? ", up " : "", matrices == 2 ? q2.sizes() : at::IntArrayRef(),
+                matrices == 2 ? " and " : "", matrices == 2 ? scale2.sizes() : at::IntArrayRef(), " do not match");
     // scale: float32, or int32 holding float32 bits as the int8 quantization stores them (read as they are: no
     // view op in a compiled step for each of its ~90 int8 products)
-    for (const at::Tensor* t : {&q, &q2})
-        TORCH_CHECK(t->scalar_type() == at::kChar, "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
-    for (const at::Tensor* t : {&scale, &scale2})
-        TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kInt,
+    for (const at::Tensor* t : {&q, &q2, &scale, &scale2})
+        TORCH_CHECK(t == &q || t == &q2 ? t->scalar_type() == at::kChar
+                                        : t->scalar_type() == at::kFloat || t->scalar_type() == at::kInt,
                     "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
     const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
     const at::Tensor qc2 = matrices == 2 ? q2.contiguous() : qc, sc2 = matrices == 2 ? scale2.contiguous() : sc;
     const int64_t P = ex.numel(), N = q.size(1);
     at::Tensor out = matrices == 2 ? at::empty({2, P, N}, xs.options()) : at::empty({P, N}, xs.options());
-    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), static_cast<const float*>(sc.data_ptr()),
-           qc2.data_ptr<int8_t>(), static_cast<const float*>(sc2.data_ptr()), out.data_ptr<float>(), P,
-           P / x.size(0), q.size(0), N, x.size(1), matrices, at::get_num_threads());
+    const float* scales = static_cast<const float*>(sc.data_ptr());  // float32, or its bits as int32
+    const float* scales2 = static_cast<const float*>(sc2.data_ptr());
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<int8_t>(), scales, qc2.data_ptr<int8_t>(),
+           scales2, out.data_ptr<float>(), P, P / x.size(0), q.size(0), N, x.size(1), matrices, at::get_num_threads());
     return out;
 }
 
