@@ -178,7 +178,11 @@ class Indexer(nn.Module):
         if w is None:
             w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
         w = w * self.n_heads ** -0.5
-        q, keys = (blas.shared_operand(fp32(t), B * S) for t in (q, keys))
+        # the keys span the whole index cache, T entries growing with the context: each operand unpacked (and the
+        # query FP4-rounded) and stored once. Fused at one row, inductor redid the page lookups, the FP4 unpacking
+        # and the query's rounding for every head, entry and column, and stored all [H, T, d] products before
+        # summing them: tiny-v41's compiled step took 179 ms at 32K context against 7.8 ms at 1K
+        q, keys = blas.stored_operand(fp32(q)), blas.stored_operand(fp32(keys))
         s = blas.einsum("bshd,btd->bsht", q, keys).relu() * self.head_dim ** -0.5
         return blas.einsum("bsht,bsh->bst", s, w)
 

@@ -108,9 +108,14 @@ def shared_operand(x: torch.Tensor, rows) -> torch.Tensor:
     page lookups, the FP8 unpacking, the sines and cosines): at 16 rows three attention kernels took a fifth of
     the peers checkpoint's step. ``rows``: the forward's rows (batch x rows each); a one-row step keeps the
     fused form its batch-1 figures were measured with."""
-    if rows > 1 and compiled_cpu(x):
-        return materialized(x.contiguous())
-    return x
+    return stored_operand(x) if rows > 1 else x
+
+
+def stored_operand(x: torch.Tensor) -> torch.Tensor:
+    """``x`` stored once (:func:`materialized`) in a compiled CPU step, whatever its rows: an operand as long as the
+    context, which a product would otherwise recompute per head (the indexer's keys, see
+    :meth:`flashserve.model.attention.Indexer.scores`)."""
+    return materialized(x.contiguous()) if compiled_cpu(x) else x
 
 
 def reduce_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -212,3 +212,40 @@ def test_top_k_equals_a_stable_sort_on_heavily_tied_rows():
         got_values, got_indices = top_k(x, k)
         assert torch.equal(got_indices, indices[..., :keep].gather(-1, order))
         assert torch.equal(got_values, values[..., :keep].gather(-1, order))
+
+
+def test_compiled_index_scores_store_no_product_per_head_entry_and_column():
+    """The indexer's scores of one row against a long packed (FP4) index cache, compiled by inductor: the keys
+    are unpacked into one stored [T, d] buffer and the query rounded once, and no buffer holds the [H, T, d]
+    products. One did (the unpacking and the query's rounding fused into the product, redone per head, entry and
+    column): tiny-v41's compiled step took 179 ms at 32K context against 7.8 ms at 1K. Scores equal eager's."""
+    import re
+    from types import SimpleNamespace
+
+    from flashserve.config import load_config
+    from flashserve.engine.kv_codec import codecs
+    from flashserve.model.attention import Indexer
+
+    cfg = load_config("tiny-v41")
+    g = torch.Generator().manual_seed(8)
+    indexer = Indexer(cfg, 1, keys=False, queries=True)
+    for p in indexer.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    codec = codecs(cfg, packed=True)["index"]
+    T, H, d = 2048, cfg.index_n_heads, cfg.index_head_dim
+    packed = codec.pack(torch.randn(1, T, d, generator=g))
+    x, qr = torch.randn(1, 1, cfg.hidden_size, generator=g), torch.randn(1, 1, cfg.q_lora_rank, generator=g)
+    angle = torch.rand(1, 1, 8, generator=g)
+    ctx = SimpleNamespace(angles=lambda kind: (angle.cos(), angle.sin()))
+
+    def scores(x, qr, packed):
+        return indexer.scores(x, qr, codec.unpack(packed, torch.float32), ctx, True)
+
+    with torch.inference_mode():
+        want = scores(x, qr, packed)
+        torch._dynamo.reset()
+        got, (code,) = run_and_get_code(torch.compile(scores, fullgraph=True, dynamic=False), x, qr, packed)
+    sizes = [eval(s) for s in re.findall(r"empty_strided_cpu\(\((\d+(?:, *\d+)*,?)\)", code)]
+    largest = max(torch.Size(s if isinstance(s, tuple) else (s,)).numel() for s in sizes)
+    assert T * d <= largest < H * T * d  # the unpacked keys are stored; their products per head are not
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
