@@ -365,19 +365,10 @@ def join_int8_rows(module: nn.Module, group: str, paths: tuple[str, ...]) -> boo
     where fewer than two such layers of one input width are in the group. A group joined before stays as it is
     (two engines over one model) while its layers are still views of its rows."""
     joined = getattr(module, group + blas.INT8_JOINT + "_of", None)
-    if joined is not None and all(_within(module.get_submodule(path.removesuffix(".weight")).packed.qweight,
-                                          getattr(module, group + blas.INT8_JOINT + "_q")) for path in joined[0]):
+    rows = getattr(module, group + blas.INT8_JOINT + "_q", None)
+    if joined is not None and all(_within(_int8_layer(module, p).qweight, rows) for p in joined[0]):
         return True
-    layers = []
-    for path in paths:
-        try:
-            mod = module.get_submodule(path.removesuffix(".weight"))
-        except AttributeError:
-            continue
-        # exactly PackedLinear: a row-parallel subclass reduces its output across ranks in its own forward
-        if (path.endswith(".weight") and type(mod) is PackedLinear and mod.packed.fmt.name == INT8
-                and mod.packed.qweight.device.type == "cpu"):
-            layers.append((path, mod.packed))
+    layers = [(path, w) for path in paths if (w := _int8_layer(module, path)) is not None]
     if len(layers) < 2 or len({p.qweight.shape[-1] for _, p in layers}) != 1:
         return False
     q = torch.cat([p.qweight for _, p in layers])
@@ -392,6 +383,19 @@ def join_int8_rows(module: nn.Module, group: str, paths: tuple[str, ...]) -> boo
     setattr(module, group + blas.INT8_JOINT + "_of",
             (tuple(path for path, _ in layers), tuple(p.qweight.shape[0] for _, p in layers)))
     return True
+
+
+def _int8_layer(module: nn.Module, path: str) -> PackedWeights | None:
+    """The packed weights at ``path`` (``"<layer>.weight"``) of ``module`` if they are an int8 CPU
+    :class:`PackedLinear`'s, else None. Exactly PackedLinear: a row-parallel subclass reduces its output across
+    ranks in its own forward."""
+    try:
+        mod = module.get_submodule(path.removesuffix(".weight"))
+    except AttributeError:
+        return None
+    ok = (path.endswith(".weight") and type(mod) is PackedLinear and mod.packed.fmt.name == INT8
+          and mod.packed.qweight.device.type == "cpu")
+    return mod.packed if ok else None
 
 
 def _within(view: torch.Tensor, base: torch.Tensor) -> bool:

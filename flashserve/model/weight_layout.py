@@ -62,15 +62,14 @@ def prepack_for_rows(model: nn.Module) -> list[str]:
     (:func:`flashserve.model.blas.make_joint_panels`), every other weight of a module's ``ROW_WEIGHTS`` its own
     (:func:`flashserve.model.blas.make_panels`). Returns the names of the weights copied."""
     done, joined = [], set()
-    for name, mod in model.named_modules():
-        for group, paths in getattr(mod, "joint_row_weights", dict)().items():
-            if blas.make_joint_panels(mod, group, paths):
-                names = [f"{name}.{p}" if name else p for p in paths]
-                done += names
-                joined.update(names)
+    for name, mod, group, paths in _input_groups(model):
+        if blas.make_joint_panels(mod, group, paths):
+            names = [_full(name, p) for p in paths]
+            done += names
+            joined.update(names)
     for name, mod in model.named_modules():
         for w in getattr(mod, "ROW_WEIGHTS", ()):
-            full = f"{name}.{w}" if name else w
+            full = _full(name, w)
             if full not in joined and blas.make_panels(mod, w):
                 done.append(full)
     return done
@@ -84,8 +83,18 @@ def join_int8_rows(model: nn.Module) -> list[str]:
     if not cpu_kernels.int8_pairs_preferred():
         return []
     done = []
+    for name, mod, group, paths in _input_groups(model):
+        if packed.join_int8_rows(mod, group, paths):
+            done += [_full(name, p) for p in getattr(mod, group + blas.INT8_JOINT + "_of")[0]]
+    return done
+
+
+def _input_groups(model: nn.Module):
+    """(module name, module, input, weight paths) of every group a module's ``joint_row_weights()`` names."""
     for name, mod in model.named_modules():
         for group, paths in getattr(mod, "joint_row_weights", dict)().items():
-            if packed.join_int8_rows(mod, group, paths):
-                done += [f"{name}.{p}" if name else p for p in getattr(mod, group + blas.INT8_JOINT + "_of")[0]]
-    return done
+            yield name, mod, group, paths
+
+
+def _full(name: str, path: str) -> str:
+    return f"{name}.{path}" if name else path

@@ -140,10 +140,12 @@ at::Tensor int8_products(const at::Tensor& x, const at::Tensor& experts, const a
                 matrices == 2 ? " and " : "", matrices == 2 ? scale2.sizes() : at::IntArrayRef(), " do not match");
     // scale: float32, or int32 holding float32 bits as the int8 quantization stores them (read as they are: no
     // view op in a compiled step for each of its ~90 int8 products)
-    for (const at::Tensor* t : {&q, &q2, &scale, &scale2})
-        TORCH_CHECK(t == &q || t == &q2 ? t->scalar_type() == at::kChar
-                                        : t->scalar_type() == at::kFloat || t->scalar_type() == at::kInt,
-                    "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
+    const auto float_or_bits = [](const at::Tensor& t) {
+        return t.scalar_type() == at::kFloat || t.scalar_type() == at::kInt;
+    };
+    TORCH_CHECK(q.scalar_type() == at::kChar && q2.scalar_type() == at::kChar && float_or_bits(scale) &&
+                    float_or_bits(scale2),
+                "int8_pairs: q must be int8 and scale float32 (or its bits as int32)");
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
     const at::Tensor qc = q.contiguous(), sc = scale.contiguous();
     const at::Tensor qc2 = matrices == 2 ? q2.contiguous() : qc, sc2 = matrices == 2 ? scale2.contiguous() : sc;
