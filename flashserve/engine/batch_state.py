@@ -160,6 +160,11 @@ class BatchState:
         page = torch.gather(self.table, 1, (index // epp).flatten(1)).view_as(index)
         return rows.values(rows.pages[page, index % epp], self.cache.dtype)  # [B,S,k,width]
 
+    def index_pages(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """None: the dynamic path keeps the torch code of the indexer (the reference the fixed-shape step's
+        kernel is tested against)."""
+        return None
+
     # ------------------------------------------------------------ engram look-back
     def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         buf = self.cache.storage.history

@@ -69,3 +69,11 @@ class FixedBatchState(BatchState):
     def _read_table(self, n: torch.Tensor, per_page: int) -> torch.Tensor:
         """The table's full width: a size the host knew before the step (no read-back of ``n``)."""
         return self.table
+
+    def index_pages(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A packed index cache on the CPU as its pages, the page table's full width and the entry counts (the
+        indexer scores the records where they are: ``cpu_kernels.index_topk``); None for float rows."""
+        rows = self._paged(key)
+        if not key.index or rows.codec.pack is None or rows.pages.device.type != "cpu":
+            return None
+        return rows.pages, self.table, torch.maximum(rows.counts[self.slots], rows.protected[self.slots])

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config.model_config import ModelConfig
-from . import blas
+from . import blas, cpu_kernels
 from .context import ForwardContext
 from .norms import fp32, RMSNorm, rms
 from .quant import fake_quant_fp4, fake_quant_fp8
@@ -160,9 +160,9 @@ class Indexer(nn.Module):
             self.wq_b = blas.Linear(cfg.q_lora_rank, nih * ihd, bias=False)
             self.weights_proj = blas.Linear(D, nih, bias=False)
 
-    def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
-               fake_quant: bool | str, products: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d].
+    def query(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, fake_quant: bool | str,
+              products: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index query [B,S,H,d] (roped, rounded as the keys are) and head weights [B,S,H] (times H^-1/2).
         ``products``: ``qr`` times ``wq_b`` and ``x`` times ``weights_proj`` made already (by their names)."""
         B, S, _ = x.shape
         products = products or {}
@@ -177,12 +177,18 @@ class Indexer(nn.Module):
         w = products.get("weights_proj")
         if w is None:
             w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
-        w = w * self.n_heads ** -0.5
+        return fp32(q), w * self.n_heads ** -0.5
+
+    def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
+               fake_quant: bool | str, products: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d].
+        ``products``: as in :meth:`query`."""
+        q, w = self.query(x, qr, ctx, fake_quant, products)
         # the keys span the whole index cache, T entries growing with the context: each operand unpacked (and the
         # query FP4-rounded) and stored once. Fused at one row, inductor redid the page lookups, the FP4 unpacking
         # and the query's rounding for every head, entry and column, and stored all [H, T, d] products before
         # summing them: tiny-v41's compiled step took 179 ms at 32K context against 7.8 ms at 1K
-        q, keys = blas.stored_operand(fp32(q)), blas.stored_operand(fp32(keys))
+        q, keys = blas.stored_operand(q), blas.stored_operand(fp32(keys))
         s = blas.einsum("bshd,btd->bsht", q, keys).relu() * self.head_dim ** -0.5
         return blas.einsum("bsht,bsh->bst", s, w)
 
@@ -340,6 +346,11 @@ class Attention(nn.Module):
                 products: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run this layer's indexer (an index source) and publish its top-k for the layers that reuse it;
         ``products``: the joint products of ``x`` and ``qr`` by path (:meth:`joint_row_weights`)."""
+        paged = None
+        if x.device.type == "cpu" and x.dtype != torch.float64 and cpu_kernels.index_topk_available():
+            paged = ctx.state.index_pages(self.src_index)
+        if paged is not None:
+            return self._select_paged(x, qr, ctx, t, products, *paged)
         keys, n_entries = ctx.state.compressed(self.src_index)
         visible = self._visible(t, keys.shape[1], n_entries)
         mode = (True if self.v41 else "v4") if ctx.fake_quant else False
@@ -353,6 +364,34 @@ class Attention(nn.Module):
             elif self.layer > cfg.candidate_source_layer_id and ctx.candidates is not None:
                 visible = visible & ctx.candidates[..., :visible.shape[-1]]
         sel = select_topk(scores, visible, cfg.index_topk)
+        ctx.topk[self.layer] = sel
+        return sel
+
+    def _select_paged(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, t: torch.Tensor,
+                      products: dict[str, torch.Tensor], pages: torch.Tensor, table: torch.Tensor,
+                      n_entries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_select` where the index keys are FP4 records in CPU pages: one kernel scores them as stored and
+        keeps the top-k (and the candidate pool) as it goes (``cpu_kernels.index_topk``, tested equal to
+        :meth:`Indexer.scores`, :func:`candidate_pool` and :func:`select_topk`). The torch code read and unpacked
+        the whole cache, stored its scores and took ten passes over them: at 32K context on tiny-v41 its compiled
+        step took 9.9 ms against 1.6 at 1K (docs/engine-speed.md)."""
+        cfg = self.cfg
+        B, S = t.shape
+        mode = (True if self.v41 else "v4") if ctx.fake_quant else False
+        q, w = self.indexer.query(x, qr, ctx, mode, _under(products, "indexer."))
+        limit = torch.minimum((t + 1) // self.ratio, n_entries[:, None])  # [B,S] visible entries (spec §2.8)
+        cand, n_blocks = t.new_zeros(B * S, 0), 0
+        if self.v41 and cfg.candidate_source_layer_id >= 0:
+            if self.layer == cfg.candidate_source_layer_id:
+                n_blocks = cfg.candidate_topk_blocks
+            elif self.layer > cfg.candidate_source_layer_id and ctx.candidate_blocks is not None:
+                cand = ctx.candidate_blocks
+        k = min(cfg.index_topk, table.shape[1] * pages.shape[1])
+        idx, valid, pool = cpu_kernels.index_topk(q.flatten(0, 1), w.flatten(0, 1), pages, table, limit.flatten(),
+                                                  cand, k, cfg.candidate_block_size, n_blocks)
+        if n_blocks:
+            ctx.candidate_blocks = pool  # [B*S, n_blocks] block ids, ascending, -1 past the end
+        sel = idx.view(B, S, k), valid.view(B, S, k)
         ctx.topk[self.layer] = sel
         return sel
 

@@ -26,6 +26,7 @@ class ForwardContext:
     # index source layer -> (top-k entry indices [B,S,k], valid [B,S,k]) for this forward's rows
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: torch.Tensor | None = None  # [B,S,T] candidate-pool mask published by the candidate source
+    candidate_blocks: torch.Tensor | None = None  # [B*S, n] its blocks (-1: none), where it ran as a kernel
     _angles: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def angles(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,6 +57,10 @@ _ARGS = {
                    "int64_t"),
     # comb, out, B, n, iters, eps
     "sinkhorn": ("const float*", "float*", "int64_t", "int64_t", "int64_t", "float"),
+    # q, w, pages, table, limit, cand, idx, valid, pool, R, S, H, d, P, epp, rec, C, k, block, n_blocks, threads
+    "index_topk": ("const float*", "const float*", "const uint8_t*", "const int64_t*", "const int64_t*",
+                   "const int64_t*", "int64_t*", "uint8_t*", "int64_t*", "int64_t", "int64_t", "int64_t", "int64_t",
+                   "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
 }
 _HEADERS = {k: ("isa.h", "pairs.h") for k in ("mxfp4_pairs", "int8_pairs")}  # csrc headers a kernel's source needs
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
@@ -106,6 +110,12 @@ def dense_rows_available() -> bool:
 def sinkhorn_available() -> bool:
     """Whether :func:`sinkhorn` has its compiled kernel on this machine (compiling it if needed)."""
     return _load("sinkhorn") is not None
+
+
+@torch.compiler.assume_constant_result
+def index_topk_available() -> bool:
+    """Whether :func:`index_topk` has its compiled kernel on this machine (compiling it if needed)."""
+    return _load("index_topk") is not None
 
 
 @torch.compiler.assume_constant_result
@@ -168,6 +178,42 @@ def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     out = torch.empty_like(c)
     fn(c, out, c.numel() // (n * n), n, iters, float(eps))
     return out
+
+
+def index_topk_eager(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, limit: torch.Tensor,
+                     cand: torch.Tensor, k: int, block: int, n_blocks: int,
+                     isa: str = "native") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The lightning indexer's top-k over FP4 index keys in a paged cache (``csrc/index_topk.cpp``), without
+    unpacking the cache or storing its scores. Row ``r`` of ``q [R, H, d]`` (float32) with head weights ``w [R,
+    H]`` belongs to sequence ``r // (R // B)`` of ``table [B, P]`` (page ids into ``pages [NP, epp, d/2 + d/32]``,
+    records of :func:`flashserve.model.quant.pack_fp4_ue8m0`) and sees its entries ``j < limit[r]``; entry
+    ``j``'s score is ``sum_h w[r, h] relu(q[r, h] . K_j) / sqrt(d)``. Returns ``idx [R, k]`` (the k best
+    entries, higher score then lower index first, in ascending order, filled up with the lowest other entries),
+    ``valid [R, k]`` (False for the fill) and ``pool [R, n_blocks]``: the ``n_blocks`` best blocks of ``block``
+    entries by their best score, the block of entry ``limit - 1`` first, ascending, -1 past the end. With
+    ``cand [R, C]`` (C > 0: block ids, -1 none) only those blocks' entries are scored (and ``n_blocks`` is 0);
+    ``cand [R, 0]`` scores every visible entry. This is :func:`flashserve.model.attention.select_topk` and
+    :func:`~flashserve.model.attention.candidate_pool` over ``Indexer.scores``, tested equal to them."""
+    R, H, d = q.shape if q.dim() == 3 else (0, 0, 0)
+    B, P = table.shape if table.dim() == 2 else (0, 0)
+    if (q.dim() != 3 or w.shape != (R, H) or pages.dim() != 3 or table.dim() != 2 or limit.shape != (R,)
+            or cand.dim() != 2 or cand.shape[0] != R or not B or R % B or d % 32 or d > 1024
+            or pages.shape[2] != d // 2 + d // 32 or not 0 <= k <= P * pages.shape[1] or block < 1 or n_blocks < 0
+            or (cand.shape[1] and n_blocks)):
+        raise ValueError(f"index_topk: q {tuple(q.shape)}, w {tuple(w.shape)}, pages {tuple(pages.shape)}, table "
+                         f"{tuple(table.shape)}, limit {tuple(limit.shape)}, cand {tuple(cand.shape)}, k {k}, "
+                         f"block {block}, n_blocks {n_blocks} do not match")
+    if pages.dtype != torch.uint8:
+        raise ValueError(f"index_topk: pages must be uint8 records, not {pages.dtype}")
+    fn = _kernel("index_topk", isa)
+    idx = torch.empty(R, k, dtype=torch.int64)
+    valid = torch.empty(R, k, dtype=torch.uint8)
+    pool = torch.empty(R, n_blocks, dtype=torch.int64)
+    fn(q.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), pages.contiguous(),
+       table.to(torch.int64).contiguous(), limit.to(torch.int64).contiguous(), cand.to(torch.int64).contiguous(),
+       idx, valid, pool, R, R // B, H, d, P, pages.shape[1], pages.shape[2], cand.shape[1], k, block, n_blocks,
+       torch.get_num_threads())
+    return idx, valid.view(torch.bool), pool
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -272,6 +318,8 @@ _LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
 _LIB.define("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor")
 _LIB.define("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
 _LIB.define("sinkhorn(Tensor comb, int iters, float eps) -> Tensor")
+_LIB.define("index_topk(Tensor q, Tensor w, Tensor pages, Tensor table, Tensor limit, Tensor cand, int k, int block, "
+            "int n_blocks) -> (Tensor, Tensor, Tensor)")
 _LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CompositeExplicitAutograd")
 _LIB.impl("mxfp4_gate_up", lambda x, experts, q1, s1, q3, s3: mxfp4_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
           "CompositeExplicitAutograd")
@@ -280,6 +328,15 @@ _LIB.impl("int8_pairs", int8_pairs_eager, "CompositeExplicitAutograd")
 _LIB.impl("int8_gate_up", lambda x, experts, q1, s1, q3, s3: int8_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
           "CompositeExplicitAutograd")
 _LIB.impl("sinkhorn", sinkhorn_eager, "CompositeExplicitAutograd")
+_LIB.impl("index_topk", index_topk_eager, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flashserve::index_topk")
+def _(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, limit: torch.Tensor,
+      cand: torch.Tensor, k: int, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    R = q.shape[0]
+    return (q.new_empty((R, k), dtype=torch.int64), q.new_empty((R, k), dtype=torch.bool),
+            q.new_empty((R, n_blocks), dtype=torch.int64))
 
 
 @torch.library.register_fake("flashserve::mxfp4_pairs")
@@ -343,12 +400,19 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return torch.ops.flashserve.sinkhorn(comb, iters, eps)
 
 
+def index_topk(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, limit: torch.Tensor,
+               cand: torch.Tensor, k: int, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`index_topk_eager` as the operator ``flashserve::index_topk``."""
+    return torch.ops.flashserve.index_topk(q, w, pages, table, limit, cand, k, block, n_blocks)
+
+
 def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     """:func:`dense_rows_eager` with the CPU's own path, as the operator ``flashserve::dense_rows``."""
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "int8_gate_up",
+__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
+           "index_topk_available", "index_topk_eager", "int8_gate_up",
            "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
            "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "sinkhorn",
            "sinkhorn_available", "sinkhorn_eager", "streams"]

@@ -74,6 +74,10 @@ class SequenceState(Protocol):
     def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` token ids before this forward's rows followed by ``ids``: [B, n+S]; −1 for none."""
 
+    def index_pages(self, key: CacheKey) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """A global index cache as FP4 records in CPU pages, for the indexer's kernel: (pages [N, per_page,
+        record], page table [B, P], entry counts [B]); None where the state keeps it otherwise."""
+
 
 def gather_entries(entries: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``entries`` [B,T,c] at ``index`` [B,S,k] → [B,S,k,c]."""
@@ -182,6 +186,9 @@ class DenseState:
     def compressed_rows(self, key: CacheKey, index: torch.Tensor) -> torch.Tensor:
         entries, _ = self.compressed(key)
         return gather_entries(entries, index)
+
+    def index_pages(self, key: CacheKey) -> None:
+        return None
 
     def history(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         prior = self._ids

@@ -97,6 +97,30 @@ def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_fixed_step_picks_packed_index_entries_in_the_kernel_as_the_dynamic_path_does(models, monkeypatch):
+    """float32 tiny-v41 with its FP4 index cache: the fixed-shape step's indexers run ``cpu_kernels.index_topk``
+    (every visible entry, the candidate pool, then only the pool's entries), the dynamic path the torch code.
+    Prompts reach past the top-k and the pool, so what is picked matters: the same greedy tokens and logits."""
+    from flashserve.model import attention
+
+    calls, kernel = [], cpu_kernels.index_topk
+    monkeypatch.setattr(attention.cpu_kernels, "index_topk",
+                        lambda *a: calls.append("listed" if a[5].shape[1] else "pool" if a[8] else "all") or kernel(*a))
+    model = models("tiny-v41", torch.float32)
+    assert model.fake_quant  # queries and keys FP4-rounded: the kernel's integer products
+    prompts = [prompt_of(n, seed=n) for n in (5, 40, 150)]
+    fixed = make_engine(model, "tiny-v41", dtype="float32", cache_dtype="packed")
+    dynamic = make_engine(model, "tiny-v41", dtype="float32", cache_dtype="packed")
+    dynamic.runner.decode = dynamic.runner.decode_dynamic
+    a_logits, b_logits = _recording(fixed), _recording(dynamic)
+    tokens = run_greedy(fixed, prompts, 12)
+    made = len(calls)
+    assert tokens == run_greedy(dynamic, prompts, 12) and len(calls) == made
+    assert {"all", "pool", "listed"} <= set(calls)
+    for a, b in zip(a_logits, b_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # float32 with float weights: test_no_recompiles_after_warm_up (one compiled engine fewer); w8a8's experts are
 # int8 (the gathered path), its dense layers fbgemm's kernel op (int8's dense products compiled: test_packed);
 # mxfp4's experts go through the C++ kernel's op in both engines, its dense products through stream panels;
