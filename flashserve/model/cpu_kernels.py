@@ -22,6 +22,10 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   (``csrc/sinkhorn.cpp``). Compiled CPU steps call it instead of tracing the iterations
   (:func:`flashserve.model.mhc.sinkhorn`): the same values (bit for bit for mHC's 4x4 matrices), and far fewer
   graph operations to compile.
+* :func:`index_topk`: the lightning indexer's top-k (and V4.1's candidate pool) over the FP4 index keys where the
+  paged cache stores them (``csrc/index_topk.cpp``): integer products of the FP4-rounded query and the keys'
+  codes, the k best kept as the entries go by. Fixed-shape steps call it instead of unpacking the whole cache,
+  storing its scores and taking about ten passes over them (``Attention._select_paged``).
 
 They are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
 the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (16-row peers

@@ -27,7 +27,12 @@
 
 namespace {
 
-constexpr int64_t TILE = 8;           // entries scored together, one per vector lane
+#if defined(FS_AVX512) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FS_ZMM 1  // 16 entries a register, four byte products summed by one instruction (VNNI)
+constexpr int64_t TILE = 16;  // entries scored together, one per vector lane
+#else
+constexpr int64_t TILE = 8;
+#endif
 constexpr int64_t CHUNK = 4096;       // entries a work item scores at least (a fork costs a few microseconds)
 constexpr int64_t DMAX = 1024;        // largest head dim
 using Entry = std::pair<float, int64_t>;  // (score, index)
@@ -52,7 +57,9 @@ struct Best {
             std::push_heap(heap.begin(), heap.end(), better);
         }
     }
-    float floor() const { return static_cast<int64_t>(heap.size()) < k ? -INFINITY : heap.front().first; }
+    float floor() const {  // what an entry must reach to be offered (k = 0: nothing is)
+        return k == 0 ? INFINITY : static_cast<int64_t>(heap.size()) < k ? -INFINITY : heap.front().first;
+    }
 };
 
 // Values of E2M1 codes times two (the scale table halves them back)
@@ -81,7 +88,7 @@ struct Problem {
 
 // Row r's query in integers, where it allows: each 32-dim block of a head is n * step with integers |n| <= 12
 // (an FP4-rounded query always is: E2M1 values times a power of two, here doubled). Bytes are stored in the
-// order the keys are unpacked to (the even dims, then the odd ones) and read four at a time.
+// order load_keys unpacks the keys to, four at a time.
 struct IntQuery {
     bool ok = false;
     std::vector<int32_t> quads;  // [H][blocks][8]: four int8 each
@@ -102,7 +109,7 @@ struct IntQuery {
             for (int64_t i = 0; i < 32; ++i) {
                 const float n = v[i] / st;
                 if (n != std::nearbyint(n) || std::fabs(n) > 12.f) return;
-                bytes[i % 2 ? 16 + i / 2 : i / 2] = static_cast<int8_t>(n);
+                bytes[8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2] = static_cast<int8_t>(n);  // load_keys' order
                 sum += static_cast<int32_t>(n);
             }
             std::memcpy(&quads[hb * 8], bytes, 32);
@@ -143,123 +150,257 @@ void tile_scores_float(const float* q, const float* w, const uint8_t* const* rec
 }
 
 #if defined(FS_AVX2) || defined(FS_AVX512)
-// r[g] lane e <- r[e] lane g (32-bit lanes)
-inline void transpose8(__m256i* r) {
-    __m256 a[8], t[8], u[8];
-    for (int i = 0; i < 8; ++i) a[i] = _mm256_castsi256_ps(r[i]);
-    for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(a[i], a[i + 1]), t[i + 1] = _mm256_unpackhi_ps(a[i], a[i + 1]);
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+// The vector operations of the integer path, for one register of keys: 16 entries a register where the CPU has
+// AVX-512 with byte shuffles and VNNI (half the instructions an entry), else 8
+#if defined(FS_ZMM)
+struct Vec {
+    using I = __m512i;
+    using F = __m512;
+    static constexpr int64_t LANES = 16;
+    static I set1(int32_t x) { return _mm512_set1_epi32(x); }
+    static F set1(float x) { return _mm512_set1_ps(x); }
+    static F zero() { return _mm512_setzero_ps(); }
+    static I dot4(I acc, I a, I b) { return _mm512_dpbusd_epi32(acc, a, b); }  // acc + four u8 x s8 products
+    static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+    static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static F load(const float* p) { return _mm512_load_ps(p); }
+    static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+    // 16 code bytes of four records, one in each 128-bit lane
+    static I lanes(__m128i a, __m128i b, __m128i c, __m128i d) {
+        return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(a), b, 1), c, 2), d, 3);
     }
-    for (int i = 0; i < 4; ++i) {
-        r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-        r[i + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    static I lo32(I a, I b) { return _mm512_unpacklo_epi32(a, b); }
+    static I hi32(I a, I b) { return _mm512_unpackhi_epi32(a, b); }
+    static I lo64(I a, I b) { return _mm512_unpacklo_epi64(a, b); }
+    static I hi64(I a, I b) { return _mm512_unpackhi_epi64(a, b); }
+    // 2 * value + 12 of the low (high = false) or high nibbles of a's bytes
+    static I nibbles(I a, bool high) {
+        const I lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+        return _mm512_shuffle_epi8(lut, _mm512_and_si512(high ? _mm512_srli_epi16(a, 4) : a, _mm512_set1_epi8(0x0F)));
     }
+    template <class S>
+    static F gather(S v) { return _mm512_setr_ps(v(0), v(1), v(2), v(3), v(4), v(5), v(6), v(7), v(8), v(9), v(10),
+                                                 v(11), v(12), v(13), v(14), v(15)); }
+};
+#else
+struct Vec {
+    using I = __m256i;
+    using F = __m256;
+    static constexpr int64_t LANES = 8;
+    static I set1(int32_t x) { return _mm256_set1_epi32(x); }
+    static F set1(float x) { return _mm256_set1_ps(x); }
+    static F zero() { return _mm256_setzero_ps(); }
+    static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+    static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static F load(const float* p) { return _mm256_load_ps(p); }
+    static void store(float* p, F a) { _mm256_storeu_ps(p, a); }
+    static I lanes(__m128i a, __m128i b) { return _mm256_set_m128i(b, a); }
+    static I lo32(I a, I b) { return _mm256_unpacklo_epi32(a, b); }
+    static I hi32(I a, I b) { return _mm256_unpackhi_epi32(a, b); }
+    static I lo64(I a, I b) { return _mm256_unpacklo_epi64(a, b); }
+    static I hi64(I a, I b) { return _mm256_unpackhi_epi64(a, b); }
+    static I nibbles(I a, bool high) {
+        const I lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+        return _mm256_shuffle_epi8(lut, _mm256_and_si256(high ? _mm256_srli_epi16(a, 4) : a, _mm256_set1_epi8(0x0F)));
+    }
+    template <class S>
+    static F gather(S v) { return _mm256_setr_ps(v(0), v(1), v(2), v(3), v(4), v(5), v(6), v(7)); }
+};
+#endif
+using I = Vec::I;
+using F = Vec::F;
+constexpr int64_t LANES = Vec::LANES;
+static_assert(LANES == TILE, "a tile is one register of keys");
+
+// Block blk of n <= LANES keys (records recs), quad-major: kq[2c + h] lane e holds, for code bytes 4c .. 4c + 3 of
+// entry e, their low (h = 0: dims 8c, 8c + 2, 8c + 4, 8c + 6) or high nibbles (h = 1: the odd dims between) as
+// 2 * value + 12 (unsigned bytes). The code bytes are transposed before they are unpacked: half the shuffles
+// of transposing the unpacked bytes. Returns the keys' scales / 2.
+inline F load_keys(const uint8_t* const* recs, int64_t n, int64_t blk, int64_t d, I* kq) {
+    const auto codes = [&](int64_t e) {
+        return _mm_loadu_si128(reinterpret_cast<const __m128i*>(recs[e < n ? e : 0] + blk * 16));
+    };
+    I r[4];  // entries e, e + 4, e + 8, ... in its 128-bit lanes
+    for (int64_t e = 0; e < 4; ++e)
+#if defined(FS_ZMM)
+        r[e] = Vec::lanes(codes(e), codes(e + 4), codes(e + 8), codes(e + 12));
+#else
+        r[e] = Vec::lanes(codes(e), codes(e + 4));
+#endif
+    // in each lane, a 4x4 transpose of 32-bit words: u[c] holds word c of the lane's four entries
+    const I t0 = Vec::lo32(r[0], r[1]), t1 = Vec::hi32(r[0], r[1]), t2 = Vec::lo32(r[2], r[3]), t3 = Vec::hi32(r[2], r[3]);
+    const I u[4] = {Vec::lo64(t0, t2), Vec::hi64(t0, t2), Vec::lo64(t1, t3), Vec::hi64(t1, t3)};
+    for (int64_t c = 0; c < 4; ++c) kq[2 * c] = Vec::nibbles(u[c], false), kq[2 * c + 1] = Vec::nibbles(u[c], true);
+    // built in registers: scalar stores read back as one vector would wait on store forwarding
+    return Vec::gather([&](int64_t e) { return SCALES.v[recs[e < n ? e : 0][d / 2 + blk]]; });
 }
 
-// tile_scores_float for a query in integers: each head's block is 32 int8 products summed by maddubs over the
-// keys' codes (2 * value + 12, unsigned), exact in 16 bits, then scaled; the same values as the float path
+// Integer dot products of four heads (quads qw[i][0..8)) with the keys kq, plus init[i]
+inline void four_heads(const I* kq, const int32_t* const* qw, const I* init, I* acc) {
+#if defined(FS_ZMM)
+    // four products summed into 32 bits by one instruction; two sums a head, so that each waits on four
+    // instructions, not eight (VNNI's accumulation is in the instruction's latency)
+    I odd[4];
+    for (int64_t i = 0; i < 4; ++i) acc[i] = init[i], odd[i] = Vec::set1(0);
+    for (int64_t g = 0; g < 8; g += 2)
+        for (int64_t i = 0; i < 4; ++i) {
+            acc[i] = Vec::dot4(acc[i], kq[g], Vec::set1(qw[i][g]));
+            odd[i] = Vec::dot4(odd[i], kq[g + 1], Vec::set1(qw[i][g + 1]));
+        }
+    for (int64_t i = 0; i < 4; ++i) acc[i] = Vec::add(acc[i], odd[i]);
+#else
+    for (int64_t i = 0; i < 4; ++i) acc[i] = _mm256_setzero_si256();
+    for (int64_t g = 0; g < 8; ++g)  // pairs summed into 16 bits: at most 8 * 2 * 24 * 12 = 4608
+        for (int64_t i = 0; i < 4; ++i)
+            acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(kq[g], _mm256_set1_epi32(qw[i][g])));
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t i = 0; i < 4; ++i) acc[i] = _mm256_add_epi32(_mm256_madd_epi16(acc[i], ones), init[i]);
+#endif
+}
+
+// tile_scores_float for a query in integers: each head's block is 32 int8 products over the keys' codes, exact,
+// then scaled: the same values as the float path. Heads are summed in order, as there.
 void tile_scores_int(const IntQuery& iq, const float* w, const uint8_t* const* recs, int64_t n, int64_t H, int64_t d,
                      float inv_sqrt_d, float* out) {
     const int64_t blocks = d / 32;
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
-                                         12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
-    const __m256i ones = _mm256_set1_epi16(1);
-    alignas(32) float dots[64][TILE];
-    __m256 total = _mm256_setzero_ps();
+    const int32_t* quads = iq.quads.data();
+    const float* steps = iq.step.data();
+    const int32_t* corr = iq.corr.data();
+    const F inv = Vec::set1(inv_sqrt_d), zero = Vec::zero();
+    I kq[8];
+    F total = Vec::zero();
+    if (blocks == 1) {  // one block a head (V4.1's 32 dims): each head's score summed as soon as it is made
+        const F scv = load_keys(recs, n, 0, d, kq);
+        for (int64_t h = 0; h < H; h += 4) {
+            const int64_t m = H - h < 4 ? H - h : 4;
+            const int32_t* qw[4];
+            I init[4], acc[4];  // the sums start at -12 sum(n): the keys' offset taken back
+            for (int64_t i = 0; i < 4; ++i) {
+                qw[i] = quads + (h + (i < m ? i : 0)) * 8;
+                init[i] = Vec::set1(-corr[h + (i < m ? i : 0)]);
+            }
+            four_heads(kq, qw, init, acc);
+            for (int64_t i = 0; i < m; ++i) {
+                const F dot = Vec::mul(Vec::mul(Vec::cvt(acc[i]), Vec::set1(steps[h + i])), scv);
+                total = Vec::add(total, Vec::mul(Vec::mul(Vec::max(dot, zero), inv), Vec::set1(w[h + i])));
+            }
+        }
+        Vec::store(out, total);
+        return;
+    }
+    alignas(64) float dots[64][LANES];  // a pass's heads (at most 64), summed over the blocks
     for (int64_t h0 = 0; h0 < H; h0 += 64) {
         const int64_t hn = H - h0 < 64 ? H - h0 : 64;
         for (int64_t blk = 0; blk < blocks; ++blk) {
-            __m256i kq[TILE];  // entry e's 32 codes, then (transposed) quad g of every entry
-            alignas(32) float sc[TILE];
-            for (int64_t e = 0; e < TILE; ++e) {
-                const uint8_t* rec = recs[e < n ? e : 0];
-                const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + blk * 16));
-                const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(c, 4), low), _mm_and_si128(c, low));
-                kq[e] = _mm256_shuffle_epi8(lut, nib);
-                sc[e] = SCALES.v[rec[d / 2 + blk]];
-            }
-            transpose8(kq);
-            const __m256 scv = _mm256_load_ps(sc);
+            const F scv = load_keys(recs, n, blk, d, kq);
             for (int64_t h = 0; h < hn; h += 4) {
                 const int64_t m = hn - h < 4 ? hn - h : 4;
-                __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                                  _mm256_setzero_si256()};
                 const int32_t* qw[4];
-                for (int64_t i = 0; i < 4; ++i) qw[i] = &iq.quads[((h0 + h + (i < m ? i : 0)) * blocks + blk) * 8];
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-                for (int64_t g = 0; g < 8; ++g)  // four products summed into 32 bits by one instruction
-                    for (int64_t i = 0; i < 4; ++i) acc[i] = _mm256_dpbusd_epi32(acc[i], kq[g], _mm256_set1_epi32(qw[i][g]));
-#else
-                for (int64_t g = 0; g < 8; ++g)  // pairs summed into 16 bits: at most 8 * 2 * 24 * 12 = 4608
-                    for (int64_t i = 0; i < 4; ++i)
-                        acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(kq[g], _mm256_set1_epi32(qw[i][g])));
-                for (int64_t i = 0; i < 4; ++i) acc[i] = _mm256_madd_epi16(acc[i], ones);
-#endif
+                I init[4], acc[4];
+                for (int64_t i = 0; i < 4; ++i) {
+                    const int64_t hb = (h0 + h + (i < m ? i : 0)) * blocks + blk;
+                    qw[i] = quads + hb * 8;
+                    init[i] = Vec::set1(-corr[hb]);
+                }
+                four_heads(kq, qw, init, acc);
                 for (int64_t i = 0; i < m; ++i) {
                     const int64_t hb = (h0 + h + i) * blocks + blk;
-                    const __m256i sum = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(iq.corr[hb]));
-                    const __m256 dot = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(iq.step[hb])), scv);
-                    _mm256_store_ps(dots[h + i], blk ? _mm256_add_ps(_mm256_load_ps(dots[h + i]), dot) : dot);
+                    const F dot = Vec::mul(Vec::mul(Vec::cvt(acc[i]), Vec::set1(steps[hb])), scv);
+                    Vec::store(dots[h + i], blk ? Vec::add(Vec::load(dots[h + i]), dot) : dot);
                 }
             }
         }
-        const __m256 inv = _mm256_set1_ps(inv_sqrt_d), zero = _mm256_setzero_ps();
         for (int64_t h = 0; h < hn; ++h) {
-            const __m256 s = _mm256_mul_ps(_mm256_max_ps(_mm256_load_ps(dots[h]), zero), inv);
-            total = _mm256_add_ps(total, _mm256_mul_ps(s, _mm256_set1_ps(w[h0 + h])));
+            const F s = Vec::mul(Vec::max(Vec::load(dots[h]), zero), inv);
+            total = Vec::add(total, Vec::mul(s, Vec::set1(w[h0 + h])));
         }
     }
-    _mm256_storeu_ps(out, total);
+    Vec::store(out, total);
 }
 #endif
 
 // Scores the entries [i0, i1) of row r's span into `best`, and (dense mode) their blocks into `blocks`; i0 is a
 // multiple of the block size
 void score_range(const Problem& p, const IntQuery& iq, int64_t r, int64_t i0, int64_t i1, Best& best, Best& blocks) {
-    const float* q = p.q + r * p.H * p.d;
-    const float* w = p.w + r * p.H;
+    // the problem's fields as locals: stores to recs and js could alias them, and the loop would reload each one
+    const int64_t H = p.H, d = p.d, C = p.C, epp = p.epp, rec = p.rec, block = p.block, T = p.entries();
+    const bool pool = p.n_blocks > 0;
+    const float inv_sqrt_d = p.inv_sqrt_d;
+    const uint8_t* const pages = p.pages;
+    const int64_t* const cand = p.cand + r * C;
+    const float* q = p.q + r * H * d;
+    const float* w = p.w + r * H;
     const int64_t* pages_of = p.table + (r / p.S) * p.P;
-    const int64_t lim = p.limit[r], T = p.entries();
-    const int64_t newest = lim > 0 ? (lim - 1) / p.block : -1;
-    const int64_t page_bytes = p.epp * p.rec;
+    const int64_t lim = p.limit[r];
+    const int64_t newest = lim > 0 ? (lim - 1) / block : -1;
+    const int64_t page_bytes = epp * rec;
     float bmax = -INFINITY;  // the current block's best score (dense mode)
-    int64_t m = i0 / p.block, left = p.block;  // the current block, and its entries still to come
-    int64_t col = i0 / p.epp, slot = i0 % p.epp;  // dense mode: where entry i0 is
+    int64_t m = i0 / block, left = block;  // the current block, and its entries still to come
+    int64_t col = i0 / epp, slot = i0 % epp;  // dense mode: where entry i0 is
     const uint8_t* recs[TILE];
     int64_t js[TILE];
     alignas(32) float s[TILE];
     for (int64_t i = i0; i < i1; i += TILE) {
         int64_t n = 0;
-        for (int64_t t = i; t < i1 && t < i + TILE; ++t) {
+        const int64_t end = i1 < i + TILE ? i1 : i + TILE;
+        if (!C && end - i == TILE && slot + TILE <= epp) {  // a whole tile within one page: consecutive records
+            const uint8_t* first = pages + pages_of[col] * page_bytes + slot * rec;
+            for (int64_t e = 0; e < TILE; ++e) recs[e] = first + e * rec, js[e] = i + e;
+            n = TILE;
+            slot += TILE;
+            if (slot == epp) slot = 0, ++col;
+        }
+        for (int64_t t = i + n; t < end; ++t) {
             int64_t j = t;
-            if (p.C) {  // listed: the t-th entry of the listed blocks, if present and visible
-                const int64_t mb = p.cand[r * p.C + t / p.block];
-                j = mb * p.block + t % p.block;
+            if (C) {  // listed: the t-th entry of the listed blocks, if present and visible
+                const int64_t mb = cand[t / block];
+                j = mb * block + t % block;
                 if (mb < 0 || j >= lim || j >= T) continue;
-                recs[n] = p.pages + pages_of[j / p.epp] * page_bytes + (j % p.epp) * p.rec;
+                recs[n] = pages + pages_of[j / epp] * page_bytes + (j % epp) * rec;
             } else {
-                recs[n] = p.pages + pages_of[col] * page_bytes + slot * p.rec;
-                if (++slot == p.epp) slot = 0, ++col;
+                recs[n] = pages + pages_of[col] * page_bytes + slot * rec;
+                if (++slot == epp) slot = 0, ++col;
             }
             js[n++] = j;
         }
         if (!n) continue;
 #if defined(FS_AVX2) || defined(FS_AVX512)
         if (iq.ok)
-            tile_scores_int(iq, w, recs, n, p.H, p.d, p.inv_sqrt_d, s);
+            tile_scores_int(iq, w, recs, n, H, d, inv_sqrt_d, s);
         else
 #endif
-            tile_scores_float(q, w, recs, n, p.H, p.d, p.inv_sqrt_d, s);
+            tile_scores_float(q, w, recs, n, H, d, inv_sqrt_d, s);
+        if (!pool) {  // most tiles hold nothing better than the k-th best so far
+            float top = s[0];
+            for (int64_t e = 1; e < n; ++e) top = s[e] > top ? s[e] : top;
+            if (top < best.floor()) continue;
+        }
+        if (pool && !C && n == TILE && TILE % block == 0) {  // whole blocks: each one's best, then its entries
+            for (int64_t b0 = 0; b0 < TILE; b0 += block) {
+                float bm = s[b0];
+                for (int64_t e = b0 + 1; e < b0 + block; ++e) bm = s[e] > bm ? s[e] : bm;
+                blocks.offer(m == newest ? INFINITY : bm, m);
+                ++m;
+                if (bm >= best.floor())
+                    for (int64_t e = b0; e < b0 + block; ++e)
+                        if (s[e] >= best.floor()) best.offer(s[e], js[e]);
+            }
+            continue;
+        }
         for (int64_t e = 0; e < n; ++e) {
             if (s[e] >= best.floor()) best.offer(s[e], js[e]);
-            if (p.n_blocks) {
+            if (pool) {
                 bmax = s[e] > bmax ? s[e] : bmax;
                 if (--left == 0 || js[e] + 1 == i1) {
                     blocks.offer(m == newest ? INFINITY : bmax, m);
-                    bmax = -INFINITY, ++m, left = p.block;
+                    bmax = -INFINITY, ++m, left = block;
                 }
             }
         }
