@@ -1,7 +1,8 @@
-// The lightning indexer's top-k on the CPU (flashserve.model.cpu_kernels.index_topk), for compiled steps: scores
+// The lightning indexer's top-k on the CPU (flashserve.model.cpu_kernels.index_topk), for fixed-shape steps: scores
 // the FP4 index keys where the paged cache stores them and keeps the best entries as it goes. The step it replaces
 // read the whole cache through the page table, unpacked every key to floats, stored [T] scores, and then took the
-// top-k in about ten passes over them (tiny-v41 at 32K context: 9.9 ms a step against 1.6 at 1K).
+// top-k in about ten passes over them (tiny-v41's compiled step at 32K context: 9.9 ms against 1.6 at 1K on a
+// Zen 3; docs/engine-speed.md).
 //
 // Semantics, per query row r of sequence b = r / S (spec §2.8):
 //   score(j) = sum_h w[r,h] * relu(q[r,h,:] . K_j) * d^-1/2      for entries j < limit[r] (the visible ones)
