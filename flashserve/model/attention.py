@@ -387,8 +387,8 @@ class Attention(nn.Module):
             elif self.layer > cfg.candidate_source_layer_id and ctx.candidate_blocks is not None:
                 cand = ctx.candidate_blocks
         k = min(cfg.index_topk, table.shape[1] * pages.shape[1])
-        idx, valid, pool = cpu_kernels.index_topk(q.flatten(0, 1), w.flatten(0, 1), pages, table, limit.flatten(),
-                                                  cand, k, cfg.candidate_block_size, n_blocks)
+        idx, valid, pool = cpu_kernels.index_topk(q.flatten(0, 1).float(), w.flatten(0, 1).float(), pages, table,
+                                                  limit.flatten(), cand, k, cfg.candidate_block_size, n_blocks)
         if n_blocks:
             ctx.candidate_blocks = pool  # [B*S, n_blocks] block ids, ascending, -1 past the end
         sel = idx.view(B, S, k), valid.view(B, S, k)

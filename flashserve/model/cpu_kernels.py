@@ -61,10 +61,11 @@ _ARGS = {
                    "int64_t"),
     # comb, out, B, n, iters, eps
     "sinkhorn": ("const float*", "float*", "int64_t", "int64_t", "int64_t", "float"),
-    # q, w, pages, table, limit, cand, idx, valid, pool, R, S, H, d, P, epp, rec, C, k, block, n_blocks, threads
+    # q, w, pages, table, limit, cand, idx, valid, pool, R, S, H, d, n_pages, P, epp, rec, C, k, block, n_blocks,
+    # threads
     "index_topk": ("const float*", "const float*", "const uint8_t*", "const int64_t*", "const int64_t*",
                    "const int64_t*", "int64_t*", "uint8_t*", "int64_t*", "int64_t", "int64_t", "int64_t", "int64_t",
-                   "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
+                   "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
 }
 _HEADERS = {k: ("isa.h", "pairs.h") for k in ("mxfp4_pairs", "int8_pairs")}  # csrc headers a kernel's source needs
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
@@ -201,7 +202,7 @@ def index_topk_eager(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, tabl
     R, H, d = q.shape if q.dim() == 3 else (0, 0, 0)
     B, P = table.shape if table.dim() == 2 else (0, 0)
     if (q.dim() != 3 or w.shape != (R, H) or pages.dim() != 3 or table.dim() != 2 or limit.shape != (R,)
-            or cand.dim() != 2 or cand.shape[0] != R or not B or R % B or d % 32 or d > 1024
+            or cand.dim() != 2 or cand.shape[0] != R or not B or R % B or d < 32 or d % 32 or d > 1024
             or pages.shape[2] != d // 2 + d // 32 or not 0 <= k <= P * pages.shape[1] or block < 1 or n_blocks < 0
             or (cand.shape[1] and n_blocks)):
         raise ValueError(f"index_topk: q {tuple(q.shape)}, w {tuple(w.shape)}, pages {tuple(pages.shape)}, table "
@@ -215,8 +216,8 @@ def index_topk_eager(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, tabl
     pool = torch.empty(R, n_blocks, dtype=torch.int64)
     fn(q.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), pages.contiguous(),
        table.to(torch.int64).contiguous(), limit.to(torch.int64).contiguous(), cand.to(torch.int64).contiguous(),
-       idx, valid, pool, R, R // B, H, d, P, pages.shape[1], pages.shape[2], cand.shape[1], k, block, n_blocks,
-       torch.get_num_threads())
+       idx, valid, pool, R, R // B, H, d, pages.shape[0], P, pages.shape[1], pages.shape[2], cand.shape[1], k, block,
+       n_blocks, torch.get_num_threads())
     return idx, valid.view(torch.bool), pool
 
 

@@ -9,16 +9,18 @@ from flashserve.model.attention import candidate_pool, select_topk
 
 # (sequences, rows each, heads, head dim, entries a page, pages a sequence, k, block, pool blocks)
 SHAPES = {"tiny-v41": (1, 1, 8, 32, 64, 4, 8, 4, 4),
-          "rows and sequences": (3, 2, 5, 64, 7, 9, 5, 2, 3),
+          "rows and sequences": (3, 2, 5, 64, 7, 9, 5, 3, 3),  # blocks of 3: not a whole number a tile
           "released": (1, 1, 64, 128, 64, 40, 64, 8, 16)}
 
 
 def _case(B, S, H, d, epp, P, seed, ties=False, rounded=True):
     """Random FP4 index pages (sequences on shuffled pages), queries, head weights and visible counts: the first
-    row sees 3 entries, the last none. ``ties``: keys of few distinct values, so many scores are equal."""
+    row sees 3 entries, the last none. ``ties``: 5 distinct keys repeated, so most scores equal others."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(B * P + 3, epp, d, generator=g)
-    pages = quant.pack_fp4_ue8m0(keys.round() if ties else keys)
+    if ties:
+        keys = torch.randn(5, d, generator=g)[torch.randint(0, 5, keys.shape[:2], generator=g)]
+    pages = quant.pack_fp4_ue8m0(keys)
     table = torch.stack([torch.randperm(B * P + 3, generator=g)[:P] for _ in range(B)])
     q = torch.randn(B * S, H, d, generator=g)
     if rounded:  # as the model rounds them: the kernel multiplies integers
@@ -76,20 +78,26 @@ def test_index_topk_equals_the_indexers_torch_code(isa, shape, keys):
     assert torch.equal(idx, want_idx.view(B * S, k)) and torch.equal(valid, want_valid.view(B * S, k))
 
 
-def test_index_topk_does_not_depend_on_the_number_of_threads():
-    """Long rows are split between threads (ranges of at least 4096 entries): the same picks with one thread."""
-    q, w, pages, table, limit = _case(2, 1, 8, 32, 64, 160, seed=5, ties=True)
+@pytest.mark.parametrize("keys", ["distinct", "ties"])
+def test_index_topk_does_not_depend_on_the_number_of_threads(keys):
+    """Long rows are split between threads (ranges of at least 4096 entries, merged keeping the lower index of
+    equal scores): the torch code's picks and pool with two threads and with one."""
+    q, w, pages, table, limit = _case(2, 1, 8, 32, 64, 160, seed=5, ties=keys == "ties")
     limit[:] = torch.tensor([10_000, 9_001])
     none = torch.zeros(2, 0, dtype=torch.long)
+    scores = _scores(q, w, pages, table, 1)
+    visible = torch.arange(160 * 64) < limit.view(2, 1, 1)
+    want_idx, want_valid = select_topk(scores, visible, 8)
+    want_pool = _blocks(candidate_pool(scores, visible, visible.sum(-1), 4, 4), 4, 4)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)
-        two = cpu_kernels.index_topk_eager(q, w, pages, table, limit, none, 8, 4, 4)
-        torch.set_num_threads(1)
-        one = cpu_kernels.index_topk_eager(q, w, pages, table, limit, none, 8, 4, 4)
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            idx, valid, pool = cpu_kernels.index_topk_eager(q, w, pages, table, limit, none, 8, 4, 4)
+            assert torch.equal(idx, want_idx.view(2, 8)) and torch.equal(valid, want_valid.view(2, 8))
+            assert torch.equal(pool, want_pool)
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(one, two))
 
 
 def test_index_topk_operator_runs_the_cpp_implementation_and_refuses_mismatches():
@@ -102,6 +110,7 @@ def test_index_topk_operator_runs_the_cpp_implementation_and_refuses_mismatches(
     assert all(torch.equal(a, b) for a, b in zip(got, cpu_kernels.index_topk_eager(q, w, pages, table, limit, none,
                                                                                     8, 4, 4)))
     bad = {"a head dim not a multiple of 32": (q[..., :16], w, pages, table, limit, none, 8, 4, 4),
+           "no head dim": (q[..., :0], w, pages[..., :0], table, limit, none, 8, 4, 4),
            "records of another width": (q, w, pages[..., :16], table, limit, none, 8, 4, 4),
            "more picks than entries": (q, w, pages, table, limit, none, 97, 4, 4),
            "a pool in listed mode": (q, w, pages, table, limit, torch.zeros(2, 3, dtype=torch.long), 8, 4, 4),
@@ -113,3 +122,7 @@ def test_index_topk_operator_runs_the_cpp_implementation_and_refuses_mismatches(
             torch.ops.flashserve.index_topk(*args)
     with pytest.raises(ValueError, match="pages must be uint8"):
         cpu_kernels.index_topk_eager(q, w, pages.float(), table, limit, none, 8, 4, 4)
+    with pytest.raises(IndexError, match="page id out of range"):  # torch's translation of std::out_of_range
+        torch.ops.flashserve.index_topk(q, w, pages, table + pages.shape[0], limit, none, 8, 4, 4)
+    empty = torch.ops.flashserve.index_topk(q[:0], w[:0], pages, table, limit[:0], none[:0], 8, 4, 4)
+    assert [t.shape for t in empty] == [(0, 8), (0, 8), (0, 4)]

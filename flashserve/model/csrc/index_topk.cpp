@@ -109,7 +109,7 @@ struct IntQuery {
             int32_t sum = 0;
             for (int64_t i = 0; i < 32; ++i) {
                 const float n = v[i] / st;
-                if (n != std::nearbyint(n) || std::fabs(n) > 12.f) return;
+                if (n != std::nearbyint(n) || std::fabs(n) > 12.f || n * st != v[i]) return;
                 bytes[8 * (i / 8) + 4 * (i % 2) + (i % 8) / 2] = static_cast<int8_t>(n);  // load_keys' order
                 sum += static_cast<int32_t>(n);
             }
@@ -339,7 +339,7 @@ void score_range(const Problem& p, const IntQuery& iq, int64_t r, int64_t i0, in
     const float* q = p.q + r * H * d;
     const float* w = p.w + r * H;
     const int64_t* pages_of = p.table + (r / p.S) * p.P;
-    const int64_t lim = p.limit[r];
+    const int64_t lim = std::min(p.limit[r], T);  // visible entries (candidate_pool's n_visible)
     const int64_t newest = lim > 0 ? (lim - 1) / block : -1;
     const int64_t page_bytes = epp * rec;
     float bmax = -INFINITY;  // the current block's best score (dense mode)
@@ -363,7 +363,7 @@ void score_range(const Problem& p, const IntQuery& iq, int64_t r, int64_t i0, in
             if (C) {  // listed: the t-th entry of the listed blocks, if present and visible
                 const int64_t mb = cand[t / block];
                 j = mb * block + t % block;
-                if (mb < 0 || j >= lim || j >= T) continue;
+                if (mb < 0 || j < 0 || j >= lim) continue;
                 recs[n] = pages + pages_of[j / epp] * page_bytes + (j % epp) * rec;
             } else {
                 recs[n] = pages + pages_of[col] * page_bytes + slot * rec;
@@ -433,11 +433,14 @@ void write_row(std::vector<Entry>& chosen, int64_t k, int64_t T, int64_t* out, u
 
 extern "C" void kernel(const float* q, const float* w, const uint8_t* pages, const int64_t* table,
                        const int64_t* limit, const int64_t* cand, int64_t* idx, uint8_t* valid, int64_t* pool,
-                       int64_t R, int64_t S, int64_t H, int64_t d, int64_t P, int64_t epp, int64_t rec, int64_t C,
-                       int64_t k, int64_t block, int64_t n_blocks, int64_t threads) {
-    if (d % 32 || d > DMAX || rec != d / 2 + d / 32 || S < 1 || k < 0 || block < 1 || (C && n_blocks))
+                       int64_t R, int64_t S, int64_t H, int64_t d, int64_t n_pages, int64_t P, int64_t epp,
+                       int64_t rec, int64_t C, int64_t k, int64_t block, int64_t n_blocks, int64_t threads) {
+    if (R == 0) return;
+    if (d < 32 || d % 32 || d > DMAX || rec != d / 2 + d / 32 || S < 1 || k < 0 || block < 1 || (C && n_blocks))
         throw std::invalid_argument("index_topk: unsupported shapes (d a multiple of 32, records of d/2 + d/32 "
                                     "bytes, no pool in listed mode)");
+    for (int64_t i = 0; i < (R / S) * P; ++i)  // page ids come from the engine; one wrong one would read anywhere
+        if (table[i] < 0 || table[i] >= n_pages) throw std::out_of_range("index_topk: page id out of range");
     const Problem p{q, w, pages, table, limit, cand, R, S, H, d, P, epp, rec, C, k, block, n_blocks,
                     1.f / std::sqrt(static_cast<float>(d))};
     // work items: (row, range of its span), ranges of at least CHUNK entries, aligned to TILE and to blocks
@@ -497,7 +500,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> index_topk_op(const at::Tensor& q
     const bool shapes = q.dim() == 3 && w.dim() == 2 && pages.dim() == 3 && table.dim() == 2 && limit.dim() == 1 &&
                         cand.dim() == 2 && w.size(0) == q.size(0) && w.size(1) == q.size(1) &&
                         limit.size(0) == q.size(0) && cand.size(0) == q.size(0) && table.size(0) > 0 &&
-                        q.size(0) % table.size(0) == 0 && q.size(2) % 32 == 0 && q.size(2) <= DMAX &&
+                        q.size(0) % table.size(0) == 0 && q.size(2) >= 32 && q.size(2) % 32 == 0 && q.size(2) <= DMAX &&
                         pages.size(2) == q.size(2) / 2 + q.size(2) / 32 && k >= 0 &&
                         k <= table.size(1) * pages.size(1) && block >= 1 && n_blocks >= 0 &&
                         (cand.size(1) == 0 || n_blocks == 0);
@@ -516,8 +519,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> index_topk_op(const at::Tensor& q
     at::Tensor pool = at::empty({R, n_blocks}, table.options());
     kernel(qc.data_ptr<float>(), wc.data_ptr<float>(), pc.data_ptr<uint8_t>(), tc.data_ptr<int64_t>(),
            lc.data_ptr<int64_t>(), cc.data_ptr<int64_t>(), idx.data_ptr<int64_t>(), valid.data_ptr<uint8_t>(),
-           pool.data_ptr<int64_t>(), R, R / table.size(0), q.size(1), q.size(2), table.size(1), pages.size(1),
-           pages.size(2), cand.size(1), k, block, n_blocks, at::get_num_threads());
+           pool.data_ptr<int64_t>(), R, R / table.size(0), q.size(1), q.size(2), pages.size(0), table.size(1),
+           pages.size(1), pages.size(2), cand.size(1), k, block, n_blocks, at::get_num_threads());
     return {idx, valid.view(at::kBool), pool};
 }
 }  // namespace
