@@ -67,7 +67,9 @@ _ARGS = {
                    "const int64_t*", "int64_t*", "uint8_t*", "int64_t*", "int64_t", "int64_t", "int64_t", "int64_t",
                    "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
 }
-_HEADERS = {k: ("isa.h", "pairs.h") for k in ("mxfp4_pairs", "int8_pairs")}  # csrc headers a kernel's source needs
+# csrc headers a kernel's source needs (isa.h alone by default)
+_HEADERS = {"mxfp4_pairs": ("isa.h", "pairs.h", "fp4.h"), "int8_pairs": ("isa.h", "pairs.h"),
+            "index_topk": ("isa.h", "fp4.h")}
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
 # the native build also registers its operator's CPU implementation on torch's dispatcher (in C++)
 _ISA_FLAGS = {"native": ("-DFLASHSERVE_REGISTER_OP",), "avx2": ("-DFLASHSERVE_NO_AVX512",),

@@ -15,7 +15,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <vector>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, and ExpertGroups: csrc/pairs.h, prepended by the loader
+// FS_AVX512 / FS_AVX2: csrc/isa.h, ExpertGroups: csrc/pairs.h, E2M1 and e8m0: csrc/fp4.h, prepended by the loader
 
 namespace {
 
@@ -29,16 +29,6 @@ constexpr int64_t PAIR_ROWS = ROWS;  // AVX2: one sum a row, and more rows than 
 constexpr int64_t TILE = 64;   // matrix rows per work item: 16 KB of bytes read in order (16 rows: 1.2x slower)
 constexpr int64_t AHEAD = 4;   // matrix rows prefetched ahead of the one multiplied
 
-alignas(64) const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                    -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-
-// 2^(b - 127), bit for bit what flashserve.model.quant.e8m0_to_float gives (b = 0: the subnormal 2^-127)
-inline float e8m0(uint8_t b) {
-    const uint32_t bits = b == 0 ? 0x00400000u : static_cast<uint32_t>(b) << 23;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 // Bytes and scales of `count` matrix rows (a hint: addresses past the end are not read). Each step's layers
 // evict the experts from the caches: one projection cycled through 24 weight sets with a 65 MB stream between
