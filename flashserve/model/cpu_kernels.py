@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -81,17 +82,23 @@ STREAM_MIN_BYTES = 16 << 20  # float32 weights from this size get stream panels 
 
 @functools.cache
 def _load(kernel: str, isa: str = "native") -> Callable[..., None] | None:
-    """The compiled ``kernel`` (a Python binding taking tensors), or None where it cannot be built here."""
+    """The compiled ``kernel`` (a Python binding taking tensors), or None where it cannot be built here. The
+    first build on a machine runs the C++ compiler (seconds to tens of seconds); later ones load it from disk.
+    The engine builds what its model calls before it serves (``DecodeStep.warm_up``), and says so in the log."""
+    log.info("CPU kernel %s (%s): building, or loading a cached build", kernel, isa)
+    t0 = time.perf_counter()
     try:
         from torch._inductor.codecache import CppPythonBindingsCodeCache
 
         # one text, one cache key: the shared headers, then the kernel
         source = "".join((_CSRC / f).read_text() for f in (*_HEADERS.get(kernel, ("isa.h",)), f"{kernel}.cpp"))
-        return CppPythonBindingsCodeCache.load_pybinding(list(_ARGS[kernel]), source, needs_vec_isa=True,
-                                                         extra_flags=_ISA_FLAGS[isa])
+        fn = CppPythonBindingsCodeCache.load_pybinding(list(_ARGS[kernel]), source, needs_vec_isa=True,
+                                                       extra_flags=_ISA_FLAGS[isa])
     except Exception as e:  # no compiler, an unexpected inductor version: torch's or inductor's code runs instead
         log.warning("CPU kernel %s unavailable (%s: %s); using torch's code", kernel, type(e).__name__, e)
         return None
+    log.info("CPU kernel %s (%s) ready in %.1f s", kernel, isa, time.perf_counter() - t0)
+    return fn
 
 
 def _kernel(kernel: str, isa: str) -> Callable[..., None]:
