@@ -62,13 +62,16 @@ def _compiler_configs() -> dict[str, dict]:
     return out
 
 
-# set by pytest for each phase of a test, and by inductor once a process (the address of a function its C++
-# bindings call, at the first load of one)
-_OWN_ENV = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+# variables pytest sets for each phase of a test, and those torch's compilers set once a process, at first use
+# (the inductor cache's folder, the address of a function its C++ bindings call, ...): where the test found
+# them unset, their appearance is torch's, not the test's
+_OWN_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+            "KMP_DUPLICATE_LIB_OK", "TORCH_WARM_POOL", "TRITON_CACHE_DIR")
 
 
-def _environ() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _OWN_ENV}
+def _env_changes(before: dict[str, str]) -> list[str]:
+    keys = {k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)}
+    return sorted(k for k in keys if not (k in _OWN_ENV and k not in before))
 
 
 def _torch_globals() -> dict:
@@ -79,18 +82,20 @@ def _torch_globals() -> dict:
 
 @pytest.fixture(autouse=True)
 def torch_and_env_unchanged():
-    env, settings, configs = _environ(), _torch_globals(), _compiler_configs()
+    env, settings, configs = dict(os.environ), _torch_globals(), _compiler_configs()
+    env.pop("PYTEST_CURRENT_TEST", None)
     yield
     changed = []
-    if _environ() != env:
-        keys = {k for k in set(env) | set(_environ()) if env.get(k) != os.environ.get(k)}
-        changed.append(f"os.environ: {sorted(keys)}")
+    if keys := _env_changes(env):
+        changed.append(f"os.environ: {keys}")
     now = _torch_globals()
     changed += [f"torch {k}: {settings[k]!r} -> {now[k]!r}" for k in settings if settings[k] != now[k]]
     after = _compiler_configs()
     for name, before in configs.items():
-        diff = sorted(k for k in before if after[name].get(k, _MISSING) is not before[k]
-                      and after[name].get(k, _MISSING) != before[k])
-        changed += [f"{name}.{k}: {'missing' if after[name].get(k, _MISSING) is _MISSING else 'changed'}"
-                    for k in diff]
+        for k, was in before.items():
+            value = after[name].get(k, _MISSING)
+            if value is _MISSING:
+                changed.append(f"{name}.{k}: missing")
+            elif value is not was and value != was:
+                changed.append(f"{name}.{k}: {was!r} -> {value!r}")
     assert not changed, "the test left the process changed: " + "; ".join(changed)
