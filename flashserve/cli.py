@@ -8,18 +8,18 @@ import json
 import sys
 from typing import Sequence
 
+from .cli_help import HelpFormatter
 from .config import layout
 from .errors import UserError
 
+DESCRIPTION = "Run, serve, benchmark and plan DeepSeek-V4 and V4.1 models (and a small embedded demo model)."
+EPILOG = "Run 'flashserve COMMAND --help' for a command's flags and their defaults."
+
 
 def _info(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config, model_arithmetic
+    from .config import load_config, model_arithmetic
 
-    try:
-        cfg = load_config(args.model)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    cfg = load_config(args.model)  # a ConfigError is the user's: one line, "flashserve info: error: ..."
     if args.memory or args.tensor_parallel_size != 1 or args.enable_expert_parallel or args.data_parallel_size != 1:
         return _info_memory(args)
     a = model_arithmetic(cfg)
@@ -46,13 +46,27 @@ def _info(args: argparse.Namespace) -> int:
     table.add_column("quantity")
     table.add_column("value", justify="right")
     for key in ("params_total", "params_all", "params_active_prefill", "params_active_decode"):
-        table.add_row(key, f"{data[key] / 1e9:,.3f} B")
-    table.add_row("kv_bytes_per_token", f"{a.kv_bytes_per_token:,.2f} B")
+        table.add_row(key, _params(data[key]))
+    table.add_row("kv_bytes_per_token", f"{a.kv_bytes_per_token:,.2f} bytes")
     table.add_row("window_bytes_per_sequence", f"{a.window_bytes_per_sequence / 2**20:,.2f} MiB")
     for part, n in sorted(a.by_part.items(), key=lambda kv: -kv[1]):
-        table.add_row(f"  {part}", f"{n / 1e9:,.3f} B")
-    Console().print(table)
+        table.add_row(f"  {part}", _params(n))
+    console = Console()
+    console.print(table)
+    console.print("params_total: the backbone, every part but the engram tables, the drafter (MTP/DSpark) and the "
+                  "vision tower; params_all: those too, everything the checkpoint stores. params_active_*: used "
+                  "per prompt token (prefill) and per generated token (decode). kv_bytes_per_token: KV cache per "
+                  "token of context; window_bytes_per_sequence: sliding-window state per sequence, whatever "
+                  "its length.", highlight=False)
     return 0
+
+
+def _params(n: float) -> str:
+    """A parameter count in words: ``551.881 billion params``, ``13.388 million params``, ``960 params``."""
+    for scale, word in ((1e12, "trillion"), (1e9, "billion"), (1e6, "million")):
+        if n >= scale:
+            return f"{n / scale:,.3f} {word} params"
+    return f"{int(n):,} params"
 
 
 def _info_memory(args: argparse.Namespace) -> int:
@@ -102,10 +116,12 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="flashserve", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    info = sub.add_parser("info", help="parameter and KV-cache arithmetic of a preset or checkpoint")
+    info = sub.add_parser("info", help="parameter and KV-cache arithmetic of a preset or checkpoint",
+                          description="Parameter counts and KV-cache bytes of a preset or checkpoint (--memory: "
+                                      "per-rank resident bytes of a layout).", formatter_class=HelpFormatter)
     info.add_argument("model", help="preset name or checkpoint folder")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("--memory", action="store_true",

@@ -74,7 +74,8 @@ class OpenAIBackend:
         try:
             import httpx
         except ImportError:
-            raise UserError("bench serve against a URL needs httpx: pip install 'flashserve[bench]'") from None
+            raise UserError("bench against a --base-url needs httpx (a dependency of flashserve): "
+                            "pip install httpx") from None
         self.client = httpx.AsyncClient(timeout=self.timeout_s, headers=self.headers,
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
         try:

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..cli_help import HelpFormatter
 from ..engine.options import add_engine_args, engine_config
 from ..errors import UserError
 
@@ -41,16 +42,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target (one of)")
     t.add_argument("--model", default=None, help="run this preset / checkpoint in-process (no server)")
     t.add_argument("--base-url", default=None, help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    t.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    t.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"),
+                   help="the server's API the requests go to")
     t.add_argument("--served-model-name", default=None, help="'model' sent to the server (default: its first)")
-    t.add_argument("--api-key", default=None)
+    t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     t.add_argument("--tokenizer", default=None,
-                   help="tokenizer.json, checkpoint folder or preset counting prompt tokens (default: --model "
-                        "or --served-model-name)")
+                   help="tokenizer.json, checkpoint folder, preset, or flashserve-default (the embedded model) "
+                        "counting prompt tokens (default: --model; against a flashserve server, the served "
+                        "model's, asked of its /v1/models; else --served-model-name)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"))
+    d.add_argument("--dataset-name", default="random", choices=("random", "prefix", "sharegpt"),
+                   help="random token prompts, prompts sharing a prefix, or conversations from a file")
     d.add_argument("--dataset-path", default=None, help="sharegpt: a JSON or JSONL file of conversations")
-    d.add_argument("--num-prompts", type=int, default=16)
+    d.add_argument("--num-prompts", type=int, default=16, help="requests measured (a sweep: at least the level)")
     d.add_argument("--input-len", type=int, default=128, help="random/prefix: prompt tokens (prefix: unique part)")
     d.add_argument("--output-len", type=int, default=None,
                    help="output tokens asked (random/prefix default 64; sharegpt default: each reply's length)")
@@ -64,7 +68,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                     help="samples the dataset and the arrival times (as vLLM's); not sent to the server")
     ld.add_argument("--request-seed", type=int, default=None,
                     help="sampling seed sent in every request body (default: none sent)")
-    ld.add_argument("--temperature", type=float, default=0.0)
+    ld.add_argument("--temperature", type=float, default=0.0, help="sampling temperature sent (0: greedy)")
     ld.add_argument("--ignore-eos", action="store_true", help="generate exactly the asked output length")
     ld.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     r = p.add_argument_group("report")
@@ -150,14 +154,17 @@ def _sweep(a: argparse.Namespace) -> int:
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     """Add ``bench serve`` and ``bench sweep`` to a parent parser's subcommands."""
-    bench = subparsers.add_parser("bench", help="serving benchmark (vLLM bench serve metrics) and sweeps")
+    bench = subparsers.add_parser("bench", help="serving benchmark (vLLM bench serve metrics) and sweeps",
+                                  formatter_class=HelpFormatter)
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    serve = sub.add_parser("serve", help="one load test: TTFT, TPOT, ITL, throughput, goodput, cost")
+    serve = sub.add_parser("serve", help="one load test: TTFT, TPOT, ITL, throughput, goodput, cost",
+                           formatter_class=HelpFormatter)
     add_serve_arguments(serve)
     serve.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     serve.add_argument("--result-file", default=None, help="write the result JSON here")
     serve.set_defaults(func=_serve)
-    sweep = sub.add_parser("sweep", help="serve at concurrency 1, 2, 4, ...: JSON per point and a PNG chart")
+    sweep = sub.add_parser("sweep", help="serve at concurrency 1, 2, 4, ...: JSON per point and a PNG chart",
+                           formatter_class=HelpFormatter)
     add_serve_arguments(sweep)
     sweep.add_argument("--concurrency", default=None, help="comma-separated levels, e.g. 1,4,16")
     sweep.add_argument("--max-concurrency", type=int, default=None, help="levels 1, 2, 4, ... up to this")

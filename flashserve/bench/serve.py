@@ -7,7 +7,7 @@ import asyncio
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Sequence
 
@@ -31,6 +31,7 @@ class ServeConfig:
     model: str | None = None  # in-process engine of this preset / checkpoint
     base_url: str | None = None  # or an OpenAI-compatible server
     served_model: str | None = None  # the ``model`` field sent (default: --model, else the server's first)
+    model_root: str | None = None  # a flashserve server's model as this machine reads it (from /v1/models)
     endpoint: str = "/v1/completions"
     api_key: str | None = None
     tokenizer: str | None = None
@@ -79,7 +80,8 @@ def check(cfg: ServeConfig) -> None:
 
 
 def tokenizer_name(cfg: ServeConfig) -> str:
-    """What counts prompt tokens: --tokenizer, else --model, else --served-model-name; refused when none."""
+    """What counts prompt tokens: --tokenizer, else --model, else --served-model-name (:func:`with_tokenizer`
+    first asks a flashserve server what it serves); refused when none is known."""
     name = cfg.tokenizer or cfg.model or cfg.served_model
     if not name:
         raise UserError("bench needs a tokenizer to count prompt tokens: pass --tokenizer (a tokenizer.json, a "
@@ -87,9 +89,62 @@ def tokenizer_name(cfg: ServeConfig) -> str:
     return name
 
 
+def local_model(name: str) -> str | None:
+    """``name`` as a model this machine can read: a runnable preset, a folder holding ``tokenizer.json``, or
+    the embedded default model's served name (its folder); None when it is none of these."""
+    from pathlib import Path
+
+    from ..config import RUNNABLE_PRESETS
+    from ..models import DEFAULT_SERVED_NAME, default_model
+
+    if name == DEFAULT_SERVED_NAME:
+        return default_model()
+    if name in RUNNABLE_PRESETS or (Path(name) / "tokenizer.json").is_file():
+        return name
+    return None
+
+
+def server_model(base_url: str, served_model: str | None, api_key: str | None) -> tuple[str, str] | None:
+    """(served name, local model) of what a server serves, from its ``/v1/models`` card: a flashserve server
+    names what it loaded in ``root`` (a preset or a checkpoint folder) and its served name in ``id``
+    (``flashserve-default``: the embedded model). None for another server when ``served_model`` is given (its
+    tokenizer may still be a preset of that name); refused when nothing names a model this machine can read."""
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    pass_it = "pass --tokenizer (a tokenizer.json, a checkpoint folder or a preset)"
+    try:
+        resp = httpx.get(url, headers=headers, timeout=30)
+    except httpx.HTTPError as exc:
+        raise UserError(f"--base-url: cannot reach {base_url} to ask which model it serves (for the tokenizer "
+                        f"that counts prompt tokens; or pass --tokenizer): {exc}") from None
+    try:
+        cards = resp.json().get("data") if resp.status_code == 200 else None
+    except (ValueError, AttributeError):
+        cards = None
+    if not isinstance(cards, list) or not cards or not all(isinstance(c, dict) for c in cards):
+        if served_model:
+            return None
+        key = " (it wants an API key: --api-key)" if resp.status_code == 401 else ""
+        raise UserError(f"--tokenizer: {url} answered HTTP {resp.status_code}{key} without a model list; {pass_it}")
+    card = next((c for c in cards if c.get("id") == served_model), cards[0])
+    if card.get("owned_by") != "flashserve":
+        if served_model:
+            return None
+        raise UserError(f"--tokenizer: {base_url} serves {card.get('id')!r}, not a flashserve model, so its "
+                        f"tokenizer is not known here; {pass_it}")
+    for name in (card.get("root"), card.get("id")):
+        if isinstance(name, str) and (found := local_model(name)):
+            return str(card.get("id")), found
+    raise UserError(f"--tokenizer: {base_url} serves {card.get('id')!r} from {card.get('root')!r}, which is "
+                    f"neither a preset nor a folder on this machine; {pass_it}")
+
+
 def load_bench_tokenizer(name: str) -> Any:
     """The tokenizer that counts prompt tokens: a ``tokenizer.json`` file, a checkpoint folder holding one,
-    or a runnable preset's built-in tokenizer; anything else is refused (a wrong tokenizer miscounts)."""
+    a runnable preset's built-in tokenizer, or ``flashserve-default`` (the embedded model, by the name
+    ``flashserve serve`` gives it); anything else is refused (a wrong tokenizer miscounts)."""
     from pathlib import Path
 
     if not name.strip():
@@ -97,16 +152,18 @@ def load_bench_tokenizer(name: str) -> Any:
 
     from ..config import RUNNABLE_PRESETS
     from ..engine.tokenizer import Tokenizer, load_tokenizer
+    from ..models import DEFAULT_SERVED_NAME
 
     path = Path(name)
     if path.is_file() and path.name.endswith(".json"):
         from tokenizers import Tokenizer as HFTokenizer
 
         return Tokenizer(HFTokenizer.from_file(str(path)))
-    if (path / "tokenizer.json").is_file() or name in RUNNABLE_PRESETS:
-        return load_tokenizer(name)
-    raise UserError(f"--tokenizer: {name!r} is not a tokenizer.json, a folder holding one, or one of the presets "
-                    f"{', '.join(RUNNABLE_PRESETS)}; pass --tokenizer for the served model")
+    if (found := local_model(name)) is not None:
+        return load_tokenizer(found)
+    raise UserError(f"--tokenizer: {name!r} is not a tokenizer.json, a folder holding one, {DEFAULT_SERVED_NAME} "
+                    f"(the embedded model) or one of the presets {', '.join(RUNNABLE_PRESETS)}; pass --tokenizer "
+                    f"for the served model")
 
 
 def build_requests(cfg: ServeConfig, tok: Any, n: int, seed: int) -> list[SampleRequest]:
@@ -201,9 +258,19 @@ async def run_async(cfg: ServeConfig, backend: Backend | None = None, tok: Any =
         await backend.close()
 
 
+def with_tokenizer(cfg: ServeConfig) -> ServeConfig:
+    """``cfg`` checked, its tokenizer named: without --tokenizer against a server, a flashserve server's model
+    (also kept as ``model_root``, and its served name as ``served_model`` when none was given)."""
+    check(cfg)
+    if not cfg.tokenizer and cfg.base_url and (found := server_model(cfg.base_url, cfg.served_model, cfg.api_key)):
+        served, local = found
+        return replace(cfg, tokenizer=local, served_model=cfg.served_model or served, model_root=local)
+    return replace(cfg, tokenizer=tokenizer_name(cfg))
+
+
 def run(cfg: ServeConfig) -> dict[str, object]:
     """:func:`run_async` from synchronous code."""
-    return asyncio.run(run_async(cfg))
+    return asyncio.run(run_async(with_tokenizer(cfg)))
 
 
 def summary_lines(r: dict[str, Any], percentiles: Sequence[float]) -> list[str]:

@@ -13,9 +13,12 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UserError
-from .serve import ServeConfig, load_bench_tokenizer, make_backend, run_async, tokenizer_name
+from .serve import ServeConfig, load_bench_tokenizer, local_model, make_backend, run_async, with_tokenizer
 
 SWEEP_JSON, SWEEP_PNG = "sweep.json", "sweep.png"
+# why a server's sweep has no planner curve unless asked: the planner needs the hardware, which a URL does not say
+NO_PLAN_NOTE = ("no planner curve: the server's hardware is not known (pass --plan-hardware, e.g. h100 or "
+                "cpu-local, to draw one)")
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ def _plan_inputs(plan: PlanSetup, cfg: ServeConfig, prompt_len: int, output_len:
         al, src = measured_al, "measured by the server"
     else:
         al, src = 1.0, "no speculation reported"
-    model = plan.model or cfg.model or cfg.served_model or ""
+    served = cfg.served_model and (local_model(cfg.served_model) or cfg.served_model)  # flashserve-default: its folder
+    model = plan.model or cfg.model or cfg.model_root or served or ""
     inp = PlanInputs(model=model, hardware=plan.hardware, gpus=plan.gpus or cfg.num_devices, tp=plan.tp,
                      ep=plan.ep, weight_dtype=plan.weight_dtype, prompt_len=max(prompt_len, 1),
                      output_len=max(output_len, 1), accept_length=al, draft_tokens=plan.draft_tokens,
@@ -101,6 +105,9 @@ def predicted_curve(plan: PlanSetup, cfg: ServeConfig, levels: Sequence[int], pr
     from ..plan.sweep import sweep, sweep_points
 
     inp, al_note = _plan_inputs(plan, cfg, prompt_len, output_len, measured_al)
+    if not inp.model:
+        return {"predicted": None, "predicted_misfits": [], "predicted_note": "planner curve left out: no model "
+                "to plan; pass --plan-model (a preset or a checkpoint folder)"}
     try:
         results = sweep(inp, levels)
     except PlanError as exc:
@@ -117,7 +124,7 @@ def predicted_curve(plan: PlanSetup, cfg: ServeConfig, levels: Sequence[int], pr
 
 async def _measure(cfg: ServeConfig, levels: Sequence[int]) -> list[dict[str, Any]]:
     """Run every level on one backend (an in-process engine is loaded once)."""
-    tok = load_bench_tokenizer(tokenizer_name(cfg))
+    tok = load_bench_tokenizer(cfg.tokenizer or "")
     backend = make_backend(cfg, tok)
     await backend.start()
     try:
@@ -147,10 +154,12 @@ def sweep_entry(cfg: ServeConfig, plan: PlanSetup | None, levels: Sequence[int],
     done = [(c, r) for c, r in zip(levels, results) if r["completed"]]
     entry: dict[str, Any] = {"measured": [_point(r, c) for c, r in done], "predicted": None,
                              "failed_levels": [c for c, r in zip(levels, results) if not r["completed"]],
-                             "predicted_note": "", "predicted_misfits": [], "input_len": None, "output_len": None,
-                             "num_devices": cfg.num_devices, "device_cost_per_hour": cfg.device_cost_per_hour}
+                             "predicted_note": NO_PLAN_NOTE, "predicted_misfits": [], "input_len": None,
+                             "output_len": None, "num_devices": cfg.num_devices,
+                             "device_cost_per_hour": cfg.device_cost_per_hour}
     if not done:
-        entry["predicted_note"] = "planner curve left out: no level completed a request" if plan else ""
+        if plan:
+            entry["predicted_note"] = "planner curve left out: no level completed a request"
         return entry
     entry["input_len"] = round(sum(r["input_len_stats"]["mean"] for _, r in done) / len(done))
     entry["output_len"] = round(sum(r["output_len_stats"]["mean"] for _, r in done) / len(done))
@@ -163,6 +172,7 @@ def sweep_entry(cfg: ServeConfig, plan: PlanSetup | None, levels: Sequence[int],
 def run_sweep(cfg: ServeConfig, levels: Sequence[int], out: Path, label: str | None,
               plan: PlanSetup | None) -> SweepOutput:
     """Measure, write the point JSONs and the summary, and draw the chart of every configuration in ``out``."""
+    cfg = with_tokenizer(cfg)
     out.mkdir(parents=True, exist_ok=True)
     label = label or cfg.model or cfg.served_model or cfg.base_url or "server"
     if plan is None and cfg.model is not None:

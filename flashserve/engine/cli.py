@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 
+from ..cli_help import HelpFormatter
 from .options import add_engine_args, engine_config
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C'd command
@@ -14,7 +15,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C'd command
 
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate a completion for one prompt",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
                    help="preset name (tiny-v4, tiny-v41) or checkpoint folder (default: the embedded model, "
                         "a small V4.1 trained on the Python standard library)")

@@ -96,7 +96,7 @@ def _base_type(hint: Any) -> type:
 
 def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset[str] = frozenset()) -> None:
     """One flag per user-facing ``EngineConfig`` field, default and type taken from the field (a parser with
-    ``ArgumentDefaultsHelpFormatter`` shows the defaults)."""
+    :class:`flashserve.cli_help.HelpFormatter` shows each default once)."""
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):

@@ -16,7 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
+from ..cli_help import HelpFormatter
 from .errors import PlanError
+from .hardware import hardware_name, preset_names
 from .inputs import PlanInputs
 
 ACTIONS = ("run", "sweep", "published", "seed", "verdict")
@@ -54,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run (default): one plan; sweep: concurrency curve as JSON + PNG; published: predicted vs "
                         "published points; seed: the V4.1 GB300 headline; verdict: the 1M tok/s and $0.002/M claims")
     p.add_argument("--model", default="deepseek-v41-flash", help="preset or config.json path (deepseek_v3/v4/v41)")
-    p.add_argument("--hardware", default="gb300-nvl72", help="preset name from hardware.json")
+    p.add_argument("--hardware", default="gb300-nvl72",
+                   help=f"hardware preset: {', '.join(preset_names())} (any case, or a unique prefix: gb300, H200)")
     p.add_argument("--gpus", type=int, default=8, help="decode GPUs (all GPUs when prefill is co-located)")
     p.add_argument("--tp", type=int, default=1, help="attention tensor parallelism")
     p.add_argument("--ep", type=int, default=None, help="expert parallelism (default: --gpus)")
@@ -64,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
     p.add_argument("--context", type=int, default=None, help="mean KV length while decoding (default prompt + output/2)")
-    p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=1024, help="output tokens per request")
     p.add_argument("--accept-length", type=float, default=1.0, help="mean tokens accepted per step (bonus included)")
     p.add_argument("--draft-tokens", type=int, default=None, help="drafted tokens per step (default: the drafter's block)")
     p.add_argument("--prefix-hit-rate", type=float, default=0.0, help="fraction of prompt tokens from the prefix cache")
@@ -74,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serving-stack profile over the hardware's (hardware.json 'stacks'); default: the stack "
                         "measured for the model on that hardware (V4.1 on GPUs), 'none' for the hardware profile alone")
     for flag in OVERRIDE_FLAGS:
-        p.add_argument("--" + flag.replace("_", "-"), type=float, default=None, help=f"override efficiency term {flag}")
+        p.add_argument("--" + flag.replace("_", "-"), type=float, default=None,
+                       help=f"override efficiency term {flag} (default: the hardware profile's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--explain", action="store_true", help="print every term and assumption")
     p.add_argument("--levels", default=None, help="sweep: comma-separated concurrencies")
@@ -320,6 +324,7 @@ def run(a: argparse.Namespace) -> int:
     """Dispatch a parsed namespace; PlanError becomes one line on stderr and exit code 2."""
     try:
         _check_action_flags(a)
+        a.hardware = hardware_name(a.hardware)  # GB300, gb300 -> gb300-nvl72
         if a.calibrate:
             return _calibrate(a)
         return {"run": _run, "sweep": _sweep, "published": _published, "seed": _seed, "verdict": _verdict}[a.action](a)
@@ -330,7 +335,8 @@ def run(a: argparse.Namespace) -> int:
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:
     """Add the ``plan`` subcommand to a parent parser's subparsers; its handler is ``args.func(args) -> int``."""
-    p = subparsers.add_parser("plan", help="performance, capacity and cost model", description=DESCRIPTION)
+    p = subparsers.add_parser("plan", help="performance, capacity and cost model", description=DESCRIPTION,
+                              formatter_class=HelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -338,6 +344,6 @@ def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point: ``python -m flashserve.plan [action] [flags]``."""
-    parser = argparse.ArgumentParser(prog="flashserve plan", description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="flashserve plan", description=DESCRIPTION, formatter_class=HelpFormatter)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -134,9 +134,33 @@ def load_catalog(path: Path = HARDWARE_JSON) -> dict[str, Hardware]:
     return out
 
 
+def preset_names(path: Path = HARDWARE_JSON) -> list[str]:
+    """The preset names in ``hardware.json``, in its order (unvalidated: for help texts)."""
+    try:
+        return list(json.loads(Path(path).read_text()).get("presets", {}))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def hardware_name(name: str, names: list[str] | None = None) -> str:
+    """The preset ``name`` means: itself, the same name in another case (``H200``), or the one preset it
+    begins (``gb300`` -> ``gb300-nvl72``); an unknown name or a prefix of several is refused, listing them."""
+    names = preset_names() if names is None else names
+    if name in names:
+        return name
+    key = name.strip().lower()
+    exact = [n for n in names if n.lower() == key]
+    if exact:
+        return exact[0]
+    begun = [n for n in names if key and n.lower().startswith(key)]
+    if len(begun) == 1:
+        return begun[0]
+    if begun:
+        raise PlanError("--hardware", f"{name!r} could be any of {', '.join(begun)}; name one")
+    raise PlanError("--hardware", f"unknown hardware {name!r}; known: {', '.join(names)}")
+
+
 def get_hardware(name: str, path: Path = HARDWARE_JSON) -> Hardware:
-    """One preset by name; the error lists the known ones."""
+    """One preset by name (any case, or a unique prefix: :func:`hardware_name`); the error lists the known ones."""
     catalog = load_catalog(path)
-    if name not in catalog:
-        raise PlanError("--hardware", f"unknown hardware {name!r}; known: {', '.join(sorted(catalog))}")
-    return catalog[name]
+    return catalog[hardware_name(name, list(catalog))]

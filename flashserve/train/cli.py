@@ -20,7 +20,9 @@ def register(sub) -> None:
 
     p = sub.add_parser("train", help="train the default model (tokenizer, V4.1 backbone, DSpark drafter) on "
                                      "the Python standard library, on the CPU",
-                       description=__doc__)
+                       description="Train the embedded default model's recipe on the CPU: a byte-level BPE "
+                                   "tokenizer, a V4.1 backbone and its DSpark drafter, exported with a held-out "
+                                   "report (see docs/training.md).")
     p.add_argument("--stages", default=",".join(STAGES),
                    help=f"comma-separated stages to run, in order (default: all: {','.join(STAGES)})")
     p.add_argument("--fast", action="store_true", help="a few steps on a few files at a tiny width (seconds)")

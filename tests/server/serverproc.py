@@ -48,10 +48,11 @@ class ServerProc:
 
 
 def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0,
-                 env: dict[str, str] | None = None) -> ServerProc:
+                 env: dict[str, str] | None = None, model: str | None = MODEL) -> ServerProc:
+    """``flashserve serve MODEL`` (``model`` None: no MODEL, the embedded default as a user starts it)."""
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="flashserve-server-", suffix=".log")
-    cmd = [sys.executable, "-m", "flashserve", "serve", MODEL, "--port", str(port),
+    cmd = [sys.executable, "-m", "flashserve", "serve", *([model] if model else []), "--port", str(port),
            "--log-level", "warning", *extra]
     if api_key:
         cmd += ["--api-key", api_key]
