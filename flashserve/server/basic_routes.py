@@ -1,4 +1,5 @@
-"""The small endpoints: ``/health``, ``/metrics``, ``/v1/models``, ``/tokenize``, ``/detokenize``."""
+"""The small endpoints: ``/health``, ``/metrics``, ``/v1/models``, ``/tokenize``, ``/detokenize``,
+``/tokenizer_info``."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ async def metrics(request: Request):
 
 
 def _model_card(srv: Any, name: str) -> dict[str, Any]:
+    """vLLM's card: ``root`` is what was loaded (a preset name or the checkpoint folder's absolute path), so a
+    client on the same machine (``flashserve bench``) finds the tokenizer."""
     return {"id": name, "object": "model", "created": srv.created, "owned_by": "flashserve",
-            "root": srv.cfg.model_name, "max_model_len": srv.max_model_len}
+            "root": srv.cfg.model_root or srv.cfg.model_name, "max_model_len": srv.max_model_len}
 
 
 async def models(request: Request):
@@ -76,6 +79,15 @@ async def detokenize(request: Request):
     return {"prompt": srv.tokenizer.decode(ids, skip_special_tokens=False)}
 
 
+async def tokenizer_info(request: Request):
+    """vLLM's ``GET /tokenizer_info``: the tokenizer's configuration in ``tokenizer_config.json``'s fields, as
+    lm-eval's remote tokenizer (``tokenizer_backend=remote``) reads it before it uses /tokenize and /detokenize.
+    ``add_bos_token``/``add_eos_token`` say what /tokenize and /v1/completions do: add no special tokens."""
+    check_auth(request)
+    srv = server_of(request)
+    return srv.tokenizer_info()
+
+
 def register(app: FastAPI) -> None:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
@@ -83,3 +95,4 @@ def register(app: FastAPI) -> None:
     app.add_api_route("/v1/models/{model_id:path}", model_info, methods=["GET"])
     app.add_api_route("/tokenize", tokenize, methods=["POST"])
     app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"])

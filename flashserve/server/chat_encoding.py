@@ -35,9 +35,17 @@ CALLS_TAG = DSML + " calls"
 INVOKE_TAG = DSML + " invoke"
 PARAM_TAG = DSML + " parameter"
 
-DEFAULT_EFFORT = 50
-# OpenAI's effort names mapped onto the V4.1 scale ("none" switches thinking off, see resolve_mode).
-OPENAI_EFFORT_ALIASES: dict[str, int] = {"minimal": 25, "low": 25, "medium": 50, "high": 50, "xhigh": 75, "max": 100}
+# Reasoning-effort tables: each named level (and ``None``, a request that names none) -> the budget N of the
+# "Reasoning Effort: N" line ("none" switches thinking off instead, see resolve_mode).
+#   released:    DeepSeek-V4.1's released encoder (low 50, high 75, max 100, default high); DeepSeek's API maps
+#                minimal to low and medium and xhigh to high.
+#   pre-release: the encoder of the pre-release checkpoints (low 25, high 50, xhigh 75, max 100, default high).
+EFFORT_TABLES: dict[str, dict[str | None, int]] = {
+    "released": {None: 75, "minimal": 50, "low": 50, "medium": 75, "high": 75, "xhigh": 75, "max": 100},
+    "pre-release": {None: 50, "minimal": 25, "low": 25, "medium": 50, "high": 50, "xhigh": 75, "max": 100},
+}
+DEFAULT_EFFORT_TABLE = "released"
+EFFORT_NAMES = ("minimal", "low", "medium", "high", "xhigh", "max")
 
 _EFFORT_LINE = "Reasoning Effort: {n} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
 
@@ -83,30 +91,37 @@ def render_tools(tools: Iterable[dict[str, Any]]) -> str:
                                  schemas=schemas)
 
 
-def effort_value(effort: str | int | None) -> int:
-    """A reasoning effort as the V4.1 integer 1..100 (names: low 25, high 50, xhigh 75, max 100; OpenAI's
-    minimal/medium map to 25/50). Raises ValueError for anything else."""
+def _effort_table(table: str) -> dict[str | None, int]:
+    try:
+        return EFFORT_TABLES[table]
+    except KeyError:
+        raise ValueError(f"unknown reasoning-effort table {table!r}; known: {', '.join(EFFORT_TABLES)}") from None
+
+
+def effort_value(effort: str | int | None, table: str = DEFAULT_EFFORT_TABLE) -> int:
+    """A reasoning effort as the V4.1 integer 1..100: a level name (or None, the default) looked up in ``table``
+    (see EFFORT_TABLES), an integer as it is. Raises ValueError for anything else."""
+    budgets = _effort_table(table)
     if effort is None:
-        return DEFAULT_EFFORT
+        return budgets[None]
     if isinstance(effort, bool):
         raise ValueError("reasoning_effort must be a level name or an integer in [1, 100]")
     if isinstance(effort, int):
         if 1 <= effort <= 100:
             return effort
         raise ValueError("reasoning_effort must be an integer in [1, 100]")
-    if isinstance(effort, str) and effort in OPENAI_EFFORT_ALIASES:
-        return OPENAI_EFFORT_ALIASES[effort]
-    raise ValueError(f"reasoning_effort must be one of none, {', '.join(OPENAI_EFFORT_ALIASES)} "
-                     "or an integer in [1, 100]")
+    if isinstance(effort, str) and effort in EFFORT_NAMES:
+        return budgets[effort]
+    raise ValueError(f"reasoning_effort must be one of none, {', '.join(EFFORT_NAMES)} or an integer in [1, 100]")
 
 
-def resolve_mode(thinking: bool | None, reasoning_effort: str | int | None,
-                 default_thinking: bool = True) -> tuple[bool, int]:
+def resolve_mode(thinking: bool | None, reasoning_effort: str | int | None, default_thinking: bool = True,
+                 table: str = DEFAULT_EFFORT_TABLE) -> tuple[bool, int]:
     """(thinking?, effort) for one request: ``chat_template_kwargs.thinking`` wins; ``reasoning_effort="none"``
     selects chat mode and any other effort thinking mode; otherwise ``default_thinking``."""
     if reasoning_effort == "none":
-        return (bool(thinking) if thinking is not None else False), DEFAULT_EFFORT
-    eff = effort_value(reasoning_effort)
+        return (bool(thinking) if thinking is not None else False), effort_value(None, table)
+    eff = effort_value(reasoning_effort, table)
     if thinking is None:
         thinking = True if reasoning_effort is not None else default_thinking
     return bool(thinking), eff
@@ -189,9 +204,10 @@ def _last_user_index(messages: list[dict[str, Any]]) -> int:
 
 def encode_v41(messages: list[dict[str, Any]], *, thinking: bool = True, reasoning_effort: str | int | None = None,
                tools: list[dict[str, Any]] | None = None, drop_thinking: bool = True,
-               add_bos: bool = True, add_generation_prompt: bool = True) -> str:
-    """Encode an OpenAI conversation in the V4.1 DSML prompt format."""
-    effort = effort_value(reasoning_effort)
+               add_bos: bool = True, add_generation_prompt: bool = True,
+               effort_table: str = DEFAULT_EFFORT_TABLE) -> str:
+    """Encode an OpenAI conversation in the V4.1 DSML prompt format (effort names read in ``effort_table``)."""
+    effort = effort_value(reasoning_effort, effort_table)
     msgs = [dict(m) for m in copy.deepcopy(messages)]
     for m in msgs:
         if "reasoning" in m and "reasoning_content" not in m:

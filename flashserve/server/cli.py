@@ -14,8 +14,10 @@ import logging
 import os
 import socket
 
+from ..cli_help import HelpFormatter
 from ..engine.options import add_engine_args, engine_config
 from ..errors import UserError
+from .chat_encoding import DEFAULT_EFFORT_TABLE, EFFORT_TABLES
 from .jinja_template import BUILTIN, JinjaTemplate
 from .protocol import DEFAULT_MAX_REQUEST_BYTES
 
@@ -42,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--default-thinking", choices=("on", "off"), default="on",
                    help="V4.1 chat mode when a request says nothing (requests choose with thinking, "
                         "chat_template_kwargs or reasoning_effort)")
+    g.add_argument("--reasoning-effort-table", choices=tuple(EFFORT_TABLES), default=DEFAULT_EFFORT_TABLE,
+                   help="V4.1 budgets of the reasoning_effort names: released (low 50, high 75, max 100; default "
+                        "high), or pre-release (low 25, high 50, xhigh 75, max 100) for checkpoints whose "
+                        "encoding/encoding.py predates the release")
     g.add_argument("--chat-template", default="auto", metavar="auto|v41|plain|FILE",
                    help="prompt encoder: auto (V4.1 DSML for V4.1 checkpoints, plain role text otherwise), v41, "
                         "plain, or a Jinja chat template file")
@@ -63,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("serve", help="run the OpenAI/Anthropic-compatible HTTP server",
                               description="Serve MODEL over OpenAI- and Anthropic-compatible HTTP APIs.",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=HelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)
     return p
@@ -185,13 +191,16 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
 
 
 def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
+    from ..config import PRESET_JSON
     from .app import ServerConfig, create_app
     from .lifecycle import serve_app
 
     names = tuple(args.served_model_name or (args.model,))
-    cfg = ServerConfig(model_name=names[0], served_names=names[1:], api_key=args.api_key,
+    root = args.model if args.model in PRESET_JSON else os.path.abspath(args.model)  # as load_config reads it
+    cfg = ServerConfig(model_name=names[0], served_names=names[1:], model_root=root, api_key=args.api_key,
                        max_request_bytes=args.max_request_bytes, default_thinking=args.default_thinking == "on",
-                       chat_template=args.chat_template, max_model_len=engine.max_model_len,
+                       chat_template=args.chat_template, reasoning_effort_table=args.reasoning_effort_table,
+                       max_model_len=engine.max_model_len,
                        log_stats_interval=args.log_stats_interval, allow_remote_images=args.allow_remote_images)
     engine.image_limits = dataclasses.replace(engine.image_limits,
                                               max_images=images_per_prompt(args.limit_mm_per_prompt))

@@ -29,6 +29,7 @@ class JinjaTemplate:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             undefined=jinja2.ChainableUndefined)
         env.globals["raise_exception"] = _raise
+        self.source = source
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateError as e:

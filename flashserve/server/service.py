@@ -28,10 +28,12 @@ class ServerConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     default_thinking: bool = True
     chat_template: str = "auto"  # auto | v41 | plain | a Jinja template file
+    reasoning_effort_table: str = chat_encoding.DEFAULT_EFFORT_TABLE  # V4.1 effort budgets (EFFORT_TABLES)
     completion_default_max_tokens: int = 16
     max_model_len: int | None = None
     log_stats_interval: float = 0.0  # seconds between busy-engine log lines; 0: none
     allow_remote_images: bool = False  # fetch http(s) image URLs (off: only data: URLs and base64 blocks)
+    model_root: str | None = None  # the preset or checkpoint folder served (``root`` of the model card)
 
     def names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys((self.model_name,) + tuple(self.served_names)))
@@ -97,11 +99,12 @@ class Server:
         return text
 
     def check_model(self, model: str | None) -> str:
+        """The served name a request asks for; an unknown one is a 404, as OpenAI and vLLM answer it."""
         if model is None:
             return self.cfg.model_name
         if model not in self.cfg.names():
             raise APIError(f"The model '{model}' does not exist; this server serves {list(self.cfg.names())}",
-                           param="model", code="model_not_found")
+                           status=404, param="model", code="model_not_found")
         return model
 
     def chat_constraint(self, req: ChatRequest, thinking: bool) -> Any:
@@ -124,7 +127,7 @@ class Server:
                                               add_generation_prompt=req.add_generation_prompt), False
         try:
             thinking, effort = chat_encoding.resolve_mode(req.thinking, req.reasoning_effort,
-                                                          self.cfg.default_thinking)
+                                                          self.cfg.default_thinking, self.cfg.reasoning_effort_table)
         except ValueError as e:
             raise invalid("reasoning_effort", str(e)) from None
         text = chat_encoding.encode_v41(req.messages, thinking=thinking, reasoning_effort=effort, tools=tools,
@@ -132,10 +135,30 @@ class Server:
                                         add_generation_prompt=req.add_generation_prompt)
         return text, thinking
 
-    def _render_jinja(self, req: ChatRequest, tools: list | None) -> tuple[str, bool]:
+    def _special_text(self, token_id: int | None) -> str | None:
+        specials = getattr(self.tokenizer, "special_tokens", {}) or {}
+        return next((s for s, i in specials.items() if i == token_id), None)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """``GET /tokenizer_info`` (vLLM's fields: those of ``tokenizer_config.json`` and ``tokenizer_class``).
+        The server adds no special tokens to a prompt it tokenizes, hence ``add_bos_token: false``; the chat
+        template is there only when one is served from a Jinja file (V4.1's encoder is code, not a template)."""
         tok = self.tokenizer
-        special = {"bos_token": self.bos_text, "eos_token": next(
-            (s for s, i in (getattr(tok, "special_tokens", {}) or {}).items() if i == tok.eos_token_id), None)}
+        specials = getattr(tok, "special_tokens", {}) or {}
+        from ..engine.tokenizer import PAD
+
+        info: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
+            "bos_token": self.bos_text, "eos_token": self._special_text(tok.eos_token_id),
+            "pad_token": PAD if PAD in specials else None, "model_max_length": self.max_model_len,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.jinja is not None:
+            info["chat_template"] = self.jinja.source
+        return info
+
+    def _render_jinja(self, req: ChatRequest, tools: list | None) -> tuple[str, bool]:
+        special = {"bos_token": self.bos_text, "eos_token": self._special_text(self.tokenizer.eos_token_id)}
         try:
             return self.jinja.render(req.messages, tools, req.add_generation_prompt, special)
         except TemplateError as e:

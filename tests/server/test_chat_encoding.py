@@ -25,15 +25,42 @@ def test_chat_mode_single_turn():
     assert encode_v41(U, thinking=False) == BOS + USER + "hi" + ASSISTANT + "</think>"
 
 
+# The budget each table renders, from the encoders themselves: DeepSeek-V4.1's encoding/encoding.py from its
+# release revision on (low 50, high 75, max 100; the default effort is high), with DeepSeek's API aliases
+# (minimal -> low, medium -> high) and deepseek-recipe's xhigh -> high; and the pre-release revision's table
+# (low 25, high 50, xhigh 75, max 100). None: the request names no effort.
+RELEASED = {None: 75, "minimal": 50, "low": 50, "medium": 75, "high": 75, "xhigh": 75, "max": 100}
+PRE_RELEASE = {None: 50, "minimal": 25, "low": 25, "medium": 50, "high": 50, "xhigh": 75, "max": 100}
+DEFAULT = RELEASED[None]
+
+
 def test_thinking_mode_default_effort():
-    assert encode_v41(U, thinking=True) == BOS + SYSTEM + effort(50) + USER + "hi" + ASSISTANT + "<think>"
+    assert encode_v41(U, thinking=True) == BOS + SYSTEM + effort(75) + USER + "hi" + ASSISTANT + "<think>"
 
 
-@pytest.mark.parametrize("name,value", [("low", 25), ("high", 50), ("xhigh", 75), ("max", 100), (None, 50),
-                                        (1, 1), (100, 100), ("medium", 50), ("minimal", 25)])
-def test_effort_levels(name, value):
-    assert effort_value(name) == value
-    assert encode_v41(U, thinking=True, reasoning_effort=name).startswith(BOS + SYSTEM + effort(value) + USER)
+@pytest.mark.parametrize("table,budgets", [("released", RELEASED), ("pre-release", PRE_RELEASE)])
+@pytest.mark.parametrize("name", [None, "minimal", "low", "medium", "high", "xhigh", "max"])
+def test_effort_tables_render_every_documented_value(table, budgets, name):
+    n = budgets[name]
+    assert effort_value(name, table) == n
+    assert encode_v41(U, thinking=True, reasoning_effort=name, effort_table=table) == (
+        BOS + SYSTEM + effort(n) + USER + "hi" + ASSISTANT + "<think>")
+    assert resolve_mode(None, name, True, table) == (True, n)
+
+
+def test_the_released_table_is_the_default():
+    for name, n in RELEASED.items():
+        assert effort_value(name) == n
+        assert encode_v41(U, thinking=True, reasoning_effort=name) == encode_v41(
+            U, thinking=True, reasoning_effort=name, effort_table="released")
+
+
+@pytest.mark.parametrize("table", ["released", "pre-release"])
+@pytest.mark.parametrize("n", [1, 33, 100])
+def test_integer_efforts_are_the_same_in_both_tables(table, n):
+    assert effort_value(n, table) == n
+    assert encode_v41(U, thinking=True, reasoning_effort=n, effort_table=table).startswith(
+        BOS + SYSTEM + effort(n) + USER)
 
 
 @pytest.mark.parametrize("bad", [0, 101, "extreme", 2.5, True, ""])
@@ -42,19 +69,26 @@ def test_effort_invalid(bad):
         effort_value(bad)
 
 
+def test_unknown_effort_table():
+    with pytest.raises(ValueError, match="reasoning-effort table"):
+        effort_value("high", "final")
+
+
 def test_resolve_mode():
-    assert resolve_mode(None, None, True) == (True, 50)
-    assert resolve_mode(None, None, False) == (False, 50)
+    assert resolve_mode(None, None, True) == (True, 75)
+    assert resolve_mode(None, None, False) == (False, 75)
     assert resolve_mode(False, "max", True) == (False, 100)
-    assert resolve_mode(None, "none", True) == (False, 50)
-    assert resolve_mode(True, "low", False) == (True, 25)
+    assert resolve_mode(None, "none", True)[0] is False
+    assert resolve_mode(True, "low", False) == (True, 50)
+    assert resolve_mode(True, "low", False, "pre-release") == (True, 25)
+    assert resolve_mode(True, "none", False, "pre-release") == (True, 50)  # thinking asked for: the default
 
 
 def test_first_system_message():
     msgs = [{"role": "system", "content": "Be brief."}] + U
     assert encode_v41(msgs, thinking=False) == BOS + SYSTEM + "Be brief." + USER + "hi" + ASSISTANT + "</think>"
     # thinking: one <｜System｜> leads both the effort line and the system text
-    assert encode_v41(msgs, thinking=True) == (BOS + SYSTEM + effort(50) + "Be brief." + USER + "hi" + ASSISTANT
+    assert encode_v41(msgs, thinking=True) == (BOS + SYSTEM + effort(DEFAULT) + "Be brief." + USER + "hi" + ASSISTANT
                                                + "<think>")
 
 
@@ -62,13 +96,13 @@ def test_multi_turn_drops_old_reasoning():
     msgs = U + [{"role": "assistant", "content": "A1", "reasoning_content": "R1"},
                 {"role": "user", "content": "again"}]
     assert encode_v41(msgs, thinking=True) == (
-        BOS + SYSTEM + effort(50) + USER + "hi" + ASSISTANT + "</think>" + "A1" + EOS
+        BOS + SYSTEM + effort(DEFAULT) + USER + "hi" + ASSISTANT + "</think>" + "A1" + EOS
         + USER + "again" + ASSISTANT + "<think>")
     assert encode_v41(msgs, thinking=False) == (
         BOS + USER + "hi" + ASSISTANT + "</think>" + "A1" + EOS + USER + "again" + ASSISTANT + "</think>")
     # drop_thinking=False keeps the earlier reasoning
     assert encode_v41(msgs, thinking=True, drop_thinking=False) == (
-        BOS + SYSTEM + effort(50) + USER + "hi" + ASSISTANT + "<think>" + "R1</think>A1" + EOS
+        BOS + SYSTEM + effort(DEFAULT) + USER + "hi" + ASSISTANT + "<think>" + "R1</think>A1" + EOS
         + USER + "again" + ASSISTANT + "<think>")
 
 
@@ -96,7 +130,7 @@ def test_tools_and_tool_round_trip():
              '</｜DSML｜ invoke>\n</｜DSML｜ calls>')
     out = encode_v41(msgs, thinking=True, tools=TOOLS)
     # tools make an (empty) first system message carrying the "## Tools" section; reasoning is kept
-    assert out == (BOS + SYSTEM + effort(50) + "\n\n" + render_tools(TOOLS) + USER + "Weather in Paris?"
+    assert out == (BOS + SYSTEM + effort(DEFAULT) + "\n\n" + render_tools(TOOLS) + USER + "Weather in Paris?"
                    + ASSISTANT + "<think>" + "need weather</think>" + "\n\n" + calls + EOS
                    + USER + "<tool_result>sunny</tool_result>" + ASSISTANT + "<think>")
     tools_text = render_tools(TOOLS)
@@ -174,6 +208,6 @@ def test_openai_developer_role_is_the_system_prompt():
 
 
 def test_an_explicit_effort_turns_thinking_on_even_when_the_default_is_off():
-    assert resolve_mode(None, "high", default_thinking=False) == (True, 50)
+    assert resolve_mode(None, "high", default_thinking=False) == (True, 75)
     assert resolve_mode(None, None, default_thinking=False)[0] is False
     assert resolve_mode(False, "high", default_thinking=True)[0] is False  # the explicit switch wins

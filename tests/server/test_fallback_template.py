@@ -65,3 +65,4 @@ def test_jinja_chat_template_file(engine, tmp_path):
             {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "function": {"name": "f"}}]},
             {"role": "tool", "tool_call_id": "1", "content": "x"}], "max_tokens": 2})
         assert bad.status_code == 400 and "no tool turns here" in bad.json()["error"]["message"]
+        assert c.get("/tokenizer_info").json()["chat_template"] == TEMPLATE  # what lm-eval renders chats with

@@ -81,7 +81,6 @@ CASES = [
     ("bad-tool-call", CHAT, chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
                                             "tool_calls": [{"id": "a", "function": "f"}]}]),
      "messages[1].tool_calls[0]", None),
-    ("unknown-model", CHAT, chat(model="gpt-4"), "model", "model_not_found"),
     ("model-number", CHAT, chat(model=5), "model", "invalid_type"),
     ("temperature-string", CHAT, chat(temperature="hot"), "temperature", "invalid_type"),
     ("temperature-high", CHAT, chat(temperature=3), "temperature", None),
@@ -166,7 +165,6 @@ CASES = [
     ("echo-string", COMP, comp(echo="yes"), "echo", "invalid_type"),
     ("suffix", COMP, comp(suffix="x"), "suffix", "unsupported_value"),
     ("max_tokens-zero-no-echo", COMP, comp(max_tokens=0), "max_tokens", None),
-    ("unknown-model-completions", COMP, comp(model="davinci"), "model", "model_not_found"),
     ("tokenize-bad-prompt", "/tokenize", {"prompt": 5}, "prompt", "invalid_type"),
 ]
 
@@ -238,6 +236,23 @@ def test_not_found_and_method(http):
     check_error(http.get("/v1/nothing-here"), 404)
     check_error(http.post("/v1/models"), 405)
     check_error(http.get("/v1/models/not-a-model"), 404, param="model", code="model_not_found")
+
+
+def test_unknown_model_is_404(server, http):
+    """As OpenAI and vLLM answer it: 404 (the client's NotFoundError) naming the model, and the server serves on."""
+    for path, body in ((CHAT, chat(model="gpt-4o")), (COMP, comp(model="davinci-002")),
+                       ("/tokenize", chat(model="gpt-4o"))):
+        err = check_error(http.post(path, json=body), 404, param="model", code="model_not_found")
+        assert err["type"] == "invalid_request_error" and body["model"] in err["message"], err
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.NotFoundError) as ei:
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert ei.value.status_code == 404 and ei.value.code == "model_not_found" and ei.value.param == "model"
+    with pytest.raises(openai.NotFoundError) as ei:
+        c.completions.create(model="davinci-002", prompt="x", max_tokens=2)
+    assert ei.value.status_code == 404 and ei.value.code == "model_not_found"
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert r.usage.completion_tokens >= 1
 
 
 def test_openai_client_sees_bad_request(server):

@@ -118,7 +118,7 @@ def test_served_names_key_from_the_environment_and_default_thinking_off(tokenize
                                                                                       thinking=False)))
     assert unauth.status_code == 401
     assert [m["id"] for m in bearer.json()["data"]] == ["alias-a", "alias-b"]
-    assert x_key.status_code == 400 and x_key.json()["error"]["code"] == "model_not_found"
+    assert x_key.status_code == 404 and x_key.json()["error"]["code"] == "model_not_found"
     assert rc == 0 and "Traceback" not in log and "KeyboardInterrupt" not in log, log[-2000:]
 
 
