@@ -13,7 +13,11 @@ def load_model(*args, **kwargs):
 def __getattr__(name: str):
     """Lazy exports of the engine API (``from flashserve import LLM, SamplingParams``) so that importing
     ``flashserve.config`` or ``flashserve.plan`` never pulls in torch."""
-    if name in ("LLM", "SamplingParams", "LLMEngine", "EngineConfig"):
+    if name == "LLM":
+        from .entrypoints.llm import LLM
+
+        return LLM
+    if name in ("SamplingParams", "LLMEngine", "EngineConfig"):
         from . import engine
 
         return getattr(engine, name)

@@ -9,7 +9,7 @@ import sys
 from typing import Sequence
 
 from .cli_help import HelpFormatter
-from .config import layout
+from .config.checkpoint_layout import QUANTIZATIONS
 from .errors import UserError
 
 DESCRIPTION = "Run, serve, benchmark and plan DeepSeek-V4 and V4.1 models (and a small embedded demo model)."
@@ -71,7 +71,7 @@ def _params(n: float) -> str:
 
 def _info_memory(args: argparse.Namespace) -> int:
     """``info MODEL --memory [--tensor-parallel-size N --enable-expert-parallel --data-parallel-size M]``."""
-    from .parallel.layout import Layout
+    from .config.ranks import Layout
     from .parallel.memory import rank_memory
 
     layout = Layout.from_options(args.tensor_parallel_size, args.enable_expert_parallel, args.data_parallel_size)
@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--enable-expert-parallel", action="store_true", help="experts partitioned over the ranks")
     info.add_argument("--data-parallel-size", type=int, default=1, help="attention data-parallel ranks")
     info.add_argument("--dtype", default="bfloat16", help="compute dtype of float weights (with --memory)")
-    info.add_argument("--quantization", default=None, choices=layout.QUANTIZATIONS,
+    info.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                       help="weight format (default: the release's, mxfp4, for real-dimension presets; float for "
                            "the tiny ones; a checkpoint as stored)")
     info.add_argument("--cache-dtype", default=None, choices=("packed", "float"), help="KV cache layout")
@@ -139,12 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="as serve's (JSON); method mtp or dspark counts the drafter stack each rank loads")
     info.set_defaults(func=_info)
     from .bench import cli as bench_cli
-    from .engine import cli as engine_cli
+    from .entrypoints import generate as generate_cli
     from .plan import cli as plan_cli
     from .server import cli as server_cli
     from .train import cli as train_cli
 
-    for mod in (engine_cli, server_cli, plan_cli, bench_cli, train_cli):
+    for mod in (generate_cli, server_cli, plan_cli, bench_cli, train_cli):
         mod.register(sub)
     return parser
 

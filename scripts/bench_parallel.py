@@ -31,7 +31,7 @@ def _plan(model: str, layout: dict, concurrency: int, ctx: float) -> dict:
 
 
 def run(model: str, layout: dict, concurrency: int, prompt: int, output: int) -> dict:
-    from flashserve.engine.llm import LLM
+    from flashserve.entrypoints.llm import LLM
     from flashserve.engine.sampling_params import SamplingParams
 
     llm = LLM(model, dtype="bfloat16", kv_memory="64MiB", max_num_seqs=concurrency, threads=1, **layout)

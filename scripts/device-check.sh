@@ -13,11 +13,9 @@ if [ -n "${WHEELS:-}" ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export TORCH_LOGS="${TORCH_LOGS:-perf_hints}"  # inductor says there why a graph is not replayed as a CUDA graph
-# A cold compile of tiny-v41's batch-1 step took about 6 minutes there (torch 2.11), and of the dynamic-batch
-# step CUDA now uses over 8 (docs/engine-speed.md). Both were measured before Sinkhorn was traced as vectors,
-# which cut the dynamic tiny-v41 step's trace 3x on the CPU (308 -> 105 s); not yet measured on a GPU. A warm
-# inductor cache still helps: INDUCTOR_CACHE=file.tgz restores inductor's cache from that file when it exists,
-# and writes it back afterwards (carry it to the next machine).
+# A cold compile of the dynamic-batch step CUDA uses can take longer than a lent machine's time
+# (docs/engine-speed.md#cuda-graphs); a warm inductor cache avoids most of it: INDUCTOR_CACHE=file.tgz restores
+# inductor's cache from that file when it exists, and writes it back afterwards (carry it to the next machine).
 cache_dir="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}"
 if [ -n "${INDUCTOR_CACHE:-}" ] && [ -f "$INDUCTOR_CACHE" ]; then
     mkdir -p "$cache_dir" && tar xzf "$INDUCTOR_CACHE" -C "$cache_dir" \

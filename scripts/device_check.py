@@ -33,7 +33,7 @@ MODES = ("eager", "compiled", "compiled+graphs")
 class Checks:
     """The engines the parts share (by model, cache layout, eager or compiled) and the failed checks' names. One
     compiled engine serves both compiled modes: CUDA graphs are switched on and off on its step, so the modes
-    share one compile (a cold one took minutes on the first H200 lent)."""
+    share one compile (a cold one takes minutes)."""
 
     def __init__(self):
         self.engines: dict[tuple[str, str, bool], LLMEngine] = {}
@@ -209,7 +209,7 @@ def batch1(c: Checks) -> None:
     """Batch 1 alone, with its own graph as on the CPU and the other buckets left uncompiled: what a lease too
     short for the whole check can show with one compiled graph (eager against compiled + CUDA graphs: tokens,
     logits, host sync, tok/s)."""
-    from flashserve.engine import decode_step
+    from flashserve.engine.graphs import decode_step
 
     real_warm, real_buckets = decode_step.DecodeStep.warm_up, decode_step.decode_buckets
     decode_step.DecodeStep.warm_up = lambda self, rows=1: 0.0

@@ -162,7 +162,7 @@ class EngineBackend:
 
     async def start(self) -> None:
         from ..engine import EngineConfig
-        from ..parallel import create_engine
+        from ..entrypoints.engines import create_engine
         from ..server.engine_loop import EngineLoop
 
         # LLMEngine, or rank 0 of a sharded engine (--tensor-parallel-size, --enable-expert-parallel, ...)

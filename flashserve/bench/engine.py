@@ -25,11 +25,12 @@ import torch
 
 from . import llamacpp
 from .hf_reference import randomize_hf_v4
+from .workload import engine_for, fs_run, prompts
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
-# The checkpoint shapes compared. "peers" is the tiny V4 that ../shared/notes/peers.md measured transformers and
+# The checkpoint shapes compared. "peers" is the tiny V4 that docs/peers.md describes, measured with transformers and
 # llama.cpp on (91M parameters, 53M active: vocab 32000, hidden 512, 8 layers, 16 experts top-4); "tiny" is
 # shaped like the ``tiny-v4`` preset (1.4M parameters), where both engines measure mostly per-op overhead.
 SHAPES = {
@@ -60,11 +61,6 @@ def build_hf_v4(path: Path, shape: str = "peers", seed: int = 0):
     model = randomize_hf_v4(DeepseekV4ForCausalLM(cfg).eval(), seed)
     model.save_pretrained(path)
     return model
-
-
-def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(16, 500, (n, length), generator=g).tolist()  # ids valid in every shape's vocabulary
 
 
 # --------------------------------------------------------------------------- transformers
@@ -115,36 +111,6 @@ def hf_prefill_rate(model, length: int, repeats: int = 2) -> float:
 
 
 # --------------------------------------------------------------------------- flashserve
-def engine_for(model, path: str, **kw):
-    from ..engine import EngineConfig, LLMEngine
-
-    kw.setdefault("kv_memory", "512MiB")
-    kw.setdefault("dtype", str(model.dtype).removeprefix("torch."))
-    kw.setdefault("threads", torch.get_num_threads())  # keep the benchmark's --threads
-    return LLMEngine(EngineConfig(model=path, **kw), model=model)
-
-
-def fs_run(engine, batch: list[list[int]], new: int) -> tuple[float, float]:
-    """(total wall time, decode-only time after every request's first token). Outputs are "delta", as the
-    server and ``flashserve generate`` stream them: each step's output holds only what is new."""
-    from ..engine import SamplingParams
-
-    sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, output_kind="delta")
-    t0 = time.perf_counter()
-    for i, p in enumerate(batch):
-        engine.add_request(f"b{i}-{t0}", p, sp)
-    started: set[str] = set()
-    t_first = None
-    while engine.has_unfinished_requests():
-        outs = engine.step()
-        if t_first is None:
-            started.update(o.request_id for o in outs if o.outputs[0].delta_token_ids)
-            if len(started) == len(batch):
-                t_first = time.perf_counter()
-    t1 = time.perf_counter()
-    return t1 - t0, t1 - (t_first or t0)
-
-
 def fs_decode_rate(engine, prompt_len: int, new: int) -> float:
     p = prompts(1, prompt_len, 1)
     fs_run(engine, p, 4)

@@ -1,4 +1,4 @@
-"""Image prefill against text prefill of the same length (issue 14's benchmark).
+"""Image prefill against text prefill of the same length (docs/images.md).
 
     python -m flashserve.bench.image [--repeats 5] [--threads 2] [--size 4000x3000]
 

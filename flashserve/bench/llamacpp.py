@@ -80,7 +80,7 @@ def write_peer_checkpoint(model, path: Path) -> None:
     (int64 hash tables). Load it back with ``quantization="float"`` for the same numbers as the f32 GGUF."""
     from safetensors.torch import save_file
 
-    from ..config.layout import FP4, INT, checkpoint_layout
+    from ..config.checkpoint_layout import FP4, INT, checkpoint_layout
     from ..config.serialize import config_to_json
     from ..model import quant
 
@@ -354,7 +354,7 @@ def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tu
     import statistics
 
     from ..model.loader import load_model
-    from .engine import engine_for, fs_run, prompts
+    from .workload import engine_for, fs_run, prompts
 
     peer = Peer(model, work, threads)
     load = dict(fake_quant=False, with_mtp=False, dtype=model.dtype)

@@ -1,9 +1,10 @@
-"""Parameter and KV-cache arithmetic from a :class:`ModelConfig` (spec §8), by the checkpoint inventory.
+"""Parameter and KV-cache arithmetic from a :class:`ModelConfig` (docs/architecture.md#parameter-and-kv-arithmetic), by
+the checkpoint inventory.
 
 Counts come from :func:`checkpoint_layout`, the same tensor list the model builder is tested against,
-so the figures describe the model we build. Conventions (spec §11.2): a parameter is one logical weight
-(an FP4 byte holds two); "active" means matmul weights touched per token, LM head included, embedding
-rows and engram table rows excluded. Pure Python.
+so the figures describe the model we build. Conventions (docs/architecture.md#parameter-and-kv-arithmetic): a parameter
+is one logical weight (an FP4 byte holds two); "active" means matmul weights touched per token, LM head included,
+embedding rows and engram table rows excluded. Pure Python.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 
-from .layout import INT, checkpoint_layout
+from .checkpoint_layout import INT, checkpoint_layout
 from .model_config import ModelConfig
 
 

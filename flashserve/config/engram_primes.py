@@ -1,4 +1,5 @@
-"""Engram bucket primes and table offsets (spec §4.3, step 2); pure Python, shared by config and model."""
+"""Engram bucket primes and table offsets (docs/architecture.md#engram-hash-ids, step 2); pure Python, shared by config
+and model."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Image geometry of V4.1 (spec §6.1, §6.4): the size an image is brought to, its 14-pixel patch grid, the 3×3
-merged grid the language model sees, and the span of tokens it fills. Pure arithmetic (no torch, no Pillow), so
-the planner, the server's limits and the preprocessing all count the same tokens."""
+"""Image geometry of V4.1 (docs/architecture.md#image-preprocessing, #image-span): the size an image is brought to, its
+14-pixel patch grid, the 3×3 merged grid the language model sees, and the span of tokens it fills. Pure arithmetic (no
+torch, no Pillow), so the planner, the server's limits and the preprocessing all count the same tokens."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 One frozen dataclass, :class:`ModelConfig`, covers DeepSeek-V4 (``model_type`` ``deepseek_v4``) and
 DeepSeek-V4.1 (``deepseek_v41``). Field names follow the released ``config.json`` keys so a reader can
-match them line by line against spec §1.1. The parser accepts V4.1's composite file (``text_config`` +
+match them line by line against docs/architecture.md#configuration. The parser accepts V4.1's composite file
+(``text_config`` +
 ``vision_config``), V4's legacy ``compress_ratios`` / ``num_hash_layers`` and transformers'
 ``layer_types`` / ``compress_rates`` / ``mlp_layer_types`` / ``rope_parameters``. Structural mistakes raise
 :class:`ConfigError` naming the field. Pure Python: no torch here.
@@ -537,7 +538,7 @@ def validate(cfg: ModelConfig) -> None:
              f"config field 'kv_source_layer_ids': layer {layer} (ratio {ratio}) reads source {srcs[-1]} of ratio {ratios[srcs[-1]]}")
         idx = [s for s in cfg.index_source_layer_ids if s <= layer]
         need(bool(idx), f"config field 'index_source_layer_ids': compressed layer {layer} has no index source before it")
-        # The spec lets a layer take the top-k of an index source that belongs to another KV source of the
+        # The config format lets a layer take the top-k of an index source that belongs to another KV source of the
         # same ratio (entry j covers the same tokens in both); the released model never does, and supporting
         # it would give a KV-source layer an indexer role the checkpoint layout does not have. Refuse clearly.
         need(cfg.kv_source(idx[-1]) == srcs[-1],

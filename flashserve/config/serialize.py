@@ -1,6 +1,7 @@
 """Write a :class:`ModelConfig` back out as the released ``config.json`` (pure Python, no torch).
 
-V4.1 gets the composite layout of spec §1.1 (root ids + ``quantization_config`` + ``text_config`` +
+V4.1 gets the composite layout of docs/architecture.md#configuration (root ids + ``quantization_config`` +
+``text_config`` +
 ``vision_config``); V4 gets the flat released V4 keys (legacy ``compress_ratios`` / ``num_hash_layers``) when
 they can express the model, else transformers' ``layer_types`` / ``compress_rates`` / ``mlp_layer_types``.
 ``config_from_dict(config_to_json(cfg)) == cfg`` for every config the parser accepts.

@@ -2,7 +2,7 @@
 prefix caching, sampling and the offline API."""
 
 _EXPORTS = {
-    "LLM": "llm", "LLMEngine": "llm_engine", "EngineConfig": "llm_engine", "SamplingParams": "sampling_params",
+    "LLMEngine": "llm_engine", "EngineConfig": "llm_engine", "SamplingParams": "sampling_params",
     "QueueFullError": "sampling_params", "RequestError": "sampling_params", "RequestOutput": "sequence",
     "CompletionOutput": "sequence", "Tokenizer": "tokenizer", "load_tokenizer": "tokenizer",
 }

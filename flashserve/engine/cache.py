@@ -1,5 +1,5 @@
-"""The engine's V4 / V4.1 cache (spec §3), device side: paged global rows and slot-indexed bounded state
-(:mod:`.storage`), the page table that maps each slot to its pages, and the cache's sizes.
+"""The engine's V4 / V4.1 cache (docs/architecture.md#kv-cache), device side: paged global rows and slot-indexed bounded
+state (:mod:`.storage`), the page table that maps each slot to its pages, and the cache's sizes.
 
 * Global rows: every KV-source layer owns a ``main`` cache (and an ``index`` cache when indexed). One *page*
   covers ``page_tokens`` tokens of every such cache at once (``page_tokens / ratio`` entries per cache), so a

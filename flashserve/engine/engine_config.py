@@ -29,11 +29,12 @@ class EngineConfig:
     prefill_chunk: int | None = None  # largest prefill chunk (default: max_num_batched_tokens)
     num_pages: int | None = None  # override the page count derived from kv_memory (tests)
     fake_quant: bool | None = None
-    prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": spec's C−W rule
+    prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": the serving stacks' C−W rule
     threads: int = DEFAULT_THREADS  # torch intra-op threads, set at start-up (process-wide)
     # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
     # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
-    # from inductor's disk cache after) for a 3x faster tiny-v41 step (docs/engine-speed.md).
+    # from inductor's disk cache after) for a 3x faster tiny-v41 step
+    # (docs/engine-speed.md#the-fixed-shape-step).
     enforce_eager: bool | None = None
     # On CUDA the compiled step is recorded as a CUDA graph per input shape and replayed (the same compiled graph
     # as without them); False calls the compiled graph. Ignored on the CPU and with enforce_eager.

@@ -1,5 +1,5 @@
-"""Image input (spec §6.1, §6.4): bytes → checked, decoded image → patches on the grid the model reads, and the
-expansion of each ``<｜deepseek_image｜>`` placeholder of a prompt into that image's span.
+"""Image input (docs/architecture.md#image-preprocessing, #image-span): bytes → checked, decoded image → patches on the
+grid the model reads, and the expansion of each ``<｜deepseek_image｜>`` placeholder of a prompt into that image's span.
 
 Every check runs before any pixel is decoded where it can (size in bytes, then the header's width and height),
 so a decompression bomb costs a header read, not memory.

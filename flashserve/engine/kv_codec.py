@@ -1,4 +1,5 @@
-"""How the engine's cache stores its rows (spec §3): float values in the compute dtype, or the packed records of
+"""How the engine's cache stores its rows (docs/architecture.md#kv-cache): float values in the compute dtype, or the
+packed records of
 :func:`flashserve.config.arithmetic.kv_record` (V4.1: FP4-E4M3 main rows, FP4-UE8M0 index rows, FP8-UE8M0
 window rows; V4: FP8 rows with bf16 RoPE dims and FP4 index rows)."""
 

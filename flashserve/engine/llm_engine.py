@@ -18,7 +18,7 @@ from .detokenizer import IncrementalDetokenizer
 from .engine_config import EngineConfig
 from .guided import Guides
 from .images import ImageInput, ImageLimits, ImageSpan, expand_placeholders, load_images
-from .decode_step import DecodeStep
+from .graphs.decode_step import DecodeStep
 from .model_runner import ModelRunner
 from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sampling_params import QueueFullError, RequestError, SamplingParams
@@ -33,7 +33,7 @@ log = logging.getLogger("flashserve.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None):
+    def __init__(self, config: EngineConfig, model=None, warm_up: bool = True):
         from ..model.loader import load_model, resolve_dtype
 
         self.config = c = config
@@ -94,7 +94,8 @@ class LLMEngine:
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),
                           streams=bool(getattr(self.drafter, "streams", False)))
-        step.warm_up()
+        if warm_up:  # a sharded engine's ranks warm up together once all are ready (their steps' collectives)
+            step.warm_up()
         self.runner = ModelRunner(self.model, self.cache, step)
         self.encoder_only = cfg.is_v41 and not c.exact_prefill
         self.guides = Guides(self.tokenizer, cfg.vocab_size)  # structured outputs (compiled on first use)
@@ -105,6 +106,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.image_limits = ImageLimits()  # per request; the server sets its own from its flags
+        self.reads_images = self.model.vision is not None
+        self.failure: BaseException | None = None  # one process: a failure is an exception of step() itself
+        self.exit_on_failure = False
 
     # ------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -377,6 +381,9 @@ class LLMEngine:
                 reason, stop_reason = "stop", flushed
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.finish(seq)
+
+    def shutdown(self) -> None:
+        """Nothing to release beyond this process's memory (the :class:`~.interface.Engine` interface)."""
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:

@@ -8,7 +8,7 @@ import torch
 
 from .batch_state import BatchState
 from .cache import KVCache
-from .decode_step import DecodeStep
+from .graphs.decode_step import DecodeStep
 from .images import chunk_embeds
 from .sequence import Sequence
 
@@ -40,15 +40,6 @@ class ModelRunner:
         inp = step.inputs(ids, [s.num_computed for s in seqs], [s.slot for s in seqs], [len(s.pages) for s in seqs])
         logits, feats = step(inp)
         return logits[:len(seqs)], (None if feats is None else feats[:len(seqs)])
-
-    @torch.inference_mode()
-    def decode_dynamic(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The same logits through the dynamic :class:`BatchState` (the reference the fixed step is tested
-        against)."""
-        ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], dtype=torch.long, device=self.device)
-        start = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=self.device)
-        out = self.model(ids, self._state(seqs), start=start, logits_rows=1)
-        return out.logits[:, -1]
 
     def _image_embeds(self, seqs: list[Sequence], n: int) -> torch.Tensor | None:
         """[B, n, D] embeddings of the image-span positions among the next ``n`` of each sequence, or None."""

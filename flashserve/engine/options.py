@@ -12,7 +12,7 @@ import dataclasses
 import typing
 from typing import Any
 
-from ..config import layout
+from ..config.checkpoint_layout import QUANTIZATIONS
 from .engine_config import EngineConfig
 from .threads import DEFAULT_THREADS
 
@@ -24,7 +24,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "cache_dtype": ("packed", "float"),
     "prefix_replay": ("exact", "window"),
-    "quantization": layout.QUANTIZATIONS,
+    "quantization": QUANTIZATIONS,
 }
 
 HELP = {

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import ConfigError, ModelConfig, load_config
-from ..config import layout
+from ..config.checkpoint_layout import QUANTIZATIONS
 from ..config.arithmetic import kv_record
 
 if TYPE_CHECKING:
@@ -81,8 +81,8 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
 
 
 def _check_layout(c: EngineConfig, cfg: ModelConfig) -> None:
-    """The parallel layout's sizes divide what they split (flashserve.parallel.layout)."""
-    from ..parallel.layout import layout_of
+    """The parallel layout's sizes divide what they split (flashserve.config.ranks)."""
+    from ..config.ranks import layout_of
 
     layout_of(c).check(cfg)
     if c.quantization == "w8a8" and c.tensor_parallel_size > 1:
@@ -103,7 +103,7 @@ def _check_scalars(c: EngineConfig) -> None:
     if c.prefill_chunk is not None and (not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk: must be an integer >= 1, got {c.prefill_chunk!r}")
     for name, allowed in (("cache_dtype", ("packed", "float")), ("prefix_replay", ("exact", "window")),
-                          ("quantization", layout.QUANTIZATIONS)):
+                          ("quantization", QUANTIZATIONS)):
         v = getattr(c, name)
         if v is not None and v not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}")

@@ -71,12 +71,12 @@ class Scheduler:
         return -(-tokens // self.P)
 
     def replay_start(self, cached: int, exact: bool) -> int:
-        """Where a sequence with ``cached`` tokens of global rows restarts computing (spec §2.12 encoder-side
-        replay). Window state at a position depends on ``depth·(window−1)`` earlier rows through ``depth``
-        stacked windowed layers, so replaying that far rebuilds exactly what a cold run holds: depth = all
-        layers for exact prefill, the encoder's layers for encoder-only prefill (whose decoder only ever sees
-        the bounded replay segment). ``prefix_replay="window"`` uses the spec's cheaper approximate rule
-        (back by one window)."""
+        """Where a sequence with ``cached`` tokens of global rows restarts computing (prefix replay,
+        docs/architecture.md#encoder-decoder-and-bounded-replay). Window state at a position depends on
+        ``depth·(window−1)`` earlier rows through ``depth`` stacked windowed layers, so replaying that far rebuilds
+        exactly what a cold run holds: depth = all layers for exact prefill, the encoder's layers for encoder-only
+        prefill (whose decoder only ever sees the bounded replay segment). ``prefix_replay="window"`` uses the serving stacks'
+        cheaper approximate rule (back by one window)."""
         if cached == 0:
             return 0
         W = self.cache.window_size

@@ -17,7 +17,7 @@ METHODS = ("ngram", "mtp", "dspark")
 # python -m flashserve.bench.spec, 16 held-out prompts, docs/speculative.md; self-distilled drafter): DSpark's
 # per-agent speed-up (= its throughput gain at a fixed batch) is 2.08x at 1 sequence, 1.54x at 4, 1.02x at 8,
 # 1.03x at 16, 1.25x at 32, 1.11x at 48 and 64: it never lost up to the engine's default max_num_seqs, so it
-# stays on to 64 and turns off past what was measured. (The 1,800-step drafter lost from 16 on: 0.88x.)
+# stays on to 64 and turns off past what was measured.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 64
 
 

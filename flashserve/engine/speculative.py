@@ -14,8 +14,8 @@ Drafters:
   sequence's last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), found in an index kept
   per sequence and extended by each new token (O(1) per token, whatever the length).
 * :class:`DSparkDrafter` (V4.1): one block from the DSpark stages over each stage's window of keys made from the
-  target's features at verified positions (spec §5.2), kept in the cache's ``draft_keys``; the confidence head
-  stops the block early.
+  target's features at verified positions (docs/architecture.md#dspark), kept in the cache's ``draft_keys``; the
+  confidence head stops the block early.
 * :class:`MTPDrafter` (V4): the MTP block chained k times over its own window ring.
 """
 
@@ -182,7 +182,7 @@ class NgramDrafter:
 
 
 class DSparkDrafter:
-    """V4.1's DSpark (spec §5): stage windows kept in the cache, one block drafted per step."""
+    """V4.1's DSpark (docs/architecture.md#dspark): stage windows kept in the cache, one block drafted per step."""
 
     def __init__(self, model, cache, spec: SpeculativeConfig):
         cfg = model.cfg
@@ -234,11 +234,11 @@ class DSparkDrafter:
 
 
 class MTPDrafter:
-    """V4's MTP block (spec §5.5), chained k times. Its window ring (layer ``num_hidden_layers``, kept with
-    spare rows like the backbone's) holds one row per verified position: ``h_proj(streams at t) +
-    e_proj(token t+1)`` through the block. After each verification the block catches up on the verified rows,
-    whose last row drafts the first token; each further draft is one row fed with the block's own output
-    streams. Those chained rows are speculative: the next catch-up rewrites their positions."""
+    """V4's MTP block (docs/architecture.md#v4-mtp), chained k times. Its window ring (layer ``num_hidden_layers``, kept
+    with spare rows like the backbone's) holds one row per verified position: ``h_proj(streams at t) + e_proj(token
+    t+1)`` through the block. After each verification the block catches up on the verified rows, whose last row drafts
+    the first token; each further draft is one row fed with the block's own output streams. Those chained rows are
+    speculative: the next catch-up rewrites their positions."""
 
     capture: tuple[int, ...] = ()
     streams = True

@@ -1,4 +1,4 @@
-"""The cache's device storage, typed per layer and allocated once at start-up (spec §3).
+"""The cache's device storage, typed per layer and allocated once at start-up (docs/architecture.md#kv-cache).
 
 Every tensor a step reads or writes exists before the first request, at a fixed address, so a compiled step
 (or a captured CUDA graph) can hold on to it. Storage rows are slots: ``max_num_seqs`` sequences plus one

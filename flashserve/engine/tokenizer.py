@@ -1,5 +1,6 @@
 """Tokenizers: the checkpoint's ``tokenizer.json`` (the ``tokenizers`` library), or a built-in byte-level BPE
-for the tiny presets (512 ids: specials of spec §7 inside the vocabulary, 256 byte symbols, 239 merges)."""
+for the tiny presets (512 ids: the specials of docs/architecture.md#tokenizer-and-chat-format inside the vocabulary, 256
+byte symbols, 239 merges)."""
 
 from __future__ import annotations
 
@@ -161,7 +162,7 @@ def load_tokenizer(model_path_or_preset: str | Path, vocab_size: int | None = No
 
 
 def set_engram_token_map(model, tokenizer: Tokenizer) -> bool:
-    """Give the model's engram hasher the tokenizer's compressed-class map (spec §4.3).
+    """Give the model's engram hasher the tokenizer's compressed-class map (docs/architecture.md#engram-hash-ids).
 
     Returns False where the model has no engram or its config asks for identity hashing. Raises
     :class:`EngramMapError`, naming both counts, when the tokenizer's class count is not the config's.

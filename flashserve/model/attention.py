@@ -92,7 +92,7 @@ class Compressor(nn.Module):
         """New entries [B,G,dim] (pre-RoPE latents, fp32) and how many are real per row [B]. ``products``: ``x``
         times ``wkv`` and ``wgate`` made already (by a joint product: ``"wkv"``, ``"wgate"``)."""
         state, ratio = ctx.state, self.ratio
-        xf = fp32(x)  # compressor weights are applied in fp32 (spec §2.7)
+        xf = fp32(x)  # compressor weights are applied in fp32 (docs/architecture.md#compressor)
         products = products or {}
         c = products.get("wkv")
         if c is None:
@@ -226,7 +226,7 @@ def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def candidate_pool(scores: torch.Tensor, visible: torch.Tensor, n_visible: torch.Tensor, block: int,
                    n_blocks: int) -> torch.Tensor:
     """V4.1 candidate mask [B,S,T]: the ``n_blocks`` best blocks of ``block`` entries by max score, with the
-    block of the newest visible entry always kept (spec §2.8)."""
+    block of the newest visible entry always kept (docs/architecture.md#indexer-and-candidate-pool)."""
     B, S, T = scores.shape
     nb = -(-T // block)
     masked = scores.masked_fill(~visible, NEG_INF)
@@ -254,7 +254,8 @@ def _under(products: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Te
 
 
 class Attention(nn.Module):
-    """One layer's attention (spec §2.4-2.9): MQA with K = V = a 512-wide latent, sink, inverse RoPE."""
+    """One layer's attention (docs/architecture.md#attention): MQA with K = V = a 512-wide latent, sink, inverse
+    RoPE."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, ratio: int = 0, role: str = "swa"):
         """``layer``: backbone index, or ``num_hidden_layers + s`` for MTP / DSpark stage ``s`` (its state key)."""
@@ -309,7 +310,8 @@ class Attention(nn.Module):
 
     # -------------------------------------------------------------- compressed-cache production
     def produce(self, x: torch.Tensor, ctx: ForwardContext, products: dict[str, torch.Tensor] | None = None) -> None:
-        """Run this KV source's compressor(s) on rows ``x`` and append to the global caches (spec §2.7);
+        """Run this KV source's compressor(s) on rows ``x`` and append to the global caches
+        (docs/architecture.md#compressor);
         ``products``: ``x``'s joint products by path (:meth:`joint_row_weights`)."""
         if self.compressor is None or self.layer in ctx.produced:
             return
@@ -374,12 +376,12 @@ class Attention(nn.Module):
         keeps the top-k (and the candidate pool) as it goes (``cpu_kernels.index_topk``, tested equal to
         :meth:`Indexer.scores`, :func:`candidate_pool` and :func:`select_topk`). The torch code read and unpacked
         the whole cache, stored its scores and took ten passes over them: at 32K context on tiny-v41 its compiled
-        step took 9.9 ms against 1.6 at 1K (docs/engine-speed.md)."""
+        step took 9.9 ms against 1.6 at 1K (docs/engine-speed.md#the-c-kernels)."""
         cfg = self.cfg
         B, S = t.shape
         mode = (True if self.v41 else "v4") if ctx.fake_quant else False
         q, w = self.indexer.query(x, qr, ctx, mode, _under(products, "indexer."))
-        limit = torch.minimum((t + 1) // self.ratio, n_entries[:, None])  # [B,S] visible entries (spec §2.8)
+        limit = torch.minimum((t + 1) // self.ratio, n_entries[:, None])  # [B,S] visible entries
         cand, n_blocks = t.new_zeros(B * S, 0), 0
         if self.v41 and cfg.candidate_source_layer_id >= 0:
             if self.layer == cfg.candidate_source_layer_id:

@@ -1,26 +1,19 @@
-"""Single-row products on the CPU: inductor's own reduction kernels in a compiled step, OpenBLAS eagerly.
+"""Products on the CPU: inductor's own reduction kernels and panel kernels in a compiled step, OpenBLAS eagerly.
 
-At batch 1 a decode step multiplies one row by every weight matrix it reads, so on the CPU its speed is
-mostly the speed of those matrix-vector products, and torch's statically linked MKL runs them well below
-the memory bandwidth on the AMD CPUs measured here (LM head 32000x512 at one row: 4.7 ms, OpenBLAS 1.06).
+At batch 1 a decode step is mostly matrix-vector products, and at a few rows small matrix products; torch's
+statically linked MKL runs the first well below the memory bandwidth and repacks the weight on every call for
+the second. So (docs/engine-speed.md#products-on-the-cpu):
 
-* **Compiled** (:func:`compiled_row`): the product is written as a broadcast multiply summed over the inputs
-  (:func:`reduce_linear`), which inductor turns into one vectorised reduction kernel per product, called from
-  the step's C++ with no dispatch; an int8 weight's conversion and an expert's gather are fused into its read.
-  216 one-row products of the peers checkpoint's shapes (127 MB float32) in one compiled graph, C++ wrapper,
-  2 threads, median of 15 (AMD EPYC Zen 5): 3.6 ms, against 8.7 through an OpenBLAS op (each call back through
-  Python) and 11.6 with ``mm``; int8 weights 2.8 ms. At 16 rows it equals ``mm`` (16.8 / 16.1 ms), so
-  several rows stay torch's.
-* **Eager** (:func:`takes`): numpy's OpenBLAS for one float32 row with gradients off (the same 215 matrices
-  streamed: ``torch.mm`` 6.6 ms, OpenBLAS 3.6). No MKL setting changed MKL's figures
-  (``MKL_ENABLE_INSTRUCTIONS``, ``MKL_CBWR``, ``MKL_DEBUG_CPU_TYPE``).
+* **Compiled, one row** (:func:`compiled_row`): the product is written as a broadcast multiply summed over the
+  inputs (:func:`reduce_linear`), which inductor turns into one vectorised reduction kernel per product, called
+  from the step's C++ with no dispatch; an int8 weight's conversion and an expert's gather are fused into its
+  read (about 3x MKL's ``mm`` over the peers checkpoint's one-row products).
+* **Eager, one row** (:func:`takes`): numpy's OpenBLAS for one float32 row with gradients off (about 2x MKL).
 * **Small batched products** (:func:`einsum`: attention scores and values, the indexer, the hyper-connection
   mixing) are broadcast sums in a compiled CPU step too, fused into inductor's kernels instead of MKL calls.
-
 * **Several rows of a compiled CPU step** over a float32 weight go through a copy of it in column panels made
-  at start-up (:func:`make_panels`) and :func:`flashserve.model.cpu_kernels.dense_rows`: MKL's ``mm`` repacks
-  the weight on every call (the peers checkpoint's head at 16 rows, 2 threads: 8.8 ms against 1.7; oneDNN's
-  reordered copy, used before the tenth session, 2.0; 256x512: 47, 19 and 43 us).
+  at start-up (:func:`make_panels`) and :func:`flashserve.model.cpu_kernels.dense_rows`, 2-4x MKL's ``mm`` on a
+  decode batch's shapes.
 
 Everything else (eager steps of several rows, other dtypes, training, CUDA) stays torch's. The paths sum in
 different orders, so a prompt's forward and the decode step's agree to float32 rounding (about 1e-7 relative
@@ -48,17 +41,14 @@ def _numpy_uses_openblas() -> bool:
 
 OPENBLAS = _numpy_uses_openblas()  # read once at import, not while a step is traced
 
-# More than one row and OpenBLAS runs a general GEMM whose lead is gone or small. One pass over the peers
-# checkpoint's matrices (216 at 1 row; all 504 from 2 rows, as a batch's tokens pick most experts), 2 threads,
-# ms, torch.mm / OpenBLAS 2 threads / 1 thread: 1 row 11.4 / 5.2 / 5.8; 2 rows 31.2 / 31.5 / 35.3; 4 rows
-# 34.9 / 28.0 / 31.0; 16 rows 32.9 / 27.3 / 48.0 (gradients on in that pass, which adds the same to both).
+# More than one row and OpenBLAS's lead over torch.mm is gone or small (it runs a general GEMM).
 MAX_ROWS = 1
 
 
 def limit_threads() -> None:
-    """Keep OpenBLAS at one thread, process-wide. With torch's second thread spinning between its parallel
-    regions, a second OpenBLAS thread fights it for the core: the compiled batch-1 step fell from 116 to 39
-    tok/s on 2 cores; a single-row product gains nothing from it anyway (one pass: 5.2 ms against 5.8)."""
+    """Keep OpenBLAS at one thread, process-wide: with torch's second thread spinning between its parallel
+    regions, a second OpenBLAS thread fights it for the core (a compiled batch-1 step ran 3x slower on 2
+    cores), and a single-row product gains little from it anyway."""
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=1, user_api="blas")
@@ -93,9 +83,8 @@ def materialized(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself (an identity view), which a compiled graph stores as a buffer of its own before the reduction
     reading it. Otherwise inductor inlines a cheap producer into the reduction's inner loop and recomputes it for
     every output row: an RMSNorm in front of a product (a square root and a division per element per row) made
-    the LM head's int8 product 3-7x slower (32000x512, 2 threads: 1.2-2.3 ms against 0.34). ``as_strided``
-    is the view inductor can only make of a stored buffer. Non-contiguous ``x`` is left as it is (its stored
-    layout could differ from the strides traced)."""
+    the LM head's int8 product 3-7x slower. ``as_strided`` is the view inductor can only make of a stored buffer.
+    Non-contiguous ``x`` is left as it is (its stored layout could differ from the strides traced)."""
     if not x.is_contiguous():
         return x
     return x.as_strided(x.shape, x.stride())
@@ -107,7 +96,7 @@ def shared_operand(x: torch.Tensor, rows) -> torch.Tensor:
     recomputed such an operand inside each product's inner loop, once per head and per key or output column (the
     page lookups, the FP8 unpacking, the sines and cosines): at 16 rows three attention kernels took a fifth of
     the peers checkpoint's step. ``rows``: the forward's rows (batch x rows each); a one-row step keeps the
-    fused form its batch-1 figures were measured with."""
+    fused form, which was as fast there."""
     return stored_operand(x) if rows > 1 else x
 
 
@@ -190,8 +179,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     ``scale``): [..., G, N]. One token in a compiled CPU step: :func:`reduce_linear` (an int8 ``w`` read as is).
     Several float32 rows there, with ``panels`` (``w``'s copy from :func:`make_panels`): each group through
     :func:`~flashserve.model.cpu_kernels.dense_rows` over its own panels, instead of MKL's batched product,
-    which packed the weight on every call (the peers checkpoint's 16-row step: ~0.6 ms a step in its packing
-    and products, on one thread)."""
+    which packs the weight on every call, on one thread."""
     G, K = x.shape[-2], x.shape[-1]
     N = w.shape[0] // G
     if (panels is not None and compiled_cpu(x) and x.numel() > G * K and x.dtype == torch.float32 and scale is None
@@ -275,7 +263,7 @@ def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, 
     """``x`` times each weight of ``module``'s joint ``group`` in one call, by path (``"wq_a.weight"``:
     ``[..., N]``, a view): over the joined panels of :func:`make_joint_panels` for several float32 rows of a
     compiled CPU step (the peers checkpoint's 16-row step makes 66 calls where it made 112; a call costs about
-    5 us besides its products, docs/engine-speed.md), or over the joined int8 rows of
+    5 us besides its products, docs/engine-speed.md#products-on-the-cpu), or over the joined int8 rows of
     :func:`flashserve.model.packed.join_int8_rows` for one row (:func:`joint_int8_products`). Empty otherwise;
     the group's other weights are the caller's to multiply."""
     made = joint_int8_products(x, module, group)

@@ -1,5 +1,5 @@
 """One transformer block with hyper-connections: V4 (each site collapses with its own ``pre``) and V4.1
-(single-pass shifted mHC: a site's ``pre`` collapses the next site's input), spec §2.3."""
+(single-pass shifted mHC: a site's ``pre`` collapses the next site's input), docs/architecture.md#mhc."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """Read and write DeepSeek-V4 / V4.1 checkpoints (safetensors only; nothing is ever unpickled).
 
 Reading: :func:`load_checkpoint` fills caller-owned tensors, keyed by the released names of
-:func:`flashserve.config.layout.checkpoint_layout`, one stored tensor (or row chunk) at a time. It understands
+:func:`flashserve.config.checkpoint_layout.checkpoint_layout`, one stored tensor (or row chunk) at a time. It understands
 
-* ``released`` — DeepSeek's own names (spec §9): ``embed.weight``, ``layers.N.attn.wq_a.weight`` + ``.scale``
+* ``released`` — DeepSeek's own names (docs/architecture.md#checkpoint-names): ``embed.weight``,
+``layers.N.attn.wq_a.weight`` + ``.scale``
   (block FP8), experts as MXFP4 ``int8`` + ``.scale``, engram tables FP8 + per-row ``.scale``, plain floats;
 * ``hf`` — what transformers 5.24 ``DeepseekV4ForCausalLM.save_pretrained`` writes (default
   ``save_original_format=True``): released names behind a ``model.`` prefix except ``head.weight``, plus
@@ -34,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from flashserve.errors import UserError
-from flashserve.config.layout import BF16, FP4, FP8, FP8_TABLE, FP32, INT, TensorSpec, checkpoint_layout
+from flashserve.config.checkpoint_layout import BF16, FP4, FP8, FP8_TABLE, FP32, INT, TensorSpec, checkpoint_layout
 from flashserve.config.model_config import ModelConfig
 from flashserve.config.serialize import config_to_json
 

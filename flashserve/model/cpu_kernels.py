@@ -2,12 +2,9 @@
 own compiler settings for this CPU (its on-disk cache keeps them between runs: seconds each the first time).
 
 * :func:`mxfp4_pairs`: the (row, expert) pair products of MXFP4 experts, each expert's bytes decoded once for
-  all its rows (``csrc/mxfp4_pairs.cpp``). One MXFP4 expert projection of the peers checkpoint (16 x 256x512),
-  2 threads, median ms: 64 pairs (16 rows, top-4) 0.12 against 1.07 for inductor's code of
-  :func:`flashserve.model.packed.mxfp4_pairs_linear`, 4 pairs (one row) 0.017 against 0.086 (docs/engine-speed.md,
-  ninth session); with the weights evicted as in a step (the tenth session's tiles, hints and row pairs) 0.16
-  where the first version took 0.23. :func:`mxfp4_gate_up` runs a MoE's gate and up projections in one pass
-  over the tokens' rows.
+  all its rows (``csrc/mxfp4_pairs.cpp``); an MXFP4 projection of the peers checkpoint at 16 rows takes about a
+  ninth of the time of inductor's code for :func:`flashserve.model.packed.mxfp4_pairs_linear`.
+  :func:`mxfp4_gate_up` runs a MoE's gate and up projections in one pass over the tokens' rows.
 * :func:`dense_rows`: a few float32 rows times a weight copied once into column panels (:func:`pack_panels`;
   ``csrc/dense_rows.cpp``), 2-4x torch's ``mm`` on a decode batch's shapes. A weight that streams from memory
   on an AVX2 CPU (the LM head) is copied into stream panels instead (:func:`pack_stream_panels`), read once a
@@ -15,9 +12,8 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
 * :func:`int8_pairs`: rows times int8 matrices with a float32 scale per matrix row, as the ``int8``
   quantization stores them (``csrc/int8_pairs.cpp``): a dense product, or each row its own expert. Compiled
   steps use it on CPUs with AVX2 but not AVX-512 (:func:`int8_pairs_preferred`), where inductor's code for
-  the same product converts the bytes one at a time (the peers checkpoint's int8 LM head at one row, 2
-  threads: 11.5 ms against 2.7 for float32 weights). :func:`int8_gate_up` runs a MoE's gate and up projections
-  in one call.
+  the same product converts the bytes one at a time (slower than float32 weights there).
+  :func:`int8_gate_up` runs a MoE's gate and up projections in one call.
 * :func:`sinkhorn`: mHC's Sinkhorn normalisation of a batch of small matrices, eight matrices a vector
   (``csrc/sinkhorn.cpp``). Compiled CPU steps call it instead of tracing the iterations
   (:func:`flashserve.model.mhc.sinkhorn`): the same values (bit for bit for mHC's 4x4 matrices), and far fewer
@@ -28,11 +24,11 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   storing its scores and taking about ten passes over them (``Attention._select_paged``).
 
 They are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
-the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (16-row peers
-step, 128 calls, one process: 12.24 ms with the Python implementations, 11.60 with these; through
-``torch.library.custom_op``'s Python wrappers a call took about 13 us more). Until the build is loaded the Python
+the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (a call through
+Python costs microseconds, and a step makes about a hundred). Until the build is loaded the Python
 implementations below run and load it. Where no C++ compiler works the kernels are not available
-(``*_available`` says so) and torch's or inductor's code runs.
+(``*_available`` says so) and torch's or inductor's code runs. What each kernel is worth, and when it runs:
+docs/engine-speed.md#the-c-kernels.
 """
 
 from __future__ import annotations
@@ -135,8 +131,8 @@ def index_topk_available() -> bool:
 @torch.compiler.assume_constant_result
 def int8_pairs_preferred() -> bool:
     """Whether compiled steps multiply int8 weights through :func:`int8_pairs`: on CPUs with AVX2 but not
-    AVX-512, where it was measured (AMD EPYC Zen 3: the peers checkpoint's int8 step at batch 1, see
-    docs/engine-speed.md), and where it is built. AVX-512 CPUs keep inductor's products, fast there."""
+    AVX-512, where inductor's code converts the bytes one at a time, and where it is built. AVX-512 CPUs keep
+    inductor's products, fast there (docs/engine-speed.md#the-c-kernels)."""
     return torch.backends.cpu.get_cpu_capability() == "AVX2" and _load("int8_pairs") is not None
 
 
@@ -298,9 +294,9 @@ def pack_stream_panels(w: torch.Tensor) -> torch.Tensor:
 
 def streams(w: torch.Tensor) -> bool:
     """Whether :func:`dense_rows` multiplies the float32 weight ``w`` faster through stream panels: on CPUs with AVX2
-    but not AVX-512, where it was measured (AMD EPYC Zen 3: the peers checkpoint's 32000x512 LM head, 2 threads,
-    1.29-1.36x at 16 rows, 1.09-1.10x at 2 and 4; docs/engine-speed.md), for weights of at least
-    :data:`STREAM_MIN_BYTES`, which come from memory on every call. AVX-512 CPUs keep the panels measured there."""
+    but not AVX-512 (where 16-column panels need three passes over each line at 16 rows; about 1.3x on the peers
+    checkpoint's LM head, docs/engine-speed.md#the-c-kernels), for weights of at least :data:`STREAM_MIN_BYTES`,
+    which come from memory on every call. AVX-512 CPUs keep the panels, fast there."""
     return (w.dtype == torch.float32 and w.numel() * 4 >= STREAM_MIN_BYTES
             and torch.backends.cpu.get_cpu_capability() == "AVX2")
 

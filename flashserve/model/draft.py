@@ -1,5 +1,5 @@
-"""Draft heads: V4.1's DSpark stages (block drafting with a Markov head, spec §5.1-5.2) and V4's MTP block
-(spec §5.5). Reference forwards only; the engine's speculative decoding builds on these."""
+"""Draft heads: V4.1's DSpark stages (block drafting with a Markov head, docs/architecture.md#dspark) and V4's MTP block
+(docs/architecture.md#v4-mtp). Reference forwards only; the engine's speculative decoding builds on these."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class DSparkStages(nn.ModuleList):
     def context_keys(self, model: nn.Module, feats: torch.Tensor, positions: torch.Tensor, *,
                      fake_quant: bool | None = None) -> torch.Tensor:
         """Every stage's window keys [B,T,stages,hd] for target positions ``positions`` [B,T] from their
-        features ``feats`` [B,T,len(target layers),D] (spec §5.2 "context KV")."""
+        features ``feats`` [B,T,len(target layers),D] (docs/architecture.md#dspark, "context keys")."""
         fake_quant = model.fake_quant if fake_quant is None else fake_quant
         first = self[0]
         main_x = first.main_norm(first.main_proj(feats.flatten(-2).to(first.main_proj.weight.dtype)))

@@ -1,4 +1,5 @@
-"""Engram: hashed 2/3/4-gram memory rows injected into the residual streams of a few layers (spec §4)."""
+"""Engram: hashed 2/3/4-gram memory rows injected into the residual streams of a few layers
+(docs/architecture.md#engram)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class EngramMapError(UserError):
 
 
 def engram_normalizer() -> normalizers.Normalizer:
-    """The reference's normaliser, built from the ``tokenizers`` library's own steps (spec §4.3 step 1):
-    NFKC, NFD, strip accents, lowercase, whitespace runs to one space, a lone space kept, strip."""
+    """The reference's normaliser, built from the ``tokenizers`` library's own steps
+    (docs/architecture.md#engram-hash-ids, step 1): NFKC, NFD, strip accents, lowercase, whitespace runs to one space, a
+    lone space kept, strip."""
     return normalizers.Sequence([
         normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
         normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
@@ -51,7 +53,8 @@ def compressed_token_map(tok: HFTokenizer) -> tuple[list[int], int]:
 
 
 def engram_multipliers(layer_id: int, n: int, compressed_vocab: int) -> list[int]:
-    """Odd int64 multipliers of one engram layer: numpy's PCG64 seeded with 10007·layer (spec §4.3 step 3)."""
+    """Odd int64 multipliers of one engram layer: numpy's PCG64 seeded with 10007·layer
+    (docs/architecture.md#engram-hash-ids, step 3)."""
     bound = ((2 ** 63 - 1) // compressed_vocab) // 2
     vals = np.random.default_rng(10007 * layer_id).integers(0, bound, size=n, dtype=np.int64)
     return [int(2 * v + 1) for v in vals]
@@ -135,7 +138,8 @@ class EngramHasher(nn.Module):
 
 
 class Engram(nn.Module):
-    """``engram``: FP8 table rows → keys (one per stream) and a value; gated add to each stream (spec §4.4)."""
+    """``engram``: FP8 table rows → keys (one per stream) and a value; gated add to each stream
+    (docs/architecture.md#engram-injection)."""
 
     def __init__(self, cfg: ModelConfig, rows: int):
         super().__init__()

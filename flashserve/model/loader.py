@@ -28,7 +28,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 # Parameters the checkpoint stores in fp32 and the model applies in fp32 whatever the compute dtype
-# (spec §2.1): mHC coefficients, attention sinks, router biases, V4 compressor position biases.
+# (docs/architecture.md#numerics-and-quantisation-points): mHC coefficients, attention sinks, router biases, V4
+# compressor position biases.
 _FP32_LEAVES = ("_fn", "_base", "_scale", "attn_sink", "bias", "bias_vl", "ape")
 
 
@@ -100,8 +101,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
     ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
-    window rows and FP4 main/index rows (spec §2.1); V4's FP8 KV on non-RoPE dims and Hadamard+FP4
-    indexer (spec Appendix A).
+    window rows and FP4 main/index rows (docs/architecture.md#numerics-and-quantisation-points); V4's FP8 KV on non-RoPE
+    dims and Hadamard+FP4 indexer (spec Appendix A).
     ``quantization``: unset keeps a checkpoint's weights as stored (FP8 blocks and MXFP4 experts stay packed;
     float checkpoints and presets stay float); ``"int8"``, ``"w8a8"``, ``"fp8"`` or ``"mxfp4"`` packs float
     weights at load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference

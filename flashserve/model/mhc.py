@@ -1,4 +1,5 @@
-"""Manifold-constrained hyper-connections (mHC): 4 residual streams mixed by Sinkhorn matrices (spec §2.3)."""
+"""Manifold-constrained hyper-connections (mHC): 4 residual streams mixed by Sinkhorn matrices
+(docs/architecture.md#mhc)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Mixture of experts: sqrtsoftplus router (bias for selection only, ``bias_vl`` on image positions, or a
-frozen hash table), clamped SwiGLU experts stacked per layer, and an always-on shared expert (spec §2.10)."""
+frozen hash table), clamped SwiGLU experts stacked per layer, and an always-on shared expert
+(docs/architecture.md#moe)."""
 
 from __future__ import annotations
 
@@ -18,11 +19,9 @@ GATHER_BYTES = 1 << 20
 # matmuls is faster on the CPU (measured: 1.5x at 64 rows per expert, 0.56x at 2048).
 GROUPED_MM_ROWS = 64
 # Every expert on every row (:meth:`Experts._dense`) runs this many bytes of decoded weights at a time, so that a
-# packed chunk's decoded copy is still in cache when its products read it. Peers checkpoint (16 MXFP4 experts of
-# 3 x 256x512), one layer at 16 rows compiled, 2 threads, median ms with the cache flushed between calls / not:
-# all 16 at once 9.1-13.6 / 5.4-10.2, 2 at a time 3.8 / 3.5, 4 at a time 3.6-4.8 / 3.7-4.4, 8 at a time 4.3 / 3.2.
-# Inside a whole compiled 16-row step no difference showed (inductor fuses the chunks' decodes into one kernel:
-# docs/engine-speed.md); the chunks also bound the decoded temporaries whatever the number of experts.
+# packed chunk's decoded copy is still in cache when its products read it (2-3x faster for one layer alone; inside
+# a compiled step inductor fuses the chunks' decodes into one kernel and the gain goes). The chunks also bound the
+# decoded temporaries whatever the number of experts.
 DENSE_CHUNK_BYTES = 6 << 20
 
 

@@ -1,4 +1,4 @@
-"""Weights kept packed in memory and dequantized where they are used (issue 9, item 3).
+"""Weights kept packed in memory and dequantized where they are used (docs/engine-speed.md, "Weights as stored").
 
 Four formats, each a pair of integer buffers so that ``model.to(dtype)`` never converts them:
 
@@ -6,8 +6,8 @@ Four formats, each a pair of integer buffers so that ``model.to(dtype)`` never c
   checkpoints' dense format; V4's FP8 experts).
 * ``mxfp4``: E2M1 pairs ``uint8 [..., out, in/2]`` + one UE8M0 byte per row per 32 columns (released experts).
 * ``int8``: symmetric per-row ``int8 [..., out, in]`` + float32 scales kept as their bit pattern (``int32``);
-  dense layers run ``torch.ops.aten._weight_int8pack_mm`` on CPUs with AVX-512 (0.62 ms against 1.36 ms for
-  fp32 on the benchmark's LM head), :func:`int8_linear` elsewhere.
+  dense layers run ``torch.ops.aten._weight_int8pack_mm`` where it was timed faster at import (some AVX-512
+  CPUs), :func:`int8_linear` elsewhere.
 * ``w8a8``: the ``int8`` bytes; dense layers multiply them by activations quantized per token (:mod:`.w8a8`,
   fbgemm's int8 kernel on x86), experts stay weight-only ``int8``.
 
@@ -28,7 +28,8 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from ..config import layout
+from ..config import checkpoint_layout as ckpt
+from ..config.checkpoint_layout import QUANTIZATIONS, checkpoint_layout
 from ..config.model_config import ModelConfig
 from . import blas, cpu_kernels, quant, w8a8
 from .moe import Experts, clamped_swiglu
@@ -36,7 +37,6 @@ from .norms import fp32
 
 FP8, MXFP4, INT8, W8A8 = "fp8", "mxfp4", "int8", "w8a8"
 FLOAT = "float"  # unpack a packed checkpoint into the compute dtype (the reference path)
-QUANTIZATIONS = layout.QUANTIZATIONS
 INT8_ROWS = (INT8, W8A8)  # formats stored as int8 rows + a float32 scale per row
 _STORED_FP8 = ("F8_E4M3",)
 _STORED_FP4 = ("I8", "U8")
@@ -94,8 +94,8 @@ def decode(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torc
 
 
 # A compiled step on the CPU decodes through this op, an opaque call to the eager table lookups: inductor's
-# own code for the decode arithmetic made the benchmark's MXFP4 experts slower compiled than eager (9.6
-# against 12.9 tok/s at batch 1 on the peers checkpoint), and dynamo traces the tables' views slowly.
+# own code for the decode arithmetic made MXFP4 experts slower compiled than eager, and dynamo traces the
+# tables' views slowly.
 @torch.library.custom_op("flashserve::decode_packed", mutates_args=())
 def _decode_packed(q: torch.Tensor, s: torch.Tensor, name: str, row_block: int, col_block: int, cols: int,
                    dtype: torch.dtype) -> torch.Tensor:
@@ -116,11 +116,9 @@ def _int8_rows(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Te
 def decode_mxfp4_traced(q: torch.Tensor, s: torch.Tensor, e2m1_bits: torch.Tensor, cols: int,
                         dtype: torch.dtype) -> torch.Tensor:
     """:func:`decode` of MXFP4 written for inductor: each nibble looks its value up in ``e2m1_bits`` (the 16
-    values' float32 bits), times its block's power-of-two scale, in one generated kernel. Decoding all 16 experts
-    of a peers-checkpoint projection (2M values), 2 threads: 0.43 ms against 0.98 for the opaque op's eager
-    table lookups (which took about 2.5 ms a call inside a profiled 16-row step): what a step that runs every expert
-    (:meth:`Experts._dense`) decodes. Gathered experts keep the opaque op: inductor fused this lookup into the
-    gathered product and made it slower (0.43 against 0.26 ms)."""
+    values' float32 bits), times its block's power-of-two scale, in one generated kernel: about twice as fast as
+    the opaque op for what a step that runs every expert (:meth:`Experts._dense`) decodes. Gathered experts keep
+    the opaque op: inductor fused this lookup into the gathered product and made it slower."""
     table = e2m1_bits.view(torch.float32)
     lo, hi = table[(q & 15).long()], table[(q >> 4).long()]  # [..., out, in / 2] each
     values = torch.stack([lo, hi], -1).flatten(-2)  # [..., out, in]: low nibble = even column
@@ -134,9 +132,7 @@ def mxfp4_pairs_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tor
     compiled CPU step): the codes are decoded from their bits as they are read, multiplied with the even and the
     odd inputs, summed per 32-value block and scaled, so each expert is read once as stored and no decoded copy
     is made. Where the C++ kernel is built (:func:`cpu_kernels.mxfp4_pairs`, 4-9x faster) this is the
-    fallback. One MXFP4 expert layer of the peers checkpoint (16 x 3 x 256x512, top-4), 2 threads, median ms:
-    1 row 0.21 against 1.30 with the gathered experts decoded by the opaque op, 4 rows 1.04 against 9.99, 16 rows
-    3.5-3.9 against 3.7-4.4 decoding all experts and running each on every row."""
+    fallback."""
     P, N, half = q.shape  # K a whole number of blocks
     xs = blas.materialized(fp32(x).view(P, half, 2).transpose(1, 2).contiguous())  # [P, 2, K/2]: even, odd columns
     prod = quant.e2m1_from_bits(q & 15) * xs[:, None, 0] + quant.e2m1_from_bits(q >> 4) * xs[:, None, 1]
@@ -163,10 +159,8 @@ def _int8pack_pays(rows: int, matrices: int) -> bool:
     """Whether ``torch.ops.aten._weight_int8pack_mm`` is clearly (1.25x) faster than :func:`int8_linear` at
     ``rows`` rows on this CPU, timed once at import over ``matrices`` 1024x512 matrices (more than one, so the
     weights stream as in a step: one matrix alone in cache gave either answer from one run to the next). It has
-    fast code for AVX-512 only, and even there it varies: on a Xeon the LM head at one row took 0.62 against
-    fp32's 1.36 ms; on an AMD EPYC (Zen 5, AVX-512) 16 matrices at one row 3.2-3.5 against 1.2-1.6 ms, at 16
-    rows 17x slower, and its int8 engine ran at half the speed at batch 1 (71.7 against 121.8 tok/s, compiled,
-    peers checkpoint). With AVX2 only it is 3-35x slower."""
+    fast code for AVX-512 only, and even there it is faster than float32 on some CPUs and several times slower on
+    others; with AVX2 only it is 3-35x slower."""
     if not torch.backends.cpu.get_cpu_capability().startswith(("AVX512", "AMX")):
         return False
     import time
@@ -222,8 +216,8 @@ def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
     """``x @ (q * scale).T`` for int8 rows ``q`` [out, in] and their float32 scales (stored as int32 bits):
     rows converted a cache-sized chunk at a time, each row's scale applied to its products (it factors out of
-    the dot product). AVX2, 1 thread, a 32000x512 head: 5.9 ms at 1 row (fp32 7.6, _weight_int8pack_mm 25.7),
-    15 ms at 16 rows (fp32 25, int8pack 548); a 1024x512 matrix at 16 rows 0.44 ms (int8pack 19)."""
+    the dot product). With AVX2 only it is faster than float32 weights and 4-40x faster than
+    ``_weight_int8pack_mm``."""
     rows = max(1, INT8_CHUNK_VALUES // q.shape[-1])
     parts = [blas.linear(x, q[i:i + rows].to(x.dtype)) for i in range(0, q.shape[0], rows)]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -541,13 +535,13 @@ def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
     dense = {INT8: ROW_INT8, W8A8: ROW_W8A8}.get(method, Format(FP8, block, block))
     experts = {INT8: ROW_INT8, W8A8: ROW_INT8, FP8: dense, MXFP4: EXPERT_FP4}[method]
     out: dict[str, Format] = {}
-    for spec in layout.checkpoint_layout(cfg):
-        if spec.kind not in (layout.FP8, layout.FP4, layout.FP8_TABLE) or not spec.name.endswith(".weight"):
+    for spec in checkpoint_layout(cfg):
+        if spec.kind not in (ckpt.FP8, ckpt.FP4, ckpt.FP8_TABLE) or not spec.name.endswith(".weight"):
             continue
         path = spec.name[: -len(".weight")]
         if ".experts." in path:
             out[path.split(".experts.")[0] + ".experts"] = experts
-        elif spec.kind == layout.FP8_TABLE:
+        elif spec.kind == ckpt.FP8_TABLE:
             if method not in INT8_ROWS:
                 out[path] = TABLE_FP8
         else:
@@ -563,7 +557,7 @@ def plan_as_stored(cfg: ModelConfig, stored: Mapping[str, str]) -> dict[str, For
     MXFP4). Everything else stays float; experts are packed when their first expert is."""
     block = cfg.quantization.weight_block_size
     out: dict[str, Format] = {}
-    for spec in layout.checkpoint_layout(cfg):
+    for spec in checkpoint_layout(cfg):
         dtype = stored.get(spec.name)
         if dtype is None or not spec.name.endswith(".weight"):
             continue
@@ -572,7 +566,7 @@ def plan_as_stored(cfg: ModelConfig, stored: Mapping[str, str]) -> dict[str, For
             if ".experts.0.w1." in spec.name:
                 fmt = EXPERT_FP4 if dtype in _STORED_FP4 else Format(FP8, block, block)
                 out[path.split(".experts.")[0] + ".experts"] = fmt
-        elif spec.kind == layout.FP8_TABLE:
+        elif spec.kind == ckpt.FP8_TABLE:
             out[path] = TABLE_FP8
         elif dtype in _STORED_FP8:
             out[path] = Format(FP8, block, block)

@@ -1,4 +1,5 @@
-"""Low-precision formats of DeepSeek-V4 / V4.1 (spec §2.1, §3.1, §9).
+"""Low-precision formats of DeepSeek-V4 / V4.1 (docs/architecture.md#numerics-and-quantisation-points,
+#kv-cache, #checkpoint-names).
 
 Three families, all sharing one set of encoders so they agree bit for bit:
 
@@ -221,9 +222,9 @@ def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
     """FP4-E2M1 quantise->dequantise per ``block`` channels of the last dim (see :func:`_fp4_blocks` for scales).
 
-    Spec §2.1 uses ``block=16, e4m3_scale=True`` for the compressed main latent and ``block=32,
-    e4m3_scale=False`` for index queries/keys. ``x`` is returned unchanged if the last dim is not a multiple
-    of ``block``.
+    The model (docs/architecture.md#numerics-and-quantisation-points) uses ``block=16, e4m3_scale=True`` for the
+    compressed main latent and ``block=32, e4m3_scale=False`` for index queries/keys. ``x`` is returned unchanged if the
+    last dim is not a multiple of ``block``.
     """
     if x.shape[-1] % block:
         return x

@@ -1,4 +1,5 @@
-"""Interleaved (GPT-J) rotary embedding on the trailing dims of a vector, with YaRN (spec §2.5)."""
+"""Interleaved (GPT-J) rotary embedding on the trailing dims of a vector, with YaRN
+(docs/architecture.md#rope-and-yarn)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse
     """Rotate the last ``2 * cos.shape[-1]`` channels of ``x`` pairwise (channels 2i, 2i+1 form pair i).
 
     ``cos``/``sin`` broadcast against ``x[..., :rope/2]`` after the caller inserts head axes. ``inverse``
-    rotates by the negative angle (used on the attention output, spec §2.4).
+    rotates by the negative angle (used on the attention output, docs/architecture.md#attention).
     """
     rd = 2 * cos.shape[-1]
     if rd == 0:

@@ -30,8 +30,9 @@ class CacheKey:
 
 
 class Replay(Enum):
-    """The decoder-replay stash's buffers (V4.1 encoder-only prefill, spec §4): the residual streams, the
-    FFN ``pre`` mixing weights, and (token id, position) of the last window of prompt positions."""
+    """The decoder-replay stash's buffers (V4.1 encoder-only prefill,
+    docs/architecture.md#encoder-decoder-and-bounded-replay): the residual streams, the FFN ``pre`` mixing weights, and
+    (token id, position) of the last window of prompt positions."""
 
     X = "x"
     PRE = "pre"
@@ -39,7 +40,7 @@ class Replay(Enum):
 
 
 class SequenceState(Protocol):
-    """What the model needs to remember about each sequence between forwards (spec §3)."""
+    """What the model needs to remember about each sequence between forwards (docs/architecture.md#kv-cache)."""
 
     start: torch.Tensor  # [B] absolute position of each row's first new token
     num_new: int  # S

@@ -3,7 +3,7 @@
 Parameter names mirror the released checkpoint (``embed.weight``, ``layers.N.attn.wq_a.weight``,
 ``layers.N.ffn.experts.E.w1.weight`` via :meth:`Transformer.checkpoint_tensors`, ...). ``forward`` is the
 reference: every layer on every row, no cache unless a state is passed. ``encoder_only`` runs V4.1's
-prefill with decoder bounded replay (spec §2.12).
+prefill with decoder bounded replay (docs/architecture.md#encoder-decoder-and-bounded-replay).
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ class Transformer(nn.Module):
         self.rope = RotaryTables(cfg)
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
         self._engram_slot = {lid: i for i, lid in enumerate(cfg.engram_layer_ids)}
-        self.fake_quant = False  # QAT quantisation points (spec §2.1); load_model turns it on for V4.1
-        self.vision: VisionTower | None = None  # V4.1 image input (spec §6), when the config has a tower
+        # QAT quantisation points (docs/architecture.md#numerics-and-quantisation-points); load_model turns them on
+        # for V4.1
+        self.fake_quant = False
+        self.vision: VisionTower | None = None  # V4.1 image input (docs/architecture.md#vision), if configured
         self.aligner: Aligner | None = None
         if with_vision and cfg.vision is not None:
             self.vision, self.aligner = VisionTower(cfg.vision), Aligner(cfg.vision, D)

@@ -1,5 +1,6 @@
-"""The V4.1 vision path (spec §6.2-6.4): a ViT over 14-pixel patches with 2-D RoPE, the 3×3 unshuffle aligner to
-the language model's width, and the learned delimiter vectors that, with the aligner rows, fill an image span.
+"""The V4.1 vision path (docs/architecture.md#vision): a ViT over 14-pixel patches with 2-D RoPE, the 3×3 unshuffle
+aligner to the language model's width, and the learned delimiter vectors that, with the aligner rows, fill an image
+span.
 
 Names mirror the released checkpoint (``vision.blocks.N.attn.wqkv.weight``, ``aligner.w1.weight``,
 ``image_start``, ...). One image at a time: attention is bidirectional within an image and never across images.
@@ -14,7 +15,7 @@ from torch import nn
 from ..config.model_config import VisionConfig
 from .norms import RMSNorm
 
-VISION_EPS = 1e-6  # the ViT's RMSNorm epsilon (spec §6.2, from vLLM)
+VISION_EPS = 1e-6  # the ViT's RMSNorm epsilon (docs/architecture.md#vision-tower, from vLLM)
 
 
 def rope_2d(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, theta: float) -> torch.Tensor:

@@ -1,12 +1,4 @@
-"""Tensor, expert and attention-data parallelism over ``torch.distributed`` (see :mod:`.layout`)."""
-
-from .layout import Layout, layout_of
-
-__all__ = ["Layout", "layout_of", "create_engine"]
-
-
-def create_engine(config):
-    """The engine ``config`` describes (torch imported here)."""
-    from .executor import create_engine as create
-
-    return create(config)
+"""Tensor, expert and attention-data parallelism over ``torch.distributed``: the sharded engine
+(:mod:`.executor`), the weights' split (:mod:`.shard`), the collectives (:mod:`.comm`). The rank layout is
+:mod:`flashserve.config.ranks`; what decides between one process and shards is
+:func:`flashserve.entrypoints.engines.create_engine`."""

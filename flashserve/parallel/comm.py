@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from ..config.ranks import Layout
 
 IDLE = -1  # layer id a rank sends in the DP MoE header when it has no forward to run
 

@@ -41,7 +41,7 @@ import torch
 
 from ..config import ConfigError
 from .comm import Comm, connect
-from .layout import Layout, layout_of
+from ..config.ranks import Layout, layout_of
 from .engram_host import host_engram_tables
 from .shard import keep_rank_experts, shard_model
 
@@ -128,7 +128,7 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     model.to(device)
     # collectives run eagerly: the compiled decode step does not trace this module's process-group calls
     cfg = dataclasses.replace(config, device=str(device), enforce_eager=True)
-    return LLMEngine(cfg, model=model)
+    return LLMEngine(cfg, model=model, warm_up=False)  # once every rank is ready: ShardedEngine.__init__
 
 
 def _digest(outputs) -> str:
@@ -188,6 +188,9 @@ def worker_main(config, rank: int, local_rank: int, addr: str, port: int, parent
                 reply = None
             elif op == "setattr":
                 setattr(engine, cmd[1], cmd[2])
+                reply = None
+            elif op == "warm_up":
+                engine.runner.decode_step.warm_up()
                 reply = None
             elif op == "ping":
                 reply = None
@@ -267,31 +270,27 @@ def _stop_workers(comm, procs, world: int, wait: float, lock) -> None:
 
 
 class ShardedEngine:
-    """Rank 0's engine over ``world`` ranks, with :class:`LLMEngine`'s interface. Unknown attributes are read
-    from rank 0's own engine: ``engine.scheduler``, ``engine.cache`` are rank 0's objects, and mutating them
-    changes rank 0 alone. Attributes set on the sharded engine itself are set on every rank's engine."""
-
-    _OWN = frozenset({"layout", "comm", "local", "procs", "failure", "owner", "nseq", "load", "timeout",
-                      "startup_timeout", "_stats", "exit_on_failure", "_env", "_finalizer"})
+    """Rank 0's engine over ``world`` ranks: the :class:`~flashserve.engine.interface.Engine` interface, each
+    call sent to every rank that takes part. ``local`` is rank 0's own :class:`LLMEngine` (its scheduler, cache
+    and counters are rank 0's alone)."""
 
     def __init__(self, config):
         from ..engine import preflight
 
-        o = object.__setattr__
         layout = layout_of(config)
         preflight.check(config)  # every option and the layout's sizes, before any process starts
-        o(self, "layout", layout)
-        o(self, "timeout", float(config.worker_timeout))
-        o(self, "failure", None)
-        o(self, "procs", [])
-        o(self, "startup_timeout", float(config.startup_timeout))
-        o(self, "owner", {})  # DP: request id -> DP group
-        o(self, "nseq", {})  # DP: request id -> its sequences (SamplingParams.n)
-        o(self, "load", [0] * layout.dp)  # DP: unfinished sequences per DP group (the sum of nseq over its requests)
-        o(self, "_stats", {})
-        o(self, "exit_on_failure", False)
+        self.layout = layout
+        self.timeout = float(config.worker_timeout)
+        self.failure = None
+        self.procs = []
+        self.startup_timeout = float(config.startup_timeout)
+        self.owner = {}  # DP: request id -> DP group
+        self.nseq = {}  # DP: request id -> its sequences (SamplingParams.n)
+        self.load = [0] * layout.dp  # DP: unfinished sequences per DP group (the sum of nseq over its requests)
+        self._stats = {}
+        self.exit_on_failure = False
         env = torchrun_env()
-        o(self, "_env", env)
+        self._env = env
         device = _device(config, env["local_rank"] if env else 0)
         if env is not None:
             if env["world"] != layout.world:
@@ -312,8 +311,8 @@ class ShardedEngine:
                 self.procs.append(p)
         try:
             comm = self._connect(layout, addr, port, device, agent)
-            o(self, "comm", comm)
-            o(self, "local", build_rank_engine(config, layout, 0, comm))
+            self.comm = comm
+            self.local = build_rank_engine(config, layout, 0, comm)
             for r in range(1, layout.world):
                 try:
                     status, msg = self._recv(r, self.startup_timeout)
@@ -330,11 +329,14 @@ class ShardedEngine:
             if isinstance(e, (WorkerFailure, ConfigError)):
                 raise
             raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._who(e)}") from e
+        with self.local.lock:  # every rank's first steps together (their collectives), before serving
+            _, replies = self._command(("warm_up",), self.local.runner.decode_step.warm_up)
+            self._check(replies, "warming up")
         self._log_startup()
         # workers told to stop at exit or when this engine is collected (torchrun sees them exit 0), not left
         # waiting; a finalizer, not atexit.register(self.shutdown), so the engine is not kept alive until exit
-        o(self, "_finalizer", weakref.finalize(self, _stop_workers, self.comm, self.procs, self.layout.world,
-                                               min(self.timeout, 10.0), self.local.lock))
+        self._finalizer = weakref.finalize(self, _stop_workers, self.comm, self.procs, self.layout.world,
+                                           min(self.timeout, 10.0), self.local.lock)
         threading.Thread(target=_heartbeat, args=(weakref.ref(self), max(0.2, min(self.timeout / 2, 5.0))),
                          name="flashserve-heartbeat", daemon=True).start()
 
@@ -403,7 +405,7 @@ class ShardedEngine:
     def _fail(self, exc: BaseException, what: str | None = None) -> WorkerFailure:
         msg = what or self._who(exc)
         failure = WorkerFailure(f"sharded engine ({self.layout.describe()}) stopped: {msg}")
-        object.__setattr__(self, "failure", failure)
+        self.failure = failure
         log.error("%s", failure)
         self._kill_workers()
         self._detach()
@@ -439,7 +441,7 @@ class ShardedEngine:
                         p.join(min(self.timeout, 10.0))
                 except Exception:
                     pass
-            object.__setattr__(self, "failure", self.failure or WorkerFailure("the sharded engine was shut down"))
+            self.failure = self.failure or WorkerFailure("the sharded engine was shut down")
             self._kill_workers()
             self._detach()
 
@@ -480,13 +482,32 @@ class ShardedEngine:
         return mine, replies
 
     # ------------------------------------------------------------------ the engine interface
-    def __getattr__(self, name):
-        return getattr(object.__getattribute__(self, "local"), name)
+    @property
+    def tokenizer(self):
+        return self.local.tokenizer
 
-    def __setattr__(self, name, value):
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-            return
+    @property
+    def model_config(self):
+        return self.local.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.local.max_model_len
+
+    @property
+    def reads_images(self) -> bool:
+        return self.local.reads_images
+
+    @property
+    def image_limits(self):
+        return self.local.image_limits
+
+    @image_limits.setter
+    def image_limits(self, limits) -> None:
+        self._set_everywhere("image_limits", limits)
+
+    def _set_everywhere(self, name: str, value) -> None:
+        """Set an attribute of every rank's engine (rank 0's too)."""
         with self.local.lock:
             setattr(self.local, name, value)
             _, replies = self._command(("setattr", name, value))
@@ -601,7 +622,7 @@ class ShardedEngine:
         load = [0] * self.layout.dp  # sequences, as add_request counts them
         for rid, g in self.owner.items():
             load[g] += self.nseq.get(rid, 1)
-        object.__setattr__(self, "load", load)
+        self.load = load
 
     def stats(self) -> dict:
         mine = self.local.stats()
@@ -629,20 +650,6 @@ class ShardedEngine:
         with self.local.lock:
             mine, replies = self._command(("counters",), self.comm.reset_counters)
             return [mine] + self._check(replies, "counters")
-
-
-def create_engine(config):
-    """The engine ``config`` describes: :class:`LLMEngine` for one rank, :class:`ShardedEngine` on rank 0 of a
-    sharded layout. A torchrun process of rank > 0 serves as a worker and exits when rank 0 stops it."""
-    layout = layout_of(config)
-    if not layout.sharded:
-        from ..engine.llm_engine import LLMEngine
-
-        return LLMEngine(config)
-    env = torchrun_env()
-    if env is not None and env["rank"] != 0:
-        raise SystemExit(run_torchrun_worker(config))
-    return ShardedEngine(config)
 
 
 def run_torchrun_worker(config) -> int:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..config import load_config
-from .layout import Layout
+from ..config.ranks import Layout
 
 # The vision tower and the drafter stack (replicated on every rank; counted apart from the text backbone)
 VISION = ("vision.", "aligner.", "image_")

@@ -25,7 +25,7 @@ from ..model import blas
 from ..model.moe import Experts, MoE, SharedExpert
 from ..model.norms import fp32
 from .comm import Comm
-from .layout import Layout, split
+from ..config.ranks import Layout, split
 
 
 def _param(t: torch.Tensor) -> nn.Parameter:

@@ -19,7 +19,8 @@ def cache_rows(cfg: Any, kv_dtype: str, native: Any) -> tuple[float, float, floa
     if kv_dtype == "bf16":
         return 2.0 * hd, 2.0 * ihd, 2.0 * hd
     if kv_dtype == "fp8":
-        if cfg.is_v41:  # SM100 record: FP8 values + UE8M0 scale per 32; FP8 index row + fp32 scale (spec §3.1)
+        # SM100 record: FP8 values + UE8M0 scale per 32; FP8 index row + fp32 scale (docs/architecture.md#kv-cache)
+        if cfg.is_v41:
             return hd + hd / 32, ihd + 4.0, float(native.window)
         return float(native.main), float(native.index), float(native.window)
     # fp4: E2M1 + E4M3 scale per 16 for the main row; the window ring stays FP8

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
@@ -18,10 +18,13 @@ from . import anthropic_api, basic_routes, chat, completions
 from .http import install_error_handlers
 from .service import Server, ServerConfig
 
+if TYPE_CHECKING:
+    from ..engine.interface import Engine
+
 __all__ = ["ServerConfig", "Server", "create_app"]
 
 
-def create_app(engine: Any, config: ServerConfig | None = None, **kwargs: Any) -> FastAPI:
+def create_app(engine: Engine, config: ServerConfig | None = None, **kwargs: Any) -> FastAPI:
     srv = Server(engine, config or ServerConfig(**kwargs))
 
     @contextlib.asynccontextmanager

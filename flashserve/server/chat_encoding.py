@@ -1,4 +1,5 @@
-"""Chat prompt encoders: the DeepSeek-V4.1 "DSML" format (spec §7) and a plain fallback.
+"""Chat prompt encoders: the DeepSeek-V4.1 "DSML" format (docs/architecture.md#tokenizer-and-chat-format) and a plain
+fallback.
 
 Input messages are OpenAI chat messages that :mod:`flashserve.server.protocol` has already validated and
 normalised (``content`` is a string or ``None``; assistant ``tool_calls`` are OpenAI dicts; ``tool`` messages

@@ -170,17 +170,16 @@ def build_engine(args: argparse.Namespace):
     from ..interrupts import deferred_interrupt
 
     with deferred_interrupt():  # the executor module imports torch: the import itself must not be interrupted
-        from ..parallel.executor import create_engine
+        from ..entrypoints.engines import create_engine
 
     engine = create_engine(engine_config(args))  # LLMEngine, or rank 0 of a sharded engine
-    if hasattr(engine, "exit_on_failure"):
-        engine.exit_on_failure = True  # a dead worker: /health turns 503, then the server exits with status 1
+    engine.exit_on_failure = True  # a dead worker: /health turns 503, then the server exits with status 1
     return engine
 
 
 def _torchrun_worker(args: argparse.Namespace) -> int | None:
     """Under torchrun, ranks other than 0 run the worker loop (exit status returned); None on rank 0."""
-    from ..parallel.layout import layout_of
+    from ..config.ranks import layout_of
 
     config = engine_config(args)
     if not layout_of(config).sharded or os.environ.get("RANK", "0") == "0":
@@ -210,11 +209,8 @@ def serve(engine, args: argparse.Namespace, sock: socket.socket) -> int:
              engine.max_model_len)
     serve_app(app, sock, log_level=args.log_level, access_log=args.access_log,
               shutdown_timeout=args.shutdown_timeout)
-    failure = getattr(engine, "failure", None)
-    if failure is not None and getattr(engine, "exit_on_failure", False):
-        log.error("exiting: %s", failure)
+    if engine.failure is not None and engine.exit_on_failure:
+        log.error("exiting: %s", engine.failure)
         return 1
-    shutdown = getattr(engine, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+    engine.shutdown()
     return 0

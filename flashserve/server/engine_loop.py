@@ -18,7 +18,10 @@ import contextlib
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from ..engine.interface import Engine
 
 log = logging.getLogger("flashserve.server")
 
@@ -59,7 +62,7 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, on_stats: Callable[[dict], None] | None = None,
+    def __init__(self, engine: Engine, on_stats: Callable[[dict], None] | None = None,
                  idle_wait_s: float = 0.5):
         self.engine = engine
         self.on_stats = on_stats

@@ -8,41 +8,14 @@ A request's images fail as a 400 naming the part (``messages[0].content[1]``) be
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .protocol import APIError, invalid
+from .protocol import APIError, ImageRef, invalid
 
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the V4.1 tokenizer's image token (spec §7): one per image
+if TYPE_CHECKING:
+    from ..engine.interface import Engine
+
 MAX_REMOTE_SECONDS = 10.0
-
-
-@dataclass(frozen=True)
-class ImageRef:
-    """One image of a request: a data URL's bytes, or a remote URL to fetch; ``param`` names its part."""
-
-    param: str
-    data: bytes | None = None
-    url: str | None = None
-
-
-def openai_image_part(part: dict[str, Any], param: str) -> ImageRef:
-    """``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL as a string)."""
-    from ..engine.images import ImageError, bytes_from_data_url
-
-    spec = part.get("image_url")
-    url = spec.get("url") if isinstance(spec, dict) else spec
-    if not isinstance(url, str) or not url:
-        raise invalid(f"{param}.image_url.url", f"'{param}.image_url.url' must be a string URL", "invalid_type")
-    if url.startswith("data:"):
-        try:
-            return ImageRef(param, data=bytes_from_data_url(url))
-        except ImageError as e:
-            raise invalid(f"{param}.image_url.url", str(e), "invalid_image") from None
-    if url.startswith(("http://", "https://")):
-        return ImageRef(param, url=url)
-    raise invalid(f"{param}.image_url.url", "image URLs must be data: URLs (or http(s) when the server allows "
-                  "remote images)", "invalid_image")
 
 
 async def _fetch(ref: ImageRef, max_bytes: int) -> bytes:
@@ -63,13 +36,12 @@ async def _fetch(ref: ImageRef, max_bytes: int) -> bytes:
         raise invalid(ref.param, f"could not fetch {ref.url} ({type(e).__name__})", "invalid_image") from None
 
 
-async def prepare_images(refs: list[ImageRef], engine: Any, allow_remote: bool) -> list[Any]:
+async def prepare_images(refs: list[ImageRef], engine: Engine, allow_remote: bool) -> list[Any]:
     """Bytes → preprocessed :class:`~flashserve.engine.images.ImageInput` per reference, or a 400 naming the
     part. Decoding runs in a worker thread; the vision tower runs later, in the engine."""
     from ..engine.images import ImageError, decode_image, preprocess
 
-    model = engine.model
-    if model.vision is None:
+    if not engine.reads_images:
         raise invalid(refs[0].param, "this model reads text only (no vision tower): remove the images",
                       "unsupported_value")
     limits = engine.image_limits
@@ -86,7 +58,7 @@ async def prepare_images(refs: list[ImageRef], engine: Any, allow_remote: bool) 
             data = await _fetch(ref, limits.max_bytes)
         try:
             img = await asyncio.to_thread(decode_image, data, limits)
-            out.append(await asyncio.to_thread(preprocess, img, model.cfg.vision))
+            out.append(await asyncio.to_thread(preprocess, img, engine.model_config.vision))
         except ImageError as e:
             raise invalid(ref.param, str(e), "invalid_image") from None
     return out

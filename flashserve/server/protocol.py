@@ -449,6 +449,38 @@ def _parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str, str | No
     return tools, mode, forced
 
 
+# the V4.1 tokenizer's image token, one per image (docs/architecture.md#image-span)
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image of a request: a data URL's bytes, or a remote URL to fetch; ``param`` names its part."""
+
+    param: str
+    data: bytes | None = None
+    url: str | None = None
+
+
+def openai_image_part(part: dict[str, Any], param: str) -> ImageRef:
+    """``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL as a string)."""
+    from ..engine.images import ImageError, bytes_from_data_url
+
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise invalid(f"{param}.image_url.url", f"'{param}.image_url.url' must be a string URL", "invalid_type")
+    if url.startswith("data:"):
+        try:
+            return ImageRef(param, data=bytes_from_data_url(url))
+        except ImageError as e:
+            raise invalid(f"{param}.image_url.url", str(e), "invalid_image") from None
+    if url.startswith(("http://", "https://")):
+        return ImageRef(param, url=url)
+    raise invalid(f"{param}.image_url.url", "image URLs must be data: URLs (or http(s) when the server allows "
+                  "remote images)", "invalid_image")
+
+
 def _parse_content(content: Any, param: str, allow_none: bool, images: list | None = None) -> Any:
     """Text of a message's content; image parts (user messages only: ``images`` collects them, in order)
     become the image placeholder in the text."""
@@ -470,8 +502,6 @@ def _parse_content(content: Any, param: str, allow_none: bool, images: list | No
                     raise invalid(f"{pp}.text", f"'{pp}.text' must be a string", "invalid_type")
                 texts.append(part["text"])
             elif ptype in ("image_url", "input_image") and images is not None:
-                from .images import IMAGE_PLACEHOLDER, openai_image_part
-
                 images.append(openai_image_part(part, pp))
                 texts.append(IMAGE_PLACEHOLDER)
             elif isinstance(ptype, str):

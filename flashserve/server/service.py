@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import chat_encoding, images
 from .engine_loop import EngineDeadError, EngineLoop, RequestStream
@@ -15,6 +15,9 @@ from .logprobs import TokenStrings
 from .metrics import ServerMetrics
 from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatRequest, SamplingFields, invalid
 from .stats_log import StatsLogger
+
+if TYPE_CHECKING:
+    from ..engine.interface import Engine
 
 # Special tokens that carry meaning for the chat parsers and therefore stay in chat text.
 _KEEP_IN_CHAT = {chat_encoding.THINK_START, chat_encoding.THINK_END, chat_encoding.DSML, chat_encoding.SYSTEM}
@@ -46,7 +49,7 @@ def _engine_import():
 
 
 class Server:
-    def __init__(self, engine: Any, config: ServerConfig):
+    def __init__(self, engine: Engine, config: ServerConfig):
         self.engine = engine
         self.cfg = config
         self.tokenizer = engine.tokenizer

@@ -1,4 +1,4 @@
-"""DSpark drafter training (spec §5.1-5.2): the stages trained with the backbone frozen.
+"""DSpark drafter training (docs/architecture.md#dspark): the stages trained with the backbone frozen.
 
 :func:`draft_logits` is :meth:`flashserve.model.draft.DSparkStages.draft` with the Markov head's previous
 tokens given (teacher forcing) instead of taken from its own argmax; fed the draft's own greedy tokens it
@@ -72,8 +72,9 @@ def drafter_loss(model, features, ids, target_logits, anchors):
 
 
 def mtp_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """V4 MTP (spec §5.5): the MTP block's logits [B,S-1,V] for token t+2 from the backbone's final streams at t
-    and the token at t+1, and the frozen backbone's logits at t+1 (its own prediction of t+2), as targets."""
+    """V4 MTP (docs/architecture.md#v4-mtp): the MTP block's logits [B,S-1,V] for token t+2 from the backbone's final
+    streams at t and the token at t+1, and the frozen backbone's logits at t+1 (its own prediction of t+2), as
+    targets."""
     with torch.no_grad():
         out = model(ids, return_streams=True)
     logits = model.mtp.logits(model, out.streams[:, :-1], ids[:, 1:])

@@ -407,7 +407,7 @@ def heldout_sample(r: Recipe, stream: torch.Tensor) -> list[list[int]]:
 
 def engine_nll(model_dir: str | Path, chunks: list[list[int]], **engine_options) -> tuple[float, int]:
     """Mean NLL of the chunks' tokens after their first, from the engine's prompt logprobs."""
-    from ..engine.llm import LLM
+    from ..entrypoints.llm import LLM
     from ..engine.sampling_params import SamplingParams
 
     llm = LLM(str(model_dir), **engine_options)
@@ -427,7 +427,8 @@ def greedy_acceptance(model, stream: torch.Tensor, r: Recipe) -> dict:
 
     At each anchor p (context = the true text up to p), t0 is the backbone's argmax; the block [t0, N, N, N, N]
     is drafted; the backbone then reads text + t0 + drafts and the drafts are accepted while they equal its
-    argmax (spec §5.3). Returns the mean accepted drafts per block and per-position acceptance rates."""
+    argmax (docs/architecture.md#dspark). Returns the mean accepted drafts per block and per-position acceptance
+    rates."""
     W = model.cfg.sliding_window
     L = min(r.seq_len, stream.numel() - 1)
     g = _gen(r.seed, 3)

@@ -54,7 +54,7 @@ def greedy_continuations(model_dir: str | Path, prompts: list[list[int]], max_to
                          **engine_options) -> list[list[int]]:
     """Each prompt followed by the served model's greedy continuation of exactly ``max_tokens`` tokens (EOS
     ignored, so every row has the same length)."""
-    from ..engine.llm import LLM
+    from ..entrypoints.llm import LLM
     from ..engine.sampling_params import SamplingParams
 
     llm = LLM(str(model_dir), **engine_options)

@@ -1,8 +1,8 @@
 """Byte-level BPE tokenizer for the embedded default model, trained on the interpreter's standard library.
 
-Ids 0-15 and 16 are the V4.1 special and chat tokens of spec §7 (the tiny presets' numbering: BOS 0, EOS 1,
-PAD 2, ``<｜System｜>`` 3 which is also DSpark's noise token, ... and ``<｜deepseek_image｜>`` 16); then the 256
-byte symbols and the learned merges.
+Ids 0-15 and 16 are the V4.1 special and chat tokens of docs/architecture.md#tokenizer-and-chat-format (the tiny
+presets' numbering: BOS 0, EOS 1, PAD 2, ``<｜System｜>`` 3 which is also DSpark's noise token, ... and
+``<｜deepseek_image｜>`` 16); then the 256 byte symbols and the learned merges.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ SPECIALS[len(SPECIALS)] = (IMAGE_TOKEN, True)
 IMAGE_TOKEN_ID = len(SPECIALS) - 1
 NOISE_TOKEN_ID = 3  # <｜System｜>, as the released model's dspark_noise_token_id (128799 = <｜System｜>)
 
-# the chat template the engine uses for V4.1 checkpoints (add_bos/add_eos off, spec §7)
+# the chat template the engine uses for V4.1 checkpoints (add_bos/add_eos off,
+# docs/architecture.md#tokenizer-and-chat-format)
 TOKENIZER_CONFIG = {
     "add_bos_token": False, "add_eos_token": False, "bos_token": SPECIALS[0][0], "eos_token": SPECIALS[1][0],
     "pad_token": SPECIALS[2][0], "model_max_length": 4096, "tokenizer_class": "PreTrainedTokenizerFast",

@@ -28,7 +28,7 @@ def test_v4_flash_arithmetic():
     a = model_arithmetic(load_config("deepseek-v4-flash"))
     assert round(a.params_total / 1e9) == 284
     assert round(a.params_active_decode / 1e9) == 13
-    assert 3400 < a.kv_bytes_per_token < 3600  # "≈3.5 KB" with FP8 rows (spec §1.3)
+    assert 3400 < a.kv_bytes_per_token < 3600  # "≈3.5 KB" with FP8 rows (docs/architecture.md#deepseek-v4-for-contrast)
 
 
 def test_engram_primes_reproduce_released_table_sizes():

@@ -1,5 +1,5 @@
-"""Image geometry against spec §6.1 / §6.4, on the released vision settings (14-px patches, 3x3 cells,
-min_pixels 544², at most 1024 span tokens)."""
+"""Image geometry against docs/architecture.md#image-preprocessing and #image-span, on the released vision settings
+(14-px patches, 3x3 cells, min_pixels 544², at most 1024 span tokens)."""
 
 import math
 
@@ -12,7 +12,7 @@ V = preset_config("deepseek-v41-flash").vision
 
 
 def spec_span(w: int, h: int) -> int:
-    """The spec's formula, written out: n_llm_h·(n_llm_w + 1) + 2 with n_llm = ceil(ceil(side / 14) / 3)."""
+    """The formula of docs/architecture.md#image-preprocessing, written out: n_llm_h·(n_llm_w + 1) + 2 with n_llm = ceil(ceil(side / 14) / 3)."""
     n_h = math.ceil(math.ceil(h / 14) / 3)
     n_w = math.ceil(math.ceil(w / 14) / 3)
     return n_h * (n_w + 1) + 2

@@ -22,8 +22,8 @@ def test_roundtrip_every_preset(name: str) -> None:
 
 
 def test_v41_flash_matches_released_file() -> None:
-    """Same keys and values as the reconstructed release (spec §1.1), which also pins dtype and the
-    attention_bias / attention_dropout text keys the preset leaves out."""
+    """Same keys and values as the reconstructed release (docs/architecture.md#configuration), which also pins dtype and
+    the attention_bias / attention_dropout text keys the preset leaves out."""
     out = config_to_json(preset_config("deepseek-v41-flash"))
     want = json.loads(json.dumps(PRESET_JSON["deepseek-v41-flash"]))
     assert out.pop("dtype") == "bfloat16"

@@ -8,7 +8,7 @@ import torch
 def use_cuda_buckets(monkeypatch) -> None:
     """Compiled CPU engines made after this take the buckets CUDA gets: no graph of its own for batch 1 (a lone
     request runs padded to 2 rows in the graph every batch shares), so an engine compiles one graph, not two."""
-    from flashserve.engine import decode_step
+    from flashserve.engine.graphs import decode_step
 
     real = decode_step.decode_buckets
     monkeypatch.setattr(decode_step, "decode_buckets", lambda n, one_row_graph=True: real(n, one_row_graph=False))
@@ -49,3 +49,19 @@ def reference_greedy(model, prompt, n):
 def prompt_of(length: int, seed: int, vocab: int = 512) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(16, vocab - 1, (length,), generator=g).tolist()
+
+
+def dynamic_decode(runner):
+    """``runner.decode`` through the dynamic :class:`BatchState` instead of the fixed-shape step: the same logits
+    [B, V] (the reference the fixed step is tested against)."""
+    from flashserve.engine.batch_state import BatchState
+
+    @torch.inference_mode()
+    def decode(seqs):
+        device = runner.device
+        ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], dtype=torch.long, device=device)
+        start = torch.tensor([s.num_computed for s in seqs], dtype=torch.long, device=device)
+        state = BatchState(runner.cache, [s.slot for s in seqs], max(len(s.pages) for s in seqs))
+        return runner.model(ids, state, start=start, logits_rows=1).logits[:, -1]
+
+    return decode

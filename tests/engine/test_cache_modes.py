@@ -125,7 +125,7 @@ def test_sequence_larger_than_cache_finishes_with_length(models):
 @pytest.mark.parametrize("replay", ["exact", "window"])
 def test_encoder_only_prefix_hit_agreement(models, capsys, replay):
     """Encoder-only prefix hits: "exact" replay (encoder depth × window) equals a cold encoder-only run;
-    the spec's one-window rule is approximate: report its agreement."""
+    the serving stacks' one-window rule is approximate: report its agreement."""
     name = "tiny-v41"
     model = models(name)
     base = prompt_of(120, seed=11)

@@ -17,12 +17,12 @@ import re
 import pytest
 import torch
 
-from engine_helpers import make_engine, prompt_of, run_greedy, use_cuda_buckets
+from engine_helpers import dynamic_decode, make_engine, prompt_of, run_greedy, use_cuda_buckets
 from flashserve.config.engram_primes import engram_table_rows
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
 from flashserve.engine import SamplingParams
-from flashserve.engine.graph_call import tensors_within
+from flashserve.engine.graphs.graph_call import tensors_within
 from flashserve.model import cpu_kernels
 from flashserve.model.init import random_init
 from flashserve.model.packed import pack_model, plan
@@ -90,7 +90,7 @@ def test_fixed_step_equals_dynamic_path(models, name, cache_dtype):
     prompts = [prompt_of(n, seed=n) for n in (5, 40, 77)]
     fixed = make_engine(model, name, cache_dtype=cache_dtype)
     dynamic = make_engine(model, name, cache_dtype=cache_dtype)
-    dynamic.runner.decode = dynamic.runner.decode_dynamic
+    dynamic.runner.decode = dynamic_decode(dynamic.runner)
     a_logits, b_logits = _recording(fixed), _recording(dynamic)
     assert run_greedy(fixed, prompts, 12) == run_greedy(dynamic, prompts, 12)
     for a, b in zip(a_logits, b_logits, strict=True):
@@ -111,7 +111,7 @@ def test_fixed_step_picks_packed_index_entries_in_the_kernel_as_the_dynamic_path
     prompts = [prompt_of(n, seed=n) for n in (5, 40, 150)]
     fixed = make_engine(model, "tiny-v41", dtype="float32", cache_dtype="packed")
     dynamic = make_engine(model, "tiny-v41", dtype="float32", cache_dtype="packed")
-    dynamic.runner.decode = dynamic.runner.decode_dynamic
+    dynamic.runner.decode = dynamic_decode(dynamic.runner)
     a_logits, b_logits = _recording(fixed), _recording(dynamic)
     tokens = run_greedy(fixed, prompts, 12)
     made = len(calls)
@@ -279,7 +279,7 @@ def test_inductor_step_equals_eager(caplog):
 def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(monkeypatch):
     """The C++ wrapper (1.4x at batch 1 on the benchmark's checkpoint) for every CPU step inductor compiles,
     except w8a8's, whose kernel op takes a Python object the C++ wrapper cannot pass."""
-    from flashserve.engine import decode_step, graph_call
+    from flashserve.engine.graphs import decode_step, graph_call
 
     seen = []
     monkeypatch.setattr(decode_step.torch, "compile",
@@ -341,7 +341,7 @@ def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(
     CPU by taking the buckets CUDA gets."""
     from torch._dynamo.utils import counters
 
-    from flashserve.engine import decode_step
+    from flashserve.engine.graphs import decode_step
 
     assert decode_step.decode_buckets(16, one_row_graph=False) == [2, 4, 8, 16]
     assert decode_step.decode_buckets(1, one_row_graph=False) == [1]  # one request at most: its own graph
@@ -368,7 +368,7 @@ def test_each_compiled_method_keeps_its_own_graphs(monkeypatch, signature):
     one, two objects whose methods need a graph each still get them. Where ``torch.compile`` has no
     ``isolate_recompiles`` (torch 2.11, as on the lent GPU machines; imitated here) it runs a copy of the
     method's code."""
-    from flashserve.engine import decode_step
+    from flashserve.engine.graphs import decode_step
 
     real, graphs = torch.compile, []
 
@@ -431,7 +431,7 @@ def test_decode_step_does_not_sync_with_the_host(models, name, monkeypatch):
     assert max(sizes) == 3
 
     dynamic = make_engine(models(name, torch.float32), name, dtype="float32")
-    dynamic.runner.decode = _no_host_sync(dynamic.runner.decode_dynamic, monkeypatch)
+    dynamic.runner.decode = _no_host_sync(dynamic_decode(dynamic.runner), monkeypatch)
     with pytest.raises(HostSync):
         run_greedy(dynamic, prompts, 2)
 

@@ -11,7 +11,7 @@ from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
 from flashserve.engine.cache import KVCache
 from flashserve.engine.fixed_state import FixedBatchState
-from flashserve.engine.inductor_passes import SinkInputWrites
+from flashserve.engine.graphs.inductor_passes import SinkInputWrites
 from flashserve.model.state import CacheKey
 
 

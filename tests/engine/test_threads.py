@@ -42,7 +42,7 @@ def test_llm_threads_reach_torch():
 
 
 def test_default_is_one_thread(models):
-    """docs/engine-speed.md: one thread by default, applied even where the process had more."""
+    """docs/engine-speed.md#threads: one thread by default, applied even where the process had more."""
     torch.set_num_threads(2)
     LLMEngine(EngineConfig(model="tiny-v41", num_pages=16), model=models("tiny-v41"))
     assert torch.get_num_threads() == 1

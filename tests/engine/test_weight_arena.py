@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flashserve.engine.graph_call import GraphRecorder
-from flashserve.engine.weight_arena import ALIGN, pack_weights
+from flashserve.engine.graphs.graph_call import GraphRecorder
+from flashserve.engine.graphs.weight_arena import ALIGN, pack_weights
 
 
 class Mixed(nn.Module):
@@ -79,7 +79,7 @@ def test_graph_takes_the_arenas_instead_of_each_weight():
 PEAK = """
 import re, torch
 from torch import nn
-from flashserve.engine.weight_arena import pack_weights
+from flashserve.engine.graphs.weight_arena import pack_weights
 def kb(key):
     return int(re.search(key + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 m = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(8)])  # 8 x 16 MiB

@@ -70,7 +70,7 @@ def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights(
     and up) share one copy. One row (``max_num_seqs=1``) and eager engines make no
     copy. A compiled step keeps the head row-major (inductor's one-row reduction kernels read it faster); only
     an eager step's engine stores it column-major."""
-    from flashserve.engine import decode_step
+    from flashserve.engine.graphs import decode_step
 
     model = _two_layer_model()
     with monkeypatch.context() as m:  # the layouts are chosen before the warm-up: its compile is not needed here

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from flashserve.config import preset_config, read_config_json
-from flashserve.config.layout import FP4, FP8, FP8_TABLE, INT, checkpoint_layout
+from flashserve.config.checkpoint_layout import FP4, FP8, FP8_TABLE, INT, checkpoint_layout
 from flashserve.config.model_config import ModelConfig
 from flashserve.model import checkpoint as ckpt
 from flashserve.model import quant

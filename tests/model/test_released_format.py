@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashserve.config.layout import BF16, FP4, FP8, FP8_TABLE, checkpoint_layout
+from flashserve.config.checkpoint_layout import BF16, FP4, FP8, FP8_TABLE, checkpoint_layout
 from flashserve.model import load_model
 from flashserve.model import quant as q
 from flashserve.model.checkpoint import CheckpointError, save_checkpoint

@@ -1,4 +1,4 @@
-"""V4 / V4.1 components on small hand-checkable cases, for what no oracle covers (spec §10 bug list)."""
+"""V4 / V4.1 components on small hand-checkable cases, for what no oracle covers (docs/architecture.md#classic-bugs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flashserve.config import load_config, preset_config
-from flashserve.config.layout import checkpoint_layout
+from flashserve.config.checkpoint_layout import checkpoint_layout
 from flashserve.config.presets import PRESET_JSON
 from flashserve.model import load_model
 from flashserve.model.attention import candidate_pool

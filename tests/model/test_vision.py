@@ -1,4 +1,4 @@
-"""The vision path against a plain per-patch computation written here from spec §6.1-6.4, and the
+"""The vision path against a plain per-patch computation written here from docs/architecture.md#vision, and the
 preprocessing's pixel layout."""
 
 import math

@@ -128,7 +128,7 @@ def test_w8a8_is_refused_with_tensor_parallelism_before_loading():
 def test_memory_counts_the_kernel_copies():
     """fbgemm keeps its own copy of each matrix: the process grows by what ``kernel_bytes`` says, and
     ``resident_bytes`` and ``flashserve info --memory`` count it."""
-    from flashserve.parallel.layout import Layout
+    from flashserve.config.ranks import Layout
     from flashserve.parallel.memory import rank_memory
 
     # 64 MiB: over glibc's largest mmap threshold (32 MiB), so the copy is fresh pages, not reused heap. Measured in

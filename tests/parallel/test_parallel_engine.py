@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from flashserve.engine.llm import LLM
+from flashserve.entrypoints.llm import LLM
+from flashserve.engine.interface import Engine
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.parallel.executor import WorkerFailure
 
@@ -149,10 +150,10 @@ def test_speculative_decoding_sharded_tokens_equal_one_process():
 
 def _decode_allreduce_bytes(eng) -> float:
     """Attention + MoE all-reduce link bytes per decode step of 4 sequences, measured on rank 0."""
-    start = eng.generation_tokens_total
+    start = eng.stats()["generation_tokens_total"]
     for i in range(4):
         eng.add_request(f"d{i}", [3 + i, 9, 27, 81], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    while eng.generation_tokens_total < start + 4:  # every prompt prefilled: only decode steps from here
+    while eng.stats()["generation_tokens_total"] < start + 4:  # every prompt prefilled: only decode steps from here
         eng.step()
     eng.collective_counters()
     steps = 0
@@ -202,6 +203,7 @@ def test_rejected_request_under_dp_raises_and_engine_keeps_serving(layout):
         with pytest.raises(RequestError, match="prompt"):
             eng.add_request("bad2", [], one)  # group 0 refuses it
         assert eng.failure is None and eng.owner == {"a": 0, "b": 1, "d": 1}
+        assert isinstance(eng, Engine) and not hasattr(eng, "scheduler")  # the interface, nothing forwarded
         done = {}
         while eng.has_unfinished_requests():
             for o in eng.step():

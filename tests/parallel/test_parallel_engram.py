@@ -49,7 +49,7 @@ def test_expert_parallel_rank_reads_only_its_experts(tmp_path, monkeypatch):
     """From a checkpoint, an EP rank reads only its own experts' tensors, and ends with the same weights as a
     rank that loaded everything and then kept its slice."""
     from flashserve.model import checkpoint
-    from flashserve.parallel.layout import Layout
+    from flashserve.config.ranks import Layout
     from flashserve.parallel.shard import keep_rank_experts, shard_model
 
     cfg = load_config("tiny-v41")

@@ -7,7 +7,7 @@ import torch
 
 from flashserve.config import ConfigError, load_config
 from flashserve.model.loader import load_model
-from flashserve.parallel.layout import Layout
+from flashserve.config.ranks import Layout
 from flashserve.parallel.memory import is_split, rank_memory
 from flashserve.parallel.shard import shard_model
 

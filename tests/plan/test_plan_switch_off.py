@@ -1,7 +1,7 @@
 """Per-row costs of a DSpark step and where drafting stops paying.
 
-Hand-computed expectations come from the V4.1 spec (shared/spec/deepseek-v41-flash.md): a 128-row window in all
-40 layers at 528 B a row (FP8 record, §3.2), top-512 selected FP4 entries of 288 B in layers 2-39 (§2.6, §3.1),
+Hand-computed expectations come from docs/architecture.md: a 128-row window in all 40 layers at 528 B a
+row (FP8 record, #kv-cache), top-512 selected FP4 entries of 288 B in layers 2-39 (#layer-roles, #kv-cache),
 index rows of 68 B scanned by the indexers. Published switch-off brackets are in scenarios.PUBLISHED_SWITCH_OFF
 with their sources; docs/plan.md §3 says which are reproduced."""
 

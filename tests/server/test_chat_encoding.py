@@ -1,4 +1,5 @@
-"""The V4.1 DSML prompt encoder (spec §7) on fixed conversations, and the plain fallback template."""
+"""The V4.1 DSML prompt encoder (docs/architecture.md#tokenizer-and-chat-format) on fixed conversations, and the plain
+fallback template."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def ask(client, url: str, text: str = "What is in the picture?", **kw):
 
 
 def span(w: int, h: int) -> int:
-    """Spec §6.4 for images under min_pixels: upscaled by sqrt(544² / (w·h)), then rows·(cols + 1) + 2."""
+    """docs/architecture.md#image-preprocessing for images under min_pixels: upscaled by sqrt(544² / (w·h)), then
+    rows·(cols + 1) + 2."""
     s = math.sqrt(295936 / (w * h))
     W, H = int(w * s), int(h * s)
     return math.ceil(math.ceil(H / 14) / 3) * (math.ceil(math.ceil(W / 14) / 3) + 1) + 2

@@ -49,7 +49,7 @@ def test_tokenizer_ids_match_the_config():
         assert tok.token_to_id(text) == i
         if i in TINY_SPECIALS:
             assert TINY_SPECIALS[i] == (text, special)
-    # <think> and <｜System｜> survive skip_special_tokens (spec §7), BOS does not
+    # <think> and <｜System｜> survive skip_special_tokens (docs/architecture.md#tokenizer-and-chat-format), BOS does not
     assert tok.decode([6, 3, 0], skip_special_tokens=True) == "<think><｜System｜>"
 
 

@@ -2,9 +2,9 @@
 // the FP4 index keys where the paged cache stores them and keeps the best entries as it goes. The step it replaces
 // read the whole cache through the page table, unpacked every key to floats, stored [T] scores, and then took the
 // top-k in about ten passes over them (tiny-v41's compiled step at 32K context: 9.9 ms against 1.6 at 1K on a
-// Zen 3; docs/engine-speed.md).
+// Zen 3; docs/engine-speed.md#the-c-kernels).
 //
-// Semantics, per query row r of sequence b = r / S (spec §2.8):
+// Semantics, per query row r of sequence b = r / S (docs/architecture.md#indexer-and-candidate-pool):
 //   score(j) = sum_h w[r,h] * relu(q[r,h,:] . K_j) * d^-1/2      for entries j < limit[r] (the visible ones)
 //   K_j: record j of the sequence, page table[b, j / epp], slot j % epp: d/2 bytes of E2M1 codes (low nibble
 //        the even dim) and d/32 UE8M0 scales, one per 32 dims.

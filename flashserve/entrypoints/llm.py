@@ -6,16 +6,16 @@ import dataclasses
 import itertools
 from typing import Iterator
 
-from .llm_engine import EngineConfig
-from .sampling_params import SamplingParams
-from .sequence import RequestOutput
+from ..engine.engine_config import EngineConfig
+from ..engine.sampling_params import SamplingParams
+from ..engine.sequence import RequestOutput
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         """``model``: a preset, a checkpoint folder, or None for the embedded default (:mod:`flashserve.models`)."""
         from ..models import resolve_model
-        from ..parallel import create_engine
+        from .engines import create_engine
 
         # LLMEngine unless sharded
         self.engine = create_engine(EngineConfig(model=resolve_model(model), **engine_options))

@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..cli_help import HelpFormatter
-from .options import add_engine_args, engine_config
+from ..engine.options import add_engine_args, engine_config
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C'd command
 
@@ -49,8 +49,8 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     import logging
 
-    from . import preflight
-    from .sampling_params import SamplingParams
+    from ..engine import preflight
+    from ..engine.sampling_params import SamplingParams
 
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -19,16 +19,16 @@ import inspect
 import logging
 import time
 import types
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from ..model.packed import PackedLinear
-from .cache import KVCache
-from .fixed_state import FixedBatchState
+from ...model.packed import PackedLinear
+from ..cache import KVCache
+from ..fixed_state import FixedBatchState
 from .graph_call import CudaGraphCall, DirectCall, GraphRecorder, tensors_within
 from .inductor_passes import SinkInputWrites
+from .step_inputs import StepInputs
 from .weight_arena import pack_weights
 
 log = logging.getLogger("flashserve.engine")
@@ -41,10 +41,10 @@ GRAPHS_PER_STEP = 8
 
 
 def compile_own_graphs(method: Callable, **kwargs) -> Callable:
-    """``torch.compile(method, **kwargs)`` keeping its own cache of at most ``GRAPHS_PER_STEP`` graphs. Torch 2.13
-    says so (``isolate_recompiles``, ``recompile_limit``); older versions have neither (torch 2.11, as on the lent
-    GPU machines), and there the method runs as a copy of its code object, on which dynamo hangs its cache and
-    counts its cap (``torch._dynamo.config.recompile_limit``, 8 by default)."""
+    """``torch.compile(method, **kwargs)`` keeping its own cache of at most ``GRAPHS_PER_STEP`` graphs. Torch 2.13 says
+    so (``isolate_recompiles``, ``recompile_limit``); older versions have neither (torch 2.11), and there the method
+    runs as a copy of its code object, on which dynamo hangs its cache and counts its cap
+    (``torch._dynamo.config.recompile_limit``, 8 by default)."""
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
         return torch.compile(method, recompile_limit=GRAPHS_PER_STEP, isolate_recompiles=True, **kwargs)
     f = method.__func__
@@ -63,24 +63,14 @@ def decode_buckets(max_num_seqs: int, one_row_graph: bool = True) -> list[int]:
     with a dynamic batch dimension; batch 1 is a graph of its own (dynamo specialises a dimension of size 1).
     On the CPU that graph pays: padding one row to 2 would double every matmul, since a 2-row fp32 ``mm`` costs
     1.6-2x a 1-row one (measured: 41 against 66 us for 512x512, 7.4 against 14.6 ms for a 32000x512 LM head).
-    Without ``one_row_graph`` (CUDA) a lone request is padded to 2 rows and every batch runs the one graph:
-    compiling a graph of tiny-v41 took about 6 minutes on the lent H200 machine (torch 2.11, 16 cores; 1 minute
-    of it dynamo's trace, the rest inductor's), so a second graph doubled the start-up."""
+    Without ``one_row_graph`` (CUDA) a lone request is padded to 2 rows and every batch runs the one graph: a
+    cold compile takes minutes there too, so a second graph would double the start-up
+    (docs/engine-speed.md#the-fixed-shape-step)."""
     out, b = ([1] if one_row_graph or max_num_seqs == 1 else []), 2
     while b < max_num_seqs:
         out.append(b)
         b *= 2
     return out + [max_num_seqs] if max_num_seqs > 1 else out
-
-
-@dataclass
-class StepInputs:
-    """One step's host-built metadata as tensors, padded to a bucket."""
-
-    ids: torch.Tensor  # [Bp, R] token ids of the rows to compute
-    start: torch.Tensor  # [Bp] position of each request's first row
-    slots: torch.Tensor  # [Bp] cache slot (padding: the scratch slot)
-    table: torch.Tensor  # [Bp, P] page ids (padding: the scratch page)
 
 
 class DecodeStep:
@@ -100,7 +90,7 @@ class DecodeStep:
         # candidate-pool sizes stay below the read width, so those size checks never flip (and recompile) as a
         # context grows. Only those caches count: sized by V4's HCA caches (one entry a 128-token page), every
         # 16-row step of the engine benchmark's checkpoint read 16 pages where its requests held 2, and scored
-        # 512 index entries a CSA layer for 48 (1.06-1.10x a step, same tokens; docs/engine-speed.md)
+        # 512 index entries a CSA layer for 48 (docs/engine-speed.md#the-fixed-shape-step)
         pool = cfg.candidate_topk_blocks * cfg.candidate_block_size if cfg.candidate_source_layer_id >= 0 else 0
         need = max(cfg.index_topk, pool, 1)
         ratios = cfg.indexed_ratios()
@@ -129,8 +119,8 @@ class DecodeStep:
         options = {}
         if backend == "inductor" and self.cache.device.type == "cpu" and not _python_object_ops(self.model):
             # inductor's C++ wrapper calls the step's kernels and external matmuls from C++ instead of from a
-            # Python function: batch 1 on the benchmark's peers checkpoint 53.5 -> 74 tok/s (2 threads, two
-            # alternating pairs of processes, medians of 5); the first compile of batch 1 alone took 380 s
+            # Python function: about 1.4x at batch 1 on the benchmark's peers checkpoint, for a longer first
+            # compile (docs/engine-speed.md#calling-the-compiled-graph)
             options["cpp_wrapper"] = True
         if backend == "inductor":
             # inductor's wrapper checks every input's sizes and strides at each call (~400 inputs a step:

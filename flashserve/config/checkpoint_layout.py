@@ -1,4 +1,5 @@
-"""The released checkpoint's tensor inventory, derived from a :class:`ModelConfig` (spec §9).
+"""The released checkpoint's tensor inventory, derived from a :class:`ModelConfig`
+(docs/architecture.md#checkpoint-names).
 
 Every tensor of a released-format checkpoint, with its logical (dequantised) shape, its storage kind and
 the part of the model it belongs to. This one list is the contract shared by the model builder (a test

@@ -10,7 +10,7 @@ import torch
 from .weight_arena import regroup_inputs
 
 if TYPE_CHECKING:
-    from .decode_step import StepInputs
+    from .step_inputs import StepInputs
 
 
 class GraphRecorder:
@@ -67,8 +67,7 @@ class DirectCall:
     """One compiled graph called as dynamo's code would call it, for inputs of the shapes it was seen with.
 
     Dynamo's own call costs 0.6-1.0 ms of a 3.4-5.2 ms batch-1 step on the benchmark's peers checkpoint (its
-    guards, and bytecode that gathers the model's 300-400 parameter and cache tensors as the graph's arguments):
-    measured per call, float32 5.19 ms through dynamo against 4.57 calling the graph, int8 4.38 against 3.40.
+    guards, and bytecode that gathers the model's 300-400 parameter and cache tensors as the graph's arguments).
     The arguments other than the step's inputs are the model's and the cache's tensors, which the engine never
     replaces after start-up (the assumption its guards already make: ``skip_guard_on_all_nn_modules_unsafe``).
     """
@@ -132,8 +131,8 @@ class CudaGraphCall:
     the step's inputs into the graph's own, replays, and clones the outputs (the next replay rewrites them).
 
     Recorded by us rather than by inductor's ``triton.cudagraphs``: the compiled graph is then the same with
-    graphs on and off, so inductor's on-disk cache serves both (a cold compile of tiny-v41's step took about
-    6 minutes on the lent H200 machine, torch 2.11). Recording runs nothing, so the cache the step writes is
+    graphs on and off, so inductor's on-disk cache serves both (a cold compile takes minutes;
+    docs/engine-speed.md#cuda-graphs). Recording runs nothing, so the cache the step writes is
     untouched until the first replay; the graph's kernels have run once already (dynamo's call), so nothing is
     tuned or loaded while recording. The graphs of one step share one memory pool: they replay one at a time.
     """
