@@ -43,6 +43,9 @@ class EngineConfig:
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "w8a8" | "fp8" |
     # "mxfp4" pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
     quantization: str | None = None
+    # Eager int8 products through torch's int8 kernel ("aten") or in float chunks ("chunked"); "auto" times both
+    # on this CPU at start-up (flashserve.engine.execution). Process-wide.
+    int8_kernel: str = "auto"
     # Speculative decoding, as vLLM's ``speculative_config``: {"method": "ngram" | "mtp" | "dspark",
     # "num_speculative_tokens": k, ...} (dict or its JSON text; see flashserve.engine.spec_config). None: off.
     speculative_config: dict | str | None = None

@@ -10,22 +10,21 @@ import torch
 
 from ..config import ConfigError
 from ..model.packed import prepare_kernels
-from ..model.weight_layout import column_major_tall_weights, join_int8_rows, prepack_for_rows
 
 from . import preflight
 from .cache import KVCache
 from .detokenizer import IncrementalDetokenizer
 from .engine_config import EngineConfig
+from .execution import plan_execution
 from .guided import Guides
 from .images import ImageInput, ImageLimits, ImageSpan, expand_placeholders, load_images
 from .graphs.decode_step import DecodeStep
 from .model_runner import ModelRunner
-from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sampling_params import QueueFullError, RequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestGroup, RequestOutput, Sequence
 from .spec_config import SpeculativeConfig
-from .speculative import SpecStats, accept, make_drafter, speculation_allowed
+from .speculative import SpecStats, make_drafter, speculation_allowed
 from .threads import set_threads
 from .tokenizer import load_tokenizer, set_engram_token_map
 
@@ -79,27 +78,22 @@ class LLMEngine:
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
-        if eager:  # torch's one-row products over the LM head run ~2x faster column-major (weight_layout); a
-            column_major_tall_weights(self.model)  # compiled CPU step's own products want it row-major (blas)
-        if not eager and self.cache.device.type == "cpu":  # one-row int8 products of one input in one call
-            joined = join_int8_rows(self.model)
-            if joined:
-                log.info("int8 rows of %d weights joined by input for one-row steps", len(joined))
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
-        if not eager and self.cache.device.type == "cpu" and rows > 1:  # several rows: panel copies (blas)
-            packed = prepack_for_rows(self.model)
-            if packed:
-                log.info("panel copies of %d weights for steps of several rows: %s", len(packed), ", ".join(packed))
+        self.plan = plan_execution(self.model, device=self.cache.device.type, compiled=not eager, rows=rows,
+                                   int8_kernel=c.int8_kernel)
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),
                           streams=bool(getattr(self.drafter, "streams", False)))
         if warm_up:  # a sharded engine's ranks warm up together once all are ready (their steps' collectives)
             step.warm_up()
-        self.runner = ModelRunner(self.model, self.cache, step)
+            self.plan.finish()
+            log.info(self.plan.describe())
         self.encoder_only = cfg.is_v41 and not c.exact_prefill
         self.guides = Guides(self.tokenizer, cfg.vocab_size)  # structured outputs (compiled on first use)
         self.generator = torch.Generator(device=self.model.embed.weight.device).manual_seed(c.seed)
+        self.runner = ModelRunner(self.model, self.cache, step, guides=self.guides, generator=self.generator,
+                                  drafter=self.drafter)
         self.groups: dict[str, RequestGroup] = {}
         self.lock = threading.RLock()  # add/abort may come from another thread than step()
         self.prompt_tokens_total = 0
@@ -221,13 +215,8 @@ class LLMEngine:
         """One forward over every decoding sequence's pending token and drafts; each sequence then takes the
         tokens verification emits (just the sampled one without drafts) and what its rejected rows wrote to
         the cache is rolled back."""
-        rows = [[s.tokens[s.num_computed]] + s.draft for s in seqs]
-        R = max(len(r) for r in rows)
-        if R == 1 and self.drafter is None:
-            logits, feats = self.runner.decode(seqs)[:, None], None
-        else:
-            logits, feats = self.runner.verify(seqs, rows)
-        emitted = self._emitted(seqs, logits)
+        R = 1 + max(len(s.draft) for s in seqs)
+        emitted, feats = self.runner.run_decode(seqs)
         kept, starts, counts = [], [], []
         for i, s in enumerate(seqs):
             start, out = s.num_computed, emitted[i]
@@ -253,69 +242,20 @@ class LLMEngine:
         if self.drafter is not None and kept:
             self.drafter.observe([seqs[i] for i in kept], starts, counts, None if feats is None else feats[kept])
 
-    def _emitted(self, seqs: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, dict | None]]]:
-        """(token, logprobs) each sequence emits from its rows of ``logits`` [B, R, V]: verification of its
-        drafts, or one sampled token (batched through the sampler) when it has none."""
-        out: list[list[tuple[int, dict | None]]] = [[] for _ in seqs]
-        plain = [i for i, s in enumerate(seqs) if not s.draft]
-        if plain:
-            lg = logits[plain, 0] if len(plain) < len(seqs) else logits[:, 0]
-            result = sample(lg, [self._sample_row(seqs[i], lg) for i in plain], self.generator)
-            for i, tid, lp in zip(plain, result.token_ids, result.logprobs):
-                out[i] = [(tid, lp)]
-        for i, s in enumerate(seqs):
-            if s.draft:
-                out[i] = [(t, None) for t in accept(logits[i], s.draft, s.params, s.generator or self.generator)]
-        return out
-
     def _prefill(self, prefills: list[tuple[Sequence, int]], touched: dict[str, RequestGroup]) -> None:
-        groups: dict[tuple, list[Sequence]] = {}
-        for seq, n in prefills:  # equal-shape chunks run as one forward
-            want_plp = seq.group.prompt_logprobs is not None and seq.index == 0
-            key = self.runner.prefill_key(seq, n, want_plp)
-            groups.setdefault(key if not want_plp else key + (seq.seq_id,), []).append(seq)
-        to_sample: list[Sequence] = []
-        logits_rows: list[torch.Tensor] = []
-        observed: list[tuple] = []  # (sequence, first position, rows, drafter input), once its next token is known
-        for key, seqs in groups.items():
-            chunk, want_plp = key[0], key[4]
-            want = [self.drafter.prefill_rows(s, s.num_computed, chunk) for s in seqs] if self.drafter else [0]
-            lg, feats = self.runner.prefill(seqs, chunk, all_logits=want_plp, stream_rows=max(want))
-            if feats:
-                F, f = feats
-                for b, s in enumerate(seqs):  # the last rows of the chunk each drafter asks for
-                    c = min(want[b], F)
-                    observed.append((s, s.num_computed + chunk - c, c, f[b:b + 1, F - c:]))
-            if want_plp:
-                lg = self._prompt_logprobs(seqs[0], chunk, lg)
-            if lg is not None:
-                logits_rows.append(lg)
-                to_sample.extend(seqs)
+        sampled, observed = self.runner.run_prefill(prefills)
         for seq, n in prefills:
             seq.num_computed += n
             if seq.num_computed == seq.num_tokens:
                 self.cache.drop_stash(seq.slot)
                 seq.prefill_done = True
             self.scheduler.register(seq)
-        if to_sample:
-            logits = torch.cat(logits_rows, dim=0)
-            rows = [self._sample_row(s, logits) for s in to_sample]
-            result = sample(logits, rows, self.generator)
-            for seq, tid, lp in zip(to_sample, result.token_ids, result.logprobs):
-                self._append(seq, tid, lp)
-                touched[seq.group.request_id] = seq.group
+        for seq, tid, lp in sampled:
+            self._append(seq, tid, lp)
+            touched[seq.group.request_id] = seq.group
         for seq, start, rows, f in observed:
             if not seq.finished:
                 self.drafter.observe([seq], [start], [rows], f)
-
-    def _prompt_logprobs(self, seq: Sequence, chunk: int, lg: torch.Tensor) -> torch.Tensor | None:
-        """Record the prompt logprobs of a chunk's logits [1, chunk, V]; the last row's when it ends the prompt."""
-        group, a = seq.group, seq.num_computed
-        nxt = seq.tokens[a + 1:a + chunk + 1]
-        upto = min(len(nxt), seq.num_prompt - 1 - a)
-        if upto > 0 and len(group.prompt_logprobs) == a + 1:  # not again after a preemption
-            group.prompt_logprobs.extend(prompt_logprobs(lg[0, :upto], nxt[:upto], group.params.prompt_logprobs))
-        return lg[:, -1] if a + chunk == seq.num_tokens else None
 
     def _propose(self) -> None:
         """Draft the next step's tokens for every decoding sequence that may speculate (none while more
@@ -347,15 +287,6 @@ class LLMEngine:
                 continue
             outputs.append(group.make_output())
         return outputs
-
-    def _sample_row(self, seq: Sequence, logits: torch.Tensor) -> SampleRow:
-        """The sampler's view of ``seq``, O(1): no copy of its ids; penalty counts and the structured-output
-        matcher made once, then kept."""
-        if seq.counts is None and seq.params.has_penalties:
-            seq.counts = TokenCounts(seq.prompt_ids, seq.output_view, logits.shape[-1], logits.device)
-        if seq.guide is None and seq.params.constraint is not None:
-            seq.guide = self.guides.guide(seq.params.constraint, seq.params.stop_token_ids)
-        return SampleRow(seq.params, seq.prompt_ids, seq.output_view, seq.generator, seq.counts, seq.guide)
 
     def _append(self, seq: Sequence, tid: int, lp: dict[int, float] | None) -> None:
         p = seq.params

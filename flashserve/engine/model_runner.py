@@ -1,6 +1,7 @@
-"""Runs the scheduled chunks of one step through the model: one decode forward for every decoding sequence
-(B rows × 1 token, or × R rows when drafts are verified), one forward per prefill chunk (V4.1 default:
-encoder-only with decoder bounded replay)."""
+"""Runs the scheduled chunks of one step through the model and samples what they emit: one decode forward for
+every decoding sequence (B rows × 1 token, or × R rows when drafts are verified), one forward per group of
+equal prefill chunks (V4.1 default: encoder-only with decoder bounded replay). Tokens in, tokens out: the
+engine then applies them to its sequences (:class:`~.llm_engine.LLMEngine` owns every change to a sequence)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,24 @@ import torch
 from .batch_state import BatchState
 from .cache import KVCache
 from .graphs.decode_step import DecodeStep
+from .guided import Guides
 from .images import chunk_embeds
+from .sampler import SampleRow, TokenCounts, prompt_logprobs, sample
 from .sequence import Sequence
+from .speculative import accept
+
+Emitted = list[tuple[int, "dict[int, float] | None"]]  # the (token, logprobs) one sequence emits in a step
+
+
 
 
 class ModelRunner:
-    def __init__(self, model, cache: KVCache, decode_step: DecodeStep):
+    def __init__(self, model, cache: KVCache, decode_step: DecodeStep, *, guides: Guides,
+                 generator: torch.Generator, drafter=None):
+        """``guides``: structured-output matchers; ``generator``: the sampler's for requests without a seed;
+        ``drafter``: the speculative drafter whose input features prefill chunks return (None: none)."""
         self.model = model
+        self.guides, self.generator, self.drafter = guides, generator, drafter
         self.capture = decode_step.capture  # layers whose features every forward returns (a drafter's input)
         self.streams = decode_step.streams  # or the final streams (V4 MTP)
         self.cache = cache
@@ -40,6 +52,83 @@ class ModelRunner:
         inp = step.inputs(ids, [s.num_computed for s in seqs], [s.slot for s in seqs], [len(s.pages) for s in seqs])
         logits, feats = step(inp)
         return logits[:len(seqs)], (None if feats is None else feats[:len(seqs)])
+
+    @torch.inference_mode()
+    def run_decode(self, seqs: list[Sequence]) -> tuple[list[Emitted], torch.Tensor | None]:
+        """One forward over each decoding sequence's pending token and its drafts, then what each emits:
+        its drafts' verification, or one sampled token (batched through the sampler) when it has none; and the
+        captured features [B, R, layers, D] for the drafter (or None)."""
+        rows = [[s.tokens[s.num_computed]] + s.draft for s in seqs]
+        if max(len(r) for r in rows) == 1 and self.drafter is None:
+            logits, feats = self.decode(seqs)[:, None], None
+        else:
+            logits, feats = self.verify(seqs, rows)
+        out: list[Emitted] = [[] for _ in seqs]
+        plain = [i for i, s in enumerate(seqs) if not s.draft]
+        if plain:
+            lg = logits[plain, 0] if len(plain) < len(seqs) else logits[:, 0]
+            result = sample(lg, [self.sample_row(seqs[i], lg) for i in plain], self.generator)
+            for i, tid, lp in zip(plain, result.token_ids, result.logprobs):
+                out[i] = [(tid, lp)]
+        for i, s in enumerate(seqs):
+            if s.draft:
+                out[i] = [(t, None) for t in accept(logits[i], s.draft, s.params, s.generator or self.generator)]
+        return out, feats
+
+    def sample_row(self, seq: Sequence, logits: torch.Tensor) -> SampleRow:
+        """The sampler's view of ``seq``, O(1): no copy of its ids; penalty counts and the structured-output
+        matcher made once, then kept."""
+        if seq.counts is None and seq.params.has_penalties:
+            seq.counts = TokenCounts(seq.prompt_ids, seq.output_view, logits.shape[-1], logits.device)
+        if seq.guide is None and seq.params.constraint is not None:
+            seq.guide = self.guides.guide(seq.params.constraint, seq.params.stop_token_ids)
+        return SampleRow(seq.params, seq.prompt_ids, seq.output_view, seq.generator, seq.counts, seq.guide)
+
+    @torch.inference_mode()
+    def run_prefill(self, chunks: list[tuple[Sequence, int]]) -> tuple[list[tuple[Sequence, int, dict | None]],
+                                                                         list[tuple]]:
+        """Compute each ``(sequence, n)`` chunk from the sequence's ``num_computed``, equal chunks in one forward
+        (:meth:`prefill_key`; a chunk that wants prompt logprobs alone, which are recorded in its request
+        group), and sample the next token of every sequence whose chunk completes it, in one sampler call.
+        Returns (sequence, token, logprobs) for those, and (sequence, first position, rows, features) for the
+        drafter: the chunk's last rows its input needs, to observe once the next token is known."""
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq, n in chunks:
+            want_plp = seq.group.prompt_logprobs is not None and seq.index == 0
+            key = self.prefill_key(seq, n, want_plp)
+            groups.setdefault(key if not want_plp else key + (seq.seq_id,), []).append(seq)
+        to_sample: list[Sequence] = []
+        logits_rows: list[torch.Tensor] = []
+        observed: list[tuple] = []
+        for key, seqs in groups.items():
+            chunk, want_plp = key[0], key[4]
+            want = [self.drafter.prefill_rows(s, s.num_computed, chunk) for s in seqs] if self.drafter else [0]
+            lg, feats = self.prefill(seqs, chunk, all_logits=want_plp, stream_rows=max(want))
+            if feats:
+                F, f = feats
+                for b, s in enumerate(seqs):  # the last rows of the chunk each drafter asks for
+                    c = min(want[b], F)
+                    observed.append((s, s.num_computed + chunk - c, c, f[b:b + 1, F - c:]))
+            if want_plp:
+                lg = self._prompt_logprobs(seqs[0], chunk, lg)
+            if lg is not None:
+                logits_rows.append(lg)
+                to_sample.extend(seqs)
+        if not to_sample:
+            return [], observed
+        logits = torch.cat(logits_rows, dim=0)
+        result = sample(logits, [self.sample_row(s, logits) for s in to_sample], self.generator)
+        return list(zip(to_sample, result.token_ids, result.logprobs)), observed
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, chunk: int, lg: torch.Tensor) -> torch.Tensor | None:
+        """Record the prompt logprobs of a chunk's logits [1, chunk, V]; the last row's when it ends the prompt."""
+        group, a = seq.group, seq.num_computed
+        nxt = seq.tokens[a + 1:a + chunk + 1]
+        upto = min(len(nxt), seq.num_prompt - 1 - a)
+        if upto > 0 and len(group.prompt_logprobs) == a + 1:  # not again after a preemption
+            group.prompt_logprobs.extend(prompt_logprobs(lg[0, :upto], nxt[:upto], group.params.prompt_logprobs))
+        return lg[:, -1] if a + chunk == seq.num_tokens else None
 
     def _image_embeds(self, seqs: list[Sequence], n: int) -> torch.Tensor | None:
         """[B, n, D] embeddings of the image-span positions among the next ``n`` of each sequence, or None."""

@@ -25,6 +25,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "cache_dtype": ("packed", "float"),
     "prefix_replay": ("exact", "window"),
     "quantization": QUANTIZATIONS,
+    "int8_kernel": ("auto", "aten", "chunked"),
 }
 
 HELP = {
@@ -54,6 +55,8 @@ HELP = {
                               "width over the TP ranks)",
     "data_parallel_size": "attention data-parallel ranks, each holding whole requests and its own cache "
                           "(needs --enable-expert-parallel)",
+    "int8_kernel": "eager int8 products: torch's int8 kernel (aten), float products a chunk of rows at a time "
+                   "(chunked), or whichever was faster on this CPU when the engine started (auto)",
     "worker_timeout": "seconds a sharded engine waits on a worker before it stops with an error",
     "startup_timeout": "seconds a sharded engine waits at start-up for its workers to join and load their shards",
     "quantization": "pack float weights at load (int8, fp8, mxfp4; w8a8: int8 weights times activations "

@@ -103,7 +103,7 @@ def _check_scalars(c: EngineConfig) -> None:
     if c.prefill_chunk is not None and (not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk: must be an integer >= 1, got {c.prefill_chunk!r}")
     for name, allowed in (("cache_dtype", ("packed", "float")), ("prefix_replay", ("exact", "window")),
-                          ("quantization", QUANTIZATIONS)):
+                          ("quantization", QUANTIZATIONS), ("int8_kernel", ("auto", "aten", "chunked"))):
         v = getattr(c, name)
         if v is not None and v not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}")

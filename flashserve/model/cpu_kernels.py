@@ -94,7 +94,17 @@ def _load(kernel: str, isa: str = "native") -> Callable[..., None] | None:
         log.warning("CPU kernel %s unavailable (%s: %s); using torch's code", kernel, type(e).__name__, e)
         return None
     log.info("CPU kernel %s (%s) ready in %.1f s", kernel, isa, time.perf_counter() - t0)
+    if isa == "native" and kernel not in _BUILT:
+        _BUILT.append(kernel)
     return fn
+
+
+_BUILT: list[str] = []  # native kernels loaded in this process, in order
+
+
+def built() -> list[str]:
+    """The C++ kernels this process has built or loaded from disk (their native builds)."""
+    return list(_BUILT)
 
 
 def _kernel(kernel: str, isa: str) -> Callable[..., None]:

@@ -157,7 +157,7 @@ _SCALE_DTYPES = {FP8: torch.uint8, MXFP4: torch.uint8, INT8: torch.int32, W8A8: 
 
 def _int8pack_pays(rows: int, matrices: int) -> bool:
     """Whether ``torch.ops.aten._weight_int8pack_mm`` is clearly (1.25x) faster than :func:`int8_linear` at
-    ``rows`` rows on this CPU, timed once at import over ``matrices`` 1024x512 matrices (more than one, so the
+    ``rows`` rows on this CPU, timed over ``matrices`` 1024x512 matrices (more than one, so the
     weights stream as in a step: one matrix alone in cache gave either answer from one run to the next). It has
     fast code for AVX-512 only, and even there it is faster than float32 on some CPUs and several times slower on
     others; with AVX2 only it is 3-35x slower."""
@@ -185,12 +185,34 @@ def _int8pack_pays(rows: int, matrices: int) -> bool:
         return 1.25 * kernel < best(lambda q: int8_linear(x, q, bits))
 
 
+_INT8PACK: tuple[bool, bool] | None = None  # (one row, several rows): the engine's plan (use_int8pack), else timed
+_INT8PACK_TIMED: tuple[bool, bool] | None = None
+
+
+def int8pack_pays() -> tuple[bool, bool]:
+    """Whether torch's int8 kernel pays on this CPU at one row (decode at batch 1) and at 16 (a batch), timed
+    once a process (:func:`_int8pack_pays`), when the engine plans its execution or at a model's first eager
+    int8 product, never while a step is traced."""
+    global _INT8PACK_TIMED
+    if _INT8PACK_TIMED is None:
+        _INT8PACK_TIMED = (_int8pack_pays(1, matrices=16), _int8pack_pays(16, matrices=2))
+    return _INT8PACK_TIMED
+
+
+def use_int8pack(one_row: bool, rows: bool) -> None:
+    """Run eager int8 products through torch's int8 kernel at one row / at several rows (process-wide, as the
+    engine's execution plan decides: :mod:`flashserve.engine.execution`)."""
+    global _INT8PACK
+    _INT8PACK = (bool(one_row), bool(rows))
+
+
 def _int8_kernel_ok(x: torch.Tensor) -> bool:
     """Whether ``torch.ops.aten._weight_int8pack_mm`` takes ``x`` (CPU, 16- or 32-bit floats) and pays here at
-    its number of rows (:data:`INT8PACK_PAYS_ONE_ROW`, :data:`INT8PACK_PAYS_ROWS`); :func:`int8_linear` runs otherwise."""
+    its number of rows (:func:`use_int8pack`, :func:`int8pack_pays`); :func:`int8_linear` runs otherwise."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False
-    return INT8PACK_PAYS_ONE_ROW if x.numel() == x.shape[-1] else INT8PACK_PAYS_ROWS
+    one_row, rows = _INT8PACK or int8pack_pays()
+    return one_row if x.numel() == x.shape[-1] else rows
 
 
 # int8 rows are decoded this many values at a time by int8_linear: 2 MB of float32, which stays in cache
@@ -222,10 +244,6 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> t
     parts = [blas.linear(x, q[i:i + rows].to(x.dtype)) for i in range(0, q.shape[0], rows)]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return y * scale_bits.view(torch.float32).to(x.dtype)
-
-
-# measured once at import, not while a step is traced: one row (decode at batch 1), and 16 (a batch)
-INT8PACK_PAYS_ONE_ROW, INT8PACK_PAYS_ROWS = _int8pack_pays(1, matrices=16), _int8pack_pays(16, matrices=2)
 
 
 E2M1_TABLE = "packed.e2m1_bits"  # name's end of the computed E2M1 table buffers

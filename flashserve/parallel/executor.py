@@ -332,6 +332,8 @@ class ShardedEngine:
         with self.local.lock:  # every rank's first steps together (their collectives), before serving
             _, replies = self._command(("warm_up",), self.local.runner.decode_step.warm_up)
             self._check(replies, "warming up")
+        self.local.plan.finish()
+        log.info(self.local.plan.describe())
         self._log_startup()
         # workers told to stop at exit or when this engine is collected (torchrun sees them exit 0), not left
         # waiting; a finalizer, not atexit.register(self.shutdown), so the engine is not kept alive until exit

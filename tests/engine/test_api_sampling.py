@@ -3,7 +3,8 @@
 import pytest
 
 from engine_helpers import make_engine
-from flashserve.engine import LLM, QueueFullError, RequestError, SamplingParams
+from flashserve import LLM
+from flashserve.engine import QueueFullError, RequestError, SamplingParams
 from flashserve.engine.detokenizer import IncrementalDetokenizer
 from flashserve.engine.tokenizer import load_tokenizer
 

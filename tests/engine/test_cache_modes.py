@@ -50,7 +50,7 @@ def _first_logits_and_tokens(engine, prompts, n):
         firsts.append(logits.detach().clone())
         return orig(logits, rows, gen)
 
-    import flashserve.engine.llm_engine as le
+    import flashserve.engine.model_runner as le  # where the step samples
 
     le.sample = spy
     try:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import make_engine, prompt_of, run_greedy
-from flashserve.engine import LLM, RequestError, SamplingParams
+from flashserve import LLM
+from flashserve.engine import RequestError, SamplingParams
 
 V41 = "tiny-v41"
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from flashserve.cli import build_parser, main
-from flashserve.engine import LLM, EngineConfig, LLMEngine
+from flashserve import LLM
+from flashserve.engine import EngineConfig, LLMEngine
 from flashserve.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -106,14 +106,13 @@ def test_each_packed_expert_path_equals_float_experts_of_its_weights(fmt, rows, 
 
 @pytest.mark.parametrize("pays,kernel", [(False, False), (True, True)])
 def test_int8_rows_decode_in_chunks_unless_torchs_int8_kernel_pays(pays, kernel, monkeypatch):
-    """Where torch's int8 kernel is slower (no AVX-512, or measured so at import) int8 rows are converted a
+    """Where torch's int8 kernel is slower (no AVX-512, or measured so) int8 rows are converted a
     chunk at a time (here 3 rows of 64 columns: 7 chunks and a partial one), each chunk's products scaled by
     its rows' scales; where it pays, ``_weight_int8pack_mm`` runs."""
     from flashserve.model import packed as packed_mod
     from flashserve.model.packed import ROW_INT8
 
-    monkeypatch.setattr(packed_mod, "INT8PACK_PAYS_ONE_ROW", pays)
-    monkeypatch.setattr(packed_mod, "INT8PACK_PAYS_ROWS", pays)
+    monkeypatch.setattr(packed_mod, "_INT8PACK", (pays, pays))
     monkeypatch.setattr(packed_mod, "INT8_CHUNK_VALUES", 3 * 64)
     calls = []
     real = torch.ops.aten._weight_int8pack_mm

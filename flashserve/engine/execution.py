@@ -1,0 +1,80 @@
+"""The execution plan: how this engine's steps run, decided once at start-up and logged.
+
+:func:`plan_execution` looks at the machine and the loaded model once: the device, whether decode steps are
+compiled, the CPU's vector ISA, the weight format of every module, which of torch's int8 kernels pays on this
+CPU (timed here, or given: ``int8_kernel``), and it lays out again the weights that the chosen path reads in
+another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
+CPU steps). :meth:`ExecutionPlan.finish` adds the C++ kernels the warm-up step built. The engine logs
+:meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model import cpu_kernels, packed
+from ..model.weight_layout import column_major_tall_weights, join_int8_rows, prepack_for_rows
+
+log = logging.getLogger("flashserve.engine")
+
+INT8_KERNEL_CHOICES = ("auto", "aten", "chunked")
+
+
+@dataclass
+class ExecutionPlan:
+    device: str  # "cpu" | "cuda"
+    compiled: bool  # decode steps through torch.compile (False: eager)
+    isa: str  # torch's CPU capability ("AVX512", "AVX2", ...); "" on a GPU
+    formats: dict[str, int]  # weight format -> modules stored in it
+    int8_aten: tuple[bool, bool]  # eager int8 products through torch's int8 kernel: at one row, at several rows
+    int8_source: str  # "measured" | "given"
+    relayouts: dict[str, list[str]] = field(default_factory=dict)  # what was laid out again -> the weights
+    kernels: list[str] = field(default_factory=list)  # C++ kernels built (or loaded) by the warm-up
+
+    def finish(self) -> None:
+        """Record the C++ kernels the model's first steps built (call after the warm-up)."""
+        self.kernels = cpu_kernels.built()
+
+    def describe(self) -> str:
+        formats = ", ".join(f"{n} {f}" for f, n in sorted(self.formats.items())) or "float"
+        int8 = "torch's int8 kernel" if any(self.int8_aten) else "chunked float products"
+        if self.int8_aten[0] != self.int8_aten[1]:
+            int8 = f"torch's int8 kernel at {'one row' if self.int8_aten[0] else 'several rows'} only"
+        lines = [f"execution plan: {self.device}{' ' + self.isa if self.isa else ''}, decode "
+                 f"{'compiled' if self.compiled else 'eager'}; weights: {formats}"]
+        if any(f.split()[0] in packed.INT8_ROWS for f in self.formats):
+            lines.append(f"  eager int8 products: {int8} ({self.int8_source})")
+        for what, names in self.relayouts.items():
+            if names:
+                lines.append(f"  {what}: {len(names)} weights")
+        lines.append(f"  C++ kernels: {', '.join(self.kernels) if self.kernels else 'none'}")
+        return "\n".join(lines)
+
+
+def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel: str = "auto") -> ExecutionPlan:
+    """Decide how ``model``'s steps run on ``device`` and lay out the weights that path reads; ``rows``: the most
+    rows a decode step computes (sequences x verified tokens). ``int8_kernel``: "auto" times torch's int8
+    kernel against chunked float products on this CPU (once a process), "aten" or "chunked" chooses."""
+    if int8_kernel not in INT8_KERNEL_CHOICES:
+        raise ValueError(f"int8_kernel must be one of {', '.join(INT8_KERNEL_CHOICES)}, got {int8_kernel!r}")
+    formats = Counter(m.packed.fmt.name for m in model.modules() if isinstance(m, packed.PackedLinear))
+    formats.update(f"{m.w1_packed.fmt.name} experts" for m in model.modules() if isinstance(m, packed.PackedExperts))
+    if int8_kernel == "auto":
+        int8_aten = packed.int8pack_pays() if device == "cpu" else (False, False)
+    else:
+        int8_aten = (int8_kernel == "aten",) * 2
+    packed.use_int8pack(*int8_aten)
+    plan = ExecutionPlan(device=device, compiled=compiled,
+                         isa=torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
+                         formats=dict(formats), int8_aten=int8_aten,
+                         int8_source="measured" if int8_kernel == "auto" else "given")
+    if not compiled:  # torch's one-row products over the LM head run ~2x faster column-major
+        plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
+    elif device == "cpu":  # a compiled CPU step's own products want them row-major (blas)
+        plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
+        if rows > 1:
+            plan.relayouts["panel copies for several rows"] = prepack_for_rows(model)
+    return plan
