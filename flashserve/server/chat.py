@@ -59,7 +59,7 @@ class ChatCall:
             c.lp_entries.extend(entries)
         if co.finish_reason is None:
             return delta, entries, None
-        tail = c.parser.finish()
+        tail = c.parser.finish(truncated=co.finish_reason != "stop")  # cut off: no half tag, no half call
         delta.reasoning += tail.reasoning
         delta.content += tail.content
         delta.tool_calls += tail.tool_calls
@@ -115,8 +115,10 @@ def _delta_chunk(call: ChatCall, index: int, delta: Delta, entries: list[dict]) 
             "finish_reason": None}
 
 
-def _finish_choice(index: int, finish: str, stop_reason: Any) -> dict[str, Any]:
-    return {"index": index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+def _finish_choice(call: ChatCall, index: int, finish: str, stop_reason: Any) -> dict[str, Any]:
+    # the role chunk's content is null; an answer that is "" in the whole response says so here
+    delta = {"content": ""} if call.choices[index].parser.result()[1] == "" else {}
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
 
 
 async def _chat_chunks(call: ChatCall) -> AsyncIterator[str]:
@@ -125,7 +127,7 @@ async def _chat_chunks(call: ChatCall) -> AsyncIterator[str]:
     base = {"id": call.rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": call.model}
     extra = {"usage": None} if req.include_usage else {}
     for c in call.choices:
-        yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+        yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": None},
                                         "logprobs": None, "finish_reason": None}], **extra})
     async for _, out in merged_outputs([call.stream]):
         for co in out.outputs:
@@ -139,12 +141,12 @@ async def _chat_chunks(call: ChatCall) -> AsyncIterator[str]:
                     chunk["usage"] = usage(len(call.prompt_ids), call.completion_tokens)
                 yield sse(chunk)
             if finish is not None:
-                yield sse({**base, "choices": [_finish_choice(co.index, finish, call.choices[co.index].stop_reason)],
-                           **extra})
+                fin = _finish_choice(call, co.index, finish, call.choices[co.index].stop_reason)
+                yield sse({**base, "choices": [fin], **extra})
     for c in call.choices:
         if not c.done:
             c.done, c.finish_reason = True, "abort"
-            yield sse({**base, "choices": [_finish_choice(c.index, "abort", None)], **extra})
+            yield sse({**base, "choices": [_finish_choice(call, c.index, "abort", None)], **extra})
     if req.include_usage:
         yield sse({**base, "choices": [], "usage": usage(len(call.prompt_ids), call.completion_tokens)})
 

@@ -7,9 +7,12 @@ The same :class:`ChatOutputParser` serves streaming (``feed`` each delta, then `
   ``</think>`` at all, everything is reasoning.
 * Tool calls (only when the request declared tools): a ``<｜DSML｜ calls>`` block of
   ``<｜DSML｜ invoke name="…">`` elements with ``<｜DSML｜ parameter name="…" string="true|false">v</…>``
-  children. ``string="false"`` values are JSON. Arguments are streamed as JSON text fragments whose
-  concatenation is exactly the non-streamed ``arguments`` string (``json.dumps`` of the parameter dict).
-  The V4 spelling (``<｜DSML｜tool_calls>``, no space) is accepted as well.
+  children. ``string="false"`` values are JSON. A call is reported once its ``</｜DSML｜ invoke>`` closes: one
+  delta with its id, name and whole ``arguments`` (``json.dumps`` of the parameter dict), the same string the
+  non-streamed call carries. The V4 spelling (``<｜DSML｜tool_calls>``, no space) is accepted as well.
+* Cut off (``finish`` with ``truncated``, or any unfinished DSML element at the end): markup never becomes
+  content; a call whose invoke did not close is dropped, not reported with made-up arguments. Nothing of such a
+  call was streamed, so streamed and whole answers still agree.
 """
 
 from __future__ import annotations
@@ -95,15 +98,19 @@ class ChatOutputParser:
     REASONING, CONTENT, CALLS, INVOKE, DONE = range(5)
 
     def __init__(self, thinking: bool, parse_tools: bool):
+        self.thinking = thinking
         self.parse_tools = parse_tools
         self.state = self.REASONING if thinking else self.CONTENT
         self.buf = ""
         self._reasoning: list[str] = []  # pieces, joined once by ``result`` (``+=`` copies per feed)
         self._content: list[str] = []
-        self.tool_calls: list[ToolCall] = []
+        self.tool_calls: list[ToolCall] = []  # complete calls only
+        self._call: ToolCall | None = None  # the call being read: reported when its invoke closes
         self._n_params = 0
         self._saw_think_end = False
         self._after_text = False
+        self._truncated = False
+        self._calls_begun = False  # a calls block began (maybe cut off before any call completed)
 
     # -- output accumulation -------------------------------------------------------------------------------
     @property
@@ -124,17 +131,21 @@ class ChatOutputParser:
             self._content.append(text)
             d.content += text
 
-    def _emit_args(self, d: Delta, text: str) -> None:
-        call = self.tool_calls[-1]
-        call.arguments += text
-        d.tool_calls.append({"index": call.index, "function": {"arguments": text}})
+    def _emit_call(self, d: Delta, call: ToolCall) -> None:
+        call.index = len(self.tool_calls)
+        self.tool_calls.append(call)
+        d.tool_calls.append({"index": call.index, "id": call.id, "type": "function",
+                             "function": {"name": call.name, "arguments": call.arguments}})
 
     # -- parsing -------------------------------------------------------------------------------------------
     def feed(self, text: str) -> Delta:
         self.buf += text
         return self._run(final=False)
 
-    def finish(self) -> Delta:
+    def finish(self, truncated: bool = False) -> Delta:
+        """The end of the text. An unfinished calls tag at the end (``<｜DSML｜ ca``...) is withheld; a lone ``<``
+        only when ``truncated`` (cut off by ``max_tokens`` or an abort: it may have been such a tag's start)."""
+        self._truncated = truncated
         return self._run(final=True)
 
     def _run(self, final: bool) -> Delta:
@@ -164,12 +175,17 @@ class ChatOutputParser:
                     self._emit_content(d, buf[:m.start()].rstrip())
                     self.buf = buf[m.end():]
                     self.state = self.CALLS
+                    self._calls_begun = True
                     continue
+                keep = _partial_suffix(buf, _CALLS_OPEN_LITERALS)
                 if final:
+                    tail = buf[len(buf) - keep:]
+                    if keep and (self._truncated or len(tail) > 1):  # an unfinished calls tag is not content
+                        buf = buf[:len(buf) - keep].rstrip()
+                        self._calls_begun = True
                     self._emit_content(d, buf)
                     self.buf = ""
                     return d
-                keep = _partial_suffix(buf, _CALLS_OPEN_LITERALS)
                 head = buf[:len(buf) - keep]
                 stripped = head.rstrip()  # hold trailing whitespace back: it may precede a calls block
                 self._emit_content(d, stripped)
@@ -182,10 +198,7 @@ class ChatOutputParser:
                     return d
                 m = _INVOKE_OPEN.match(buf)
                 if m:
-                    call = ToolCall(index=len(self.tool_calls), id=new_tool_call_id(), name=m.group(1))
-                    self.tool_calls.append(call)
-                    d.tool_calls.append({"index": call.index, "id": call.id, "type": "function",
-                                         "function": {"name": call.name, "arguments": ""}})
+                    self._call = ToolCall(index=-1, id=new_tool_call_id(), name=m.group(1))
                     self._n_params = 0
                     self.buf = buf[m.end():]
                     self.state = self.INVOKE
@@ -195,11 +208,13 @@ class ChatOutputParser:
                     self.buf = buf[m.end():]
                     self.state = self.DONE
                     continue
-                if not final and _waiting(buf, _BLOCK_OPENERS):
+                if _waiting(buf, _BLOCK_OPENERS):
+                    if final:  # cut off inside a tag: markup, not content
+                        self.buf = ""
                     return d
                 # not DSML: keep it as content rather than lose it
                 j = buf.find("<", 1)
-                junk = buf if j < 0 or final else buf[:j]
+                junk = buf if j < 0 else buf[:j]
                 self._emit_content(d, junk)
                 self.buf = buf[len(junk):]
                 continue
@@ -210,19 +225,22 @@ class ChatOutputParser:
                 if m:
                     key = json.dumps(m.group(1), ensure_ascii=False)
                     val = json.dumps(_param_value(m.group(3), m.group(2)), ensure_ascii=False)
-                    self._emit_args(d, ("{" if self._n_params == 0 else ", ") + f"{key}: {val}")
+                    self._call.arguments += ("{" if self._n_params == 0 else ", ") + f"{key}: {val}"
                     self._n_params += 1
                     self.buf = buf[m.end():]
                     continue
                 m = _INVOKE_CLOSE.match(buf)
-                if m or final:
-                    self._emit_args(d, "}" if self._n_params else "{}")
-                    if m:
-                        self.buf = buf[m.end():]
-                        self.state = self.CALLS
-                    else:  # cut off inside the call: drop the unfinished element, keep the JSON valid
-                        self.buf = ""
-                        self.state = self.DONE
+                if m:
+                    self._call.arguments += "}" if self._n_params else "{}"
+                    self._emit_call(d, self._call)
+                    self._call = None
+                    self.buf = buf[m.end():]
+                    self.state = self.CALLS
+                    continue
+                if final:  # cut off inside the call: no call rather than one with arguments it never finished
+                    self._call = None
+                    self.buf = ""
+                    self.state = self.DONE
                     continue
                 if not buf or _waiting(buf, _INVOKE_OPENERS):
                     return d
@@ -245,13 +263,18 @@ class ChatOutputParser:
         """(reasoning_content, content, tool_calls) after ``finish``."""
         reasoning, content = self.reasoning, self.content
         reasoning = reasoning if (reasoning or self._saw_think_end) else None
-        content = content if content else (None if (self.tool_calls or reasoning) else "")
+        # no answer text: null beside tool calls or a calls block cut off before its first call, after reasoning,
+        # and when cut off inside the reasoning; "" is an empty plain answer
+        cut_in_reasoning = self.thinking and not self._saw_think_end
+        null = self.tool_calls or self._calls_begun or reasoning or cut_in_reasoning
+        content = content if content else (None if null else "")
         return reasoning, content, [c.to_openai() for c in self.tool_calls]
 
 
-def parse_chat_output(text: str, thinking: bool, parse_tools: bool) -> tuple[str | None, str | None, list[dict]]:
+def parse_chat_output(text: str, thinking: bool, parse_tools: bool,
+                      truncated: bool = False) -> tuple[str | None, str | None, list[dict]]:
     """Whole-text convenience wrapper: (reasoning_content, content, tool_calls)."""
     p = ChatOutputParser(thinking, parse_tools)
     p.feed(text)
-    p.finish()
+    p.finish(truncated)
     return p.result()

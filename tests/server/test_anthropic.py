@@ -108,8 +108,13 @@ def test_errors_in_anthropic_shape(server, client):
         client.messages.create(model=MODEL, max_tokens=0, messages=MSGS)
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in e.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model="no-such-model", max_tokens=4, messages=MSGS)
+    for call in (lambda **kw: client.messages.create(max_tokens=4, **kw), client.messages.count_tokens):
+        with pytest.raises(anthropic.NotFoundError) as e:  # an unknown model: 404, as Anthropic answers it
+            call(model="no-such-model", messages=MSGS)
+        assert e.value.status_code == 404 and e.value.body["type"] == "error"
+        err = e.value.body["error"]
+        assert err["type"] == "not_found_error" and "no-such-model" in err["message"]
+    assert client.messages.create(model=MODEL, max_tokens=1, messages=MSGS).usage.output_tokens == 1  # serving on
     with pytest.raises(anthropic.AuthenticationError) as e:
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model=MODEL, max_tokens=4, messages=MSGS)

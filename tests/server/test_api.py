@@ -11,9 +11,11 @@ import asyncio
 import json
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from flashserve.server.chat_encoding import encode_v41
 
@@ -69,11 +71,13 @@ def test_chat_nonstream_usage_matches_encoder(client, tokenizer):
 
 
 def test_chat_mode_chosen_per_request(client, tokenizer):
-    """thinking on/off and reasoning_effort change the prompt exactly as the V4.1 encoder says."""
+    """thinking on/off and reasoning_effort change the prompt exactly as the V4.1 encoder says (the released
+    budgets: low 50, high 75, max 100; default high)."""
     cases = [
-        ({}, dict(thinking=True)),  # server default: thinking
-        ({"chat_template_kwargs": {"thinking": True}}, dict(thinking=True)),
-        ({"reasoning_effort": "low"}, dict(thinking=True, reasoning_effort=25)),
+        ({}, dict(thinking=True, reasoning_effort=75)),  # server default: thinking, effort high
+        ({"chat_template_kwargs": {"thinking": True}}, dict(thinking=True, reasoning_effort=75)),
+        ({"reasoning_effort": "low"}, dict(thinking=True, reasoning_effort=50)),
+        ({"reasoning_effort": "high"}, dict(thinking=True, reasoning_effort=75)),
         ({"reasoning_effort": "max"}, dict(thinking=True, reasoning_effort=100)),
         ({"reasoning_effort": "none"}, dict(thinking=False)),
         ({"chat_template_kwargs": {"thinking": False}}, dict(thinking=False)),
@@ -84,7 +88,7 @@ def test_chat_mode_chosen_per_request(client, tokenizer):
     for extra, kw in cases:
         r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=1, extra_body=extra)
         assert r.usage.prompt_tokens == n_prompt(tokenizer, MSGS, **kw), extra
-    low = n_prompt(tokenizer, MSGS, thinking=True, reasoning_effort=25)
+    low = n_prompt(tokenizer, MSGS, thinking=True, reasoning_effort=50)
     off = n_prompt(tokenizer, MSGS, thinking=False)
     assert low > off  # the effort line is really there
 
@@ -289,6 +293,120 @@ def test_tool_call_round_trip(client, tokenizer):
         json.loads(a)
 
 
+# ------------------------------------------------------------------------------------------------- cut-off calls
+
+CITY_TOOL = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+# (system, user) prompts whose greedy reasoning on tiny-v41 ends early enough to reach the call; the system
+# text right after the effort line keeps other tests' prompts from sharing a cached page with these (a prefix
+# computed from the cache may differ in the last bits and so change a greedy reply of random weights)
+CUT_PROMPTS = [("Be brief.", "Weather in London?"), ("Use the tool.", "Weather in Rome?"),
+               ("Call tools.", "Weather in London?")]
+
+
+def _forced(prompt: tuple[str, str], thinking: bool, max_tokens: int) -> dict:
+    """A greedy chat request that must call get_weather (the same reply on each API)."""
+    return dict(model=MODEL, messages=[{"role": "system", "content": prompt[0]},
+                                       {"role": "user", "content": prompt[1]}],
+                tools=CITY_TOOL, tool_choice="required", max_tokens=max_tokens, temperature=0,
+                extra_body={"chat_template_kwargs": {"thinking": thinking}})
+
+
+_BLOCK_CUTS: dict[bool, tuple[tuple[str, str], list[int]]] = {}
+
+
+def block_cuts(client, thinking: bool) -> tuple[tuple[str, str], list[int]]:
+    """A prompt whose greedy forced call gets to its parameter, and three max_tokens values that end the reply
+    inside the calls block: in its opening tag, in the invoke tag, and in the parameter tag (the invoke tag
+    complete, the call not). Found once per thinking mode, from the raw tokens (logprobs)."""
+    if thinking in _BLOCK_CUTS:
+        return _BLOCK_CUTS[thinking]
+    seen = []
+    for prompt in CUT_PROMPTS:
+        r = client.chat.completions.create(logprobs=True, **_forced(prompt, thinking, 100 if thinking else 60))
+        toks = [t.token for t in r.choices[0].logprobs.content]
+        seen.append("".join(toks))
+        prefixes = ["".join(toks[:n]) for n in range(len(toks) + 1)]
+        start = prefixes[-1].find("<｜DSML｜ calls>", prefixes[-1].find("</think>") if thinking else 0)
+        if start < 0:
+            continue
+
+        def first(cond):
+            return next((n for n, p in enumerate(prefixes) if len(p) > start and cond(p[start:])), None)
+
+        cuts = [first(lambda b: "DSML" in b), first(lambda b: 'invoke name="' in b),
+                first(lambda b: 'name="city"' in b)]
+        if None not in cuts:
+            _BLOCK_CUTS[thinking] = (prompt, cuts)
+            return prompt, cuts
+    pytest.fail(f"no greedy forced call (thinking={thinking}) of {CUT_PROMPTS} got to its parameter: {seen}")
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_tool_call_cut_off_by_max_tokens(server, client, thinking):
+    """A forced call cut off by max_tokens, anywhere in the calls block: no DSML markup in content (whole or
+    any streamed delta), no call reported (none was complete: never one with made-up arguments), content null,
+    finish_reason "length"; streamed equals whole, and /v1/messages (whole and streamed) says the same."""
+    ant = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    prompt, cuts = block_cuts(client, thinking)
+    for max_tokens in cuts:
+        kw = _forced(prompt, thinking, max_tokens)
+        r = client.chat.completions.create(logprobs=True, **kw)
+        raw = "".join(t.token for t in r.choices[0].logprobs.content)
+        assert "｜DSML｜" in raw and "</｜DSML｜ invoke>" not in raw  # cut in the block, before a call ended
+        ch = r.choices[0]
+        assert ch.finish_reason == "length", max_tokens
+        assert ch.message.content is None and not ch.message.tool_calls, (max_tokens, ch.message)
+
+        content, calls, finish = None, {}, None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                d = c.delta
+                if d.content is not None:  # accumulated as the openai client does
+                    assert "DSML" not in d.content and "｜" not in d.content
+                    content = (content or "") + d.content
+                for tc in d.tool_calls or []:
+                    calls.setdefault(tc.index, []).append(tc)
+                finish = c.finish_reason or finish
+        assert (content, calls, finish) == (None, {}, "length"), max_tokens
+
+        body = dict(model=MODEL, max_tokens=max_tokens, system=prompt[0], messages=kw["messages"][1:],
+                    extra_body={"temperature": 0},
+                    tools=[{"name": "get_weather", "description": "Weather for a city",
+                            "input_schema": CITY_TOOL[0]["function"]["parameters"]}], tool_choice={"type": "any"},
+                    thinking={"type": "enabled", "budget_tokens": 1024} if thinking else {"type": "disabled"})
+        m = ant.messages.create(**body)
+        with ant.messages.stream(**body) as s:
+            texts = [e.text for e in s if e.type == "text"]
+            final = s.get_final_message()
+        for msg in (m, final):
+            assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == max_tokens
+            assert [b.type for b in msg.content] == (["thinking"] if thinking else []), (max_tokens, msg.content)
+            if thinking:
+                assert msg.content[0].thinking == ch.message.reasoning_content
+        assert texts == []
+    ant.close()
+
+
+def test_cut_inside_reasoning_content_is_null(client):
+    """A reply cut off inside its reasoning has content null, whole and streamed (as the official client
+    accumulates a stream), with tools declared or not."""
+    for tools in ({}, {"tools": CITY_TOOL}, {"tools": CITY_TOOL, "tool_choice": "required"}):
+        kw = dict(model=MODEL, messages=MSGS, max_tokens=4, seed=1, **tools,
+                  extra_body={"ignore_eos": True, "chat_template_kwargs": {"thinking": True}})
+        r = client.chat.completions.create(logprobs=True, **kw)
+        ch = r.choices[0]
+        assert "</think>" not in "".join(t.token for t in ch.logprobs.content)  # still reasoning at the cut
+        assert ch.finish_reason == "length" and (ch.message.model_extra or {}).get("reasoning_content")
+        assert ch.message.content is None and not ch.message.tool_calls
+        state = ChatCompletionStreamState()
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            state.handle_chunk(chunk)
+        final = state.current_completion_snapshot
+        assert final.choices[0].finish_reason == "length" and final.choices[0].message.content is None
+
+
 # ------------------------------------------------------------------------------------------------- tokenize
 
 def test_tokenize_endpoint(server, tokenizer):
@@ -297,6 +415,34 @@ def test_tokenize_endpoint(server, tokenizer):
     assert r["count"] == n_prompt(tokenizer, MSGS, thinking=False)
     r = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()
     assert r["tokens"] == tokenizer.encode("Hello world")
+
+
+EFFORT_LINE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+
+
+@pytest.mark.parametrize("name,budget", [(None, 75), ("minimal", 50), ("low", 50), ("medium", 75), ("high", 75),
+                                         ("xhigh", 75), ("max", 100)])
+def test_reasoning_effort_renders_the_released_budgets(server, name, budget):
+    """The released V4.1 encoder's table (low 50, high 75, max 100; default high) is the server's default."""
+    body = {"model": MODEL, "messages": MSGS, **({"reasoning_effort": name} if name else {})}
+    prompt = httpx.post(server.url + "/tokenize", json=body).json()["prompt"]
+    assert prompt.startswith("<｜begin▁of▁sentence｜><｜System｜>" + EFFORT_LINE.format(budget) + "You are terse.")
+
+
+def test_tokenizer_info_endpoint(server, tokenizer):
+    """vLLM's GET /tokenizer_info: what lm-eval's remote tokenizer reads (the special-token strings, which
+    /tokenize turns into the tokenizer's BOS and EOS ids) and tokenizer_config.json's other fields."""
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert isinstance(info["tokenizer_class"], str) and info["model_max_length"] == 4096
+    assert info["add_bos_token"] is False and info["add_eos_token"] is False
+    for field, token_id in (("bos_token", tokenizer.bos_token_id), ("eos_token", tokenizer.eos_token_id)):
+        r = httpx.post(server.url + "/tokenize", json={"prompt": info[field], "add_special_tokens": False}).json()
+        assert r["tokens"] == [token_id], field
+        assert httpx.post(server.url + "/detokenize", json={"tokens": [token_id]}).json()["prompt"] == info[field]
+    assert tokenizer.encode(info["pad_token"]) == [tokenizer.token_to_id(info["pad_token"])]
+    assert "chat_template" not in info  # V4.1's encoder is code, not a Jinja template
+    # no tokens added: a prompt tokenizes to what the tokenizer alone makes of it
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "Hi"}).json()["tokens"] == tokenizer.encode("Hi")
 
 
 # ------------------------------------------------------------------------------------------------- disconnect

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 
+import anthropic
 import pytest
 from openai import OpenAI
 from starlette.testclient import TestClient
 
-import flashserve.engine.llm_engine as llm_engine_mod
+import flashserve.engine.model_runner as model_runner_mod
 from flashserve.engine import EngineConfig, LLMEngine
 from flashserve.engine.sampler import SampleResult
 from flashserve.server.app import ServerConfig, create_app
@@ -41,7 +42,7 @@ def client():
         return SampleResult([script[min(len(r.output_ids), len(script) - 1)] for r in rows], [None] * len(rows))
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(llm_engine_mod, "sample", scripted)
+    mp.setattr(model_runner_mod, "sample", scripted)  # where a step samples
     app = create_app(engine, ServerConfig(model_name="tiny-v41"))
     with TestClient(app) as http:
         _SCRIPT["http"] = http
@@ -97,50 +98,47 @@ def test_cut_off_after_one_complete_call(client):
     """max_tokens ends the reply inside a second call: the complete first call comes back (its arguments as
     generated), the second not at all and no markup as content; whole and streamed alike, and the same on
     /v1/messages. finish_reason stays "length" (stop_reason "max_tokens")."""
-    import anthropic
-
     rome = {"id": "call_2", "type": "function",
             "function": {"name": "get_weather", "arguments": json.dumps({"city": "Rome", "days": 1})}}
     tok = _SCRIPT["tok"]
     ids = tok.encode("Let me check.</think>" + encode_tool_calls([CALL, rome]) + EOS)
     texts = [tok.decode(ids[:n], skip_special_tokens=False) for n in range(len(ids) + 1)]
-    # token counts that end after the first invoke closed and before the second did: in its tag, in its first
-    # parameter, in its second
-    ends = [next(n for n, t in enumerate(texts) if marker in t) for marker in ('invoke name="get_w', "Ro", "days")]
-    assert all(t.count("</｜DSML｜ invoke>") == 1 for t in (texts[n] for n in ends))
+    # a token count that ends after the first invoke closed, inside the second call's first parameter
+    close = texts[-1].index("</｜DSML｜ invoke>")
+    n = next(n for n, t in enumerate(texts) if "Ro" in t[close:])
+    assert texts[n].count("</｜DSML｜ invoke>") == 1
+    kw = dict(model="tiny-v41", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=n)
+    body = dict(model="tiny-v41", max_tokens=n, messages=kw["messages"],
+                tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
     ant = anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=_SCRIPT["http"])
     old, _SCRIPT["ids"] = _SCRIPT["ids"], ids
     try:
-        for n in ends:
-            kw = dict(model="tiny-v41", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
-                      max_tokens=n)
-            r = client.chat.completions.create(**kw)
-            ch = r.choices[0]
-            assert ch.finish_reason == "length" and r.usage.completion_tokens == n
-            assert ch.message.content is None and ch.message.reasoning_content == "Let me check."
-            assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == \
-                [("get_weather", {"city": "Paris", "days": 2})]
-            content, calls, finish = None, {}, None
-            for chunk in client.chat.completions.create(stream=True, **kw):
-                for c in chunk.choices:
-                    if c.delta.content is not None:
-                        content = (content or "") + c.delta.content
-                    for tc in c.delta.tool_calls or []:
-                        e = calls.setdefault(tc.index, ["", ""])
-                        e[0] += tc.function.name or ""
-                        e[1] += tc.function.arguments or ""
-                    finish = c.finish_reason or finish
-            assert (content, finish) == (None, "length")
-            assert calls == {0: [ch.message.tool_calls[0].function.name, ch.message.tool_calls[0].function.arguments]}
-
-            body = dict(model="tiny-v41", max_tokens=n, messages=kw["messages"],
-                        tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
-            m = ant.messages.create(**body)
-            with ant.messages.stream(**body) as s:
-                final = s.get_final_message()
-            for msg in (m, final):
-                assert msg.stop_reason == "max_tokens"
-                assert [(b.type, getattr(b, "input", None)) for b in msg.content] == \
-                    [("thinking", None), ("tool_use", {"city": "Paris", "days": 2})]
+        r = client.chat.completions.create(**kw)
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        m = ant.messages.create(**body)
+        with ant.messages.stream(**body) as stream:
+            final = stream.get_final_message()
     finally:
         _SCRIPT["ids"] = old
+
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and r.usage.completion_tokens == n
+    assert ch.message.content is None and ch.message.reasoning_content == "Let me check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in ch.message.tool_calls] == \
+        [("get_weather", {"city": "Paris", "days": 2})]
+    content, calls, finish = None, {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            if c.delta.content is not None:  # accumulated as the openai client does
+                content = (content or "") + c.delta.content
+            for tc in c.delta.tool_calls or []:
+                e = calls.setdefault(tc.index, ["", ""])
+                e[0] += tc.function.name or ""
+                e[1] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (content, finish) == (None, "length")
+    assert calls == {0: [ch.message.tool_calls[0].function.name, ch.message.tool_calls[0].function.arguments]}
+    for msg in (m, final):
+        assert msg.stop_reason == "max_tokens"
+        assert [(b.type, getattr(b, "input", None)) for b in msg.content] == \
+            [("thinking", None), ("tool_use", {"city": "Paris", "days": 2})]

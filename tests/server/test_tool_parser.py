@@ -65,10 +65,11 @@ def test_v4_spelling_and_bad_json_value():
     assert json.loads(calls[0]["function"]["arguments"]) == {"x": "{oops"}
 
 
-def test_truncated_call_still_valid_json():
-    _, content, calls = parse_chat_output(TEXTS[8][2], False, True)
-    assert content == "cut off"
-    assert json.loads(calls[0]["function"]["arguments"]) == {"a": "x"}
+def test_truncated_call_is_dropped_not_closed():
+    """A call cut off before its invoke closed is not reported (no made-up closing of its arguments)."""
+    for truncated in (True, False):
+        _, content, calls = parse_chat_output(TEXTS[8][2], False, True, truncated=truncated)
+        assert content == "cut off" and calls == []
 
 
 def test_text_after_block_and_non_dsml_inside():
@@ -125,3 +126,75 @@ def test_partial_markers_are_held_then_released():
     p = ChatOutputParser(False, True)
     assert p.feed("answer <｜DS").content == "answer"
     assert p.feed("x").content == " <｜DSx"
+
+
+# ------------------------------------------------------------------------------------ cut off inside a DSML block
+
+ANSWER = "The answer."
+V4_CALL = ('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="v4">\n<｜DSML｜parameter name="x" string="false">1'
+           '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
+CUT_TEXTS = [(True, "let me think</think>" + ANSWER + "\n\n" + CALL, len("let me think</think>")),
+             (False, ANSWER + "\n\n" + CALL, 0), (False, CALL, 0), (True, "hm</think>" + V4_CALL, len("hm</think>"))]
+
+
+def _streamed(thinking, text, truncated, chunks):
+    p = ChatOutputParser(thinking, True)
+    deltas = [p.feed(c) for c in chunks] + [p.finish(truncated)]
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        for tc in d.tool_calls:
+            e = calls.setdefault(tc["index"], {"name": "", "arguments": ""})
+            e["name"] += tc["function"].get("name") or ""
+            e["arguments"] += tc["function"].get("arguments") or ""
+    content = "".join(d.content for d in deltas)
+    return p.result(), content, [(v["name"], v["arguments"]) for _, v in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("case", range(len(CUT_TEXTS)))
+@pytest.mark.parametrize("truncated", [True, False])
+def test_cut_anywhere_in_a_calls_block(case, truncated):
+    """Text that stops at any character: no DSML markup in content (whole or streamed), and only the calls
+    whose invoke closed, each with exactly the arguments of the uncut text; streamed deltas add up to the
+    whole answer."""
+    thinking, text, start = CUT_TEXTS[case]
+    _, _, full_calls = parse_chat_output(text, thinking, True)
+    full = [(c["function"]["name"], c["function"]["arguments"]) for c in full_calls]
+    answer_raw = text[start:text.index("<｜DSML｜")]  # the answer text before the block, as generated
+    rng = random.Random(case)
+    for k in range(start, len(text) + 1):
+        prefix = text[:k]
+        reasoning, content, calls = parse_chat_output(prefix, thinking, True, truncated=truncated)
+        pairs = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        closed = prefix.count("</｜DSML｜ invoke>") + prefix.count("</｜DSML｜invoke>")
+        assert pairs == full[:closed], (k, prefix[-30:])
+        for _, args in pairs:
+            json.loads(args)
+        assert content is None or ("DSML" not in content and "｜" not in content), (k, content)
+        # the answer as generated, never more (a text that ended on its own may end in a lone "<")
+        assert content is None or (answer_raw + ("" if truncated else "<")).startswith(content), (k, content)
+        cuts = sorted(rng.sample(range(1, max(k, 2)), min(3, max(k - 1, 0))))
+        for chunks in ([ch for ch in prefix], [prefix[a:b] for a, b in zip([0] + cuts, cuts + [k])]):
+            result, streamed_content, streamed_calls = _streamed(thinking, prefix, truncated, chunks)
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in result[2]] == pairs
+            assert result[:2] == (reasoning, content)
+            assert streamed_content == (content or "") and streamed_calls == pairs
+
+
+def test_trailing_lt_withheld_only_when_cut_off():
+    """A reply cut off right after "<" (the first character of a calls tag under a forced tool call) does not
+    end in "<"; one that ended there on its own keeps it."""
+    assert parse_chat_output("a <", False, True, truncated=True) == (None, "a", [])
+    # no answer text before the cut-off block: content is null, as beside a call
+    assert parse_chat_output("<", False, True, truncated=True) == (None, None, [])
+    assert parse_chat_output(CALL[:40], False, True, truncated=True) == (None, None, [])
+    assert parse_chat_output("a <", False, True) == (None, "a <", [])
+    # a longer partial tag is markup either way
+    assert parse_chat_output("a\n\n<｜DSML｜ cal", False, True) == (None, "a", [])
+    assert parse_chat_output("a <｜", False, True) == (None, "a", [])
+
+
+def test_content_null_when_cut_off_inside_reasoning():
+    for text in ("still thinking", "", "abc</thi"):
+        for tools in (True, False):
+            reasoning, content, calls = parse_chat_output(text, True, tools, truncated=True)
+            assert content is None and calls == [] and reasoning == (text or None)
