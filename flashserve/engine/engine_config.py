@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .threads import DEFAULT_THREADS
-
 
 @dataclass
 class EngineConfig:
@@ -30,7 +28,7 @@ class EngineConfig:
     num_pages: int | None = None  # override the page count derived from kv_memory (tests)
     fake_quant: bool | None = None
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": the serving stacks' C−W rule
-    threads: int = DEFAULT_THREADS  # torch intra-op threads, set at start-up (process-wide)
+    threads: int | None = None  # torch intra-op threads, set at start-up (process-wide); None: engine/threads.py
     # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
     # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
     # from inductor's disk cache after) for a 3x faster tiny-v41 step

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..config.checkpoint_layout import QUANTIZATIONS
 from .engine_config import EngineConfig
-from .threads import DEFAULT_THREADS
+from .threads import default_threads
 
 # Fields that are not user options: the positional model, and knobs tests set directly.
 HIDDEN = frozenset({"model", "num_pages", "fake_quant", "compile_backend"})
@@ -44,7 +44,8 @@ HELP = {
     "block_size": "tokens per KV page (rounded up to a multiple of every compression ratio)",
     "prefill_chunk": "largest prefill chunk (default: --max-num-batched-tokens)",
     "prefix_replay": "after a prefix-cache hit, rebuild window state exactly or by one window",
-    "threads": f"torch intra-op threads (default {DEFAULT_THREADS}: suits a shared machine)",
+    "threads": f"torch intra-op threads (default: $OMP_NUM_THREADS, else one per physical core this process may "
+               f"use: {default_threads()} here; a sharded engine divides them among its ranks)",
     "enforce_eager": "decode eagerly, or through a torch.compile'd step with --no-enforce-eager (default: "
                      "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
     "cuda_graphs": "on CUDA, replay the compiled decode step as CUDA graphs (no effect on the CPU or with "

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 _UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
           "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1}
 _ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float64": 8, "fp64": 8, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
-_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size", "threads")
+_POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size")
 
 
 def parse_size(value: str | int) -> int:
@@ -100,6 +100,8 @@ def _check_scalars(c: EngineConfig) -> None:
         v = getattr(c, name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name}: must be an integer >= 1, got {v!r}")
+    if c.threads is not None and (isinstance(c.threads, bool) or not isinstance(c.threads, int) or c.threads < 1):
+        raise ConfigError(f"threads: must be an integer >= 1, got {c.threads!r}")
     if c.prefill_chunk is not None and (not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk: must be an integer >= 1, got {c.prefill_chunk!r}")
     for name, allowed in (("cache_dtype", ("packed", "float")), ("prefix_replay", ("exact", "window")),

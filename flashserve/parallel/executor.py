@@ -89,6 +89,12 @@ def _build_on_meta(config) -> None:
         Transformer(load_config(config.model), with_mtp=False)
 
 
+def _ranks_here(layout: Layout) -> int:
+    """Ranks on this machine: torchrun's local world, else every rank (spawned here)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if torchrun_env() is not None and local.isdigit() else layout.world
+
+
 def _device(config, local_rank: int) -> torch.device:
     device = config.device
     if device == "auto":
@@ -107,7 +113,7 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     from ..engine.threads import set_threads
     from ..model.loader import load_model, resolve_dtype
 
-    set_threads(config.threads)
+    set_threads(config.threads, ranks=_ranks_here(layout))
     device = comm.device
     dtype = torch.float64 if config.dtype in ("float64", "fp64") else resolve_dtype(config.dtype)
     from ..engine.spec_config import SpeculativeConfig

@@ -173,7 +173,7 @@ def test_a_one_row_int8_step_multiplies_each_inputs_int8_weights_in_one_call(mon
     routed experts' gate and up take one call too (in both engines; tests/model/test_cpu_kernels.py compares it
     with two calls). Its logits equal, bit for bit, those of the same engine with one call a weight, and its
     greedy tokens the eager engine's; its checkpoint names are the same."""
-    from flashserve.engine import llm_engine
+    from flashserve.engine import execution
 
     monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: True)
     calls = {"int8_pairs": [], "int8_gate_up": []}
@@ -182,7 +182,7 @@ def test_a_one_row_int8_step_multiplies_each_inputs_int8_weights_in_one_call(mon
         monkeypatch.setattr(cpu_kernels, op, lambda *a, real=real, seen=seen: seen.append(a[2].shape[1]) or real(*a))
     kw = dict(dtype="float32", cache_dtype="packed", max_num_seqs=1)
     with monkeypatch.context() as m:
-        m.setattr(llm_engine, "join_int8_rows", lambda model: [])
+        m.setattr(execution, "join_int8_rows", lambda model: [])
         apart = make_engine(compact_v41(torch.float32, "int8", TWO), "tiny-v41", enforce_eager=False,
                             compile_backend="eager", **kw)
     traced_apart = {k: list(v) for k, v in calls.items()}

@@ -3,6 +3,8 @@ start-up; a bad N is refused with a message naming the option, before any model 
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 from flashserve.cli import build_parser, main
 from flashserve import LLM
 from flashserve.engine import EngineConfig, LLMEngine
+from flashserve.engine.threads import physical_cores
 from flashserve.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,14 +45,48 @@ def test_llm_threads_reach_torch():
     assert torch.get_num_threads() == 2
 
 
-def test_default_is_one_thread(models):
-    """docs/engine-speed.md#threads: one thread by default, applied even where the process had more."""
+def test_default_is_omp_num_threads_when_set(models, monkeypatch):
+    """``$OMP_NUM_THREADS`` is the default where it is set (as torch and llama.cpp read it), applied even where
+    the process had more."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(2)
     LLMEngine(EngineConfig(model="tiny-v41", num_pages=16), model=models("tiny-v41"))
     assert torch.get_num_threads() == 1
 
 
-@pytest.mark.parametrize("bad", [0, -3, 1.5, "2", True, None])
+def _default_in_subprocess(prefix: list[str]) -> tuple[int, int]:
+    """(the default, the threads an engine set) in a fresh process without $OMP_NUM_THREADS."""
+    code = ("from flashserve.engine.threads import default_threads; import torch; from flashserve import LLM; "
+            "d = default_threads(); LLM('tiny-v41', kv_memory='8MiB', max_num_seqs=2); "
+            "print(d, torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run(prefix + [sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    return int(out[-2]), int(out[-1])
+
+
+def test_default_is_the_physical_cores_this_process_may_use():
+    """Without $OMP_NUM_THREADS, one thread per physical core in the process's CPU affinity: all of them, or
+    one when ``taskset`` pins it to one CPU."""
+    cores = physical_cores(os.sched_getaffinity(0))
+    assert _default_in_subprocess([]) == (cores, cores)
+    if shutil.which("taskset") and len(os.sched_getaffinity(0)) > 1:
+        assert _default_in_subprocess(["taskset", "-c", str(min(os.sched_getaffinity(0)))]) == (1, 1)
+
+
+def test_hyperthreads_count_once(tmp_path):
+    """Two CPUs on one core (SMT siblings) are one physical core; CPUs without topology count each."""
+    for cpu, core in ((0, 0), (1, 1), (2, 0), (3, 1)):  # CPUs 2 and 3: the siblings of 0 and 1
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{core}\n")
+    assert physical_cores({0, 1, 2, 3}, sysfs=tmp_path) == 2
+    assert physical_cores({0, 2}, sysfs=tmp_path) == 1
+    assert physical_cores({0, 7}, sysfs=tmp_path) == 2  # cpu7 has no topology: counted as its own core
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, "2", True])
 def test_bad_threads_are_refused_before_loading(bad, no_loading):
     with pytest.raises(UserError, match=r"threads: must be an integer >= 1, got "):
         LLM("tiny-v41", threads=bad)
