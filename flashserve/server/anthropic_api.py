@@ -21,18 +21,7 @@ from .http import check_auth, count, read_json, server_of
 from .protocol import APIError, invalid
 from .streaming import event_stream, gather, guarded_events, merged_outputs, sse
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
-
-
-def anthropic_error(body: dict[str, Any], status: int) -> dict[str, Any]:
-    """The OpenAI error body of the shared validation, in Anthropic's shape."""
-    err = body.get("error", {})
-    message = err.get("message", "error")
-    if err.get("param"):
-        message = f"{err['param']}: {message}"
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
 # ---------------------------------------------------------------------------------------------- request

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from .protocol import APIError, decode_json_body, error_body
+from .protocol import APIError, anthropic_error, decode_json_body, error_body
 
 log = logging.getLogger("flashserve.server")
 
@@ -80,8 +80,6 @@ def count(request: Request, endpoint: str, status: int) -> None:
 def _shape(request: Request, body: dict[str, Any], status: int) -> dict[str, Any]:
     """The error body in the API's shape: Anthropic's under /v1/messages, OpenAI's elsewhere."""
     if request.url.path.startswith("/v1/messages"):
-        from .anthropic_api import anthropic_error
-
         return anthropic_error(body, status)
     return body
 

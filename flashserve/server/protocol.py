@@ -47,6 +47,21 @@ def invalid(param: str | None, message: str, code: str | None = "invalid_value")
     return APIError(message, param=param, code=code)
 
 
+# Anthropic's error types by HTTP status
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+
+def anthropic_error(body: dict[str, Any], status: int) -> dict[str, Any]:
+    """An OpenAI error body (:func:`error_body`) in Anthropic's shape, as ``/v1/messages`` answers errors."""
+    err = body.get("error", {})
+    message = err.get("message", "error")
+    if err.get("param"):
+        message = f"{err['param']}: {message}"
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # body decoding
 # ---------------------------------------------------------------------------------------------------------
