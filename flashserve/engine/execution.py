@@ -30,7 +30,7 @@ class ExecutionPlan:
     isa: str  # torch's CPU capability ("AVX512", "AVX2", ...); "" on a GPU
     formats: dict[str, int]  # weight format -> modules stored in it
     int8_aten: tuple[bool, bool]  # eager int8 products through torch's int8 kernel: at one row, at several rows
-    int8_source: str  # "measured" | "given"
+    int8_source: str  # "measured" | "given" | "no int8 weights"
     relayouts: dict[str, list[str]] = field(default_factory=dict)  # what was laid out again -> the weights
     kernels: list[str] = field(default_factory=list)  # C++ kernels built (or loaded) by the warm-up
 
@@ -62,15 +62,17 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
         raise ValueError(f"int8_kernel must be one of {', '.join(INT8_KERNEL_CHOICES)}, got {int8_kernel!r}")
     formats = Counter(m.packed.fmt.name for m in model.modules() if isinstance(m, packed.PackedLinear))
     formats.update(f"{m.w1_packed.fmt.name} experts" for m in model.modules() if isinstance(m, packed.PackedExperts))
-    if int8_kernel == "auto":
-        int8_aten = packed.int8pack_pays() if device == "cpu" else (False, False)
+    int8_rows = any(f.split()[0] in packed.INT8_ROWS for f in formats)
+    if int8_kernel == "auto":  # timed only where the model has int8 rows to multiply
+        int8_aten = packed.int8pack_pays() if device == "cpu" and int8_rows else (False, False)
     else:
         int8_aten = (int8_kernel == "aten",) * 2
     packed.use_int8pack(*int8_aten)
     plan = ExecutionPlan(device=device, compiled=compiled,
                          isa=torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
                          formats=dict(formats), int8_aten=int8_aten,
-                         int8_source="measured" if int8_kernel == "auto" else "given")
+                         int8_source=("given" if int8_kernel != "auto" else
+                                      "measured" if int8_rows else "no int8 weights"))
     if not compiled:  # torch's one-row products over the LM head run ~2x faster column-major
         plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
     elif device == "cpu":  # a compiled CPU step's own products want them row-major (blas)

@@ -41,6 +41,18 @@ def test_the_plan_is_logged_and_kept(caplog, monkeypatch):
     assert "chunked float products (given)" in logged[0]
 
 
+def test_a_model_without_int8_weights_times_nothing(monkeypatch):
+    """The int8 timing costs a second or two of start-up: an engine of float weights does not pay it."""
+    from flashserve.engine.llm_engine import LLMEngine
+
+    def timed():
+        raise AssertionError("the int8 kernel was timed for a model without int8 weights")
+
+    monkeypatch.setattr(packed, "int8pack_pays", timed)
+    monkeypatch.setattr(packed, "_INT8PACK", packed._INT8PACK)
+    assert LLMEngine(EngineConfig(**OPTS, dtype="float32")).plan.int8_source == "no int8 weights"
+
+
 @pytest.mark.parametrize("choice,calls", [("aten", True), ("chunked", False)])
 def test_int8_kernel_choice_is_what_runs(choice, calls, monkeypatch):
     """``int8_kernel`` decides whether eager int8 products call torch's int8 kernel, whatever this CPU's timing
