@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import UserError
 
@@ -18,6 +18,24 @@ class QueueFullError(RuntimeError):
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 CONSTRAINT_KINDS = ("json", "lark")
 MAX_LOGIT_BIAS = 100.0
+MAX_N = 16  # choices one HTTP request may ask for
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Marks a sampling field that an OpenAI-style HTTP request sets, under the field's own name (OpenAI's and
+    vLLM's) with a JSON value of the field's type, which must lie in [lo, hi] (``lo`` excluded when ``lo_open``).
+    These are the API's limits, tighter than :meth:`SamplingParams.validate`'s where OpenAI caps a field
+    (``temperature`` <= 2). :mod:`flashserve.server.protocol` reads every field that carries them."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+
+
+def _http(lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> dict[str, RequestLimits]:
+    """The metadata of a field an HTTP request sets (:class:`RequestLimits`)."""
+    return {"request": RequestLimits(lo, hi, lo_open)}
 
 
 @dataclass(frozen=True)
@@ -35,26 +53,31 @@ class Constraint:
 
 @dataclass
 class SamplingParams:
-    n: int = 1
+    """How one request samples. Each field a request body sets is declared here once, with its HTTP limits
+    (:class:`RequestLimits`); the server sets the others (max_tokens, logprobs, constraint) from its own rules."""
+
+    n: int = field(default=1, metadata=_http(1, MAX_N))
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    temperature: float = field(default=1.0, metadata=_http(0.0, 2.0))
+    top_p: float = field(default=1.0, metadata=_http(0.0, 1.0, lo_open=True))
+    top_k: int = field(default=0, metadata=_http(-1))  # 0 or -1: off
+    min_p: float = field(default=0.0, metadata=_http(0.0, 1.0))
+    # an HTTP request's seed is any 64-bit integer, signed or unsigned (the server folds it below 2**63)
+    seed: int | None = field(default=None, metadata=_http(-(2 ** 63), 2 ** 64 - 1))
+    presence_penalty: float = field(default=0.0, metadata=_http(-2.0, 2.0))
+    frequency_penalty: float = field(default=0.0, metadata=_http(-2.0, 2.0))
+    repetition_penalty: float = field(default=1.0, metadata=_http(0.0, 2.0, lo_open=True))
+    stop: list[str] | None = field(default=None, metadata=_http())
+    stop_token_ids: list[int] | None = field(default=None, metadata=_http())
+    ignore_eos: bool = field(default=False, metadata=_http())
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = field(default=True, metadata=_http())
     # what each RequestOutput carries (as vLLM's RequestOutputKind): "cumulative": text, token ids and
     # logprobs so far; "delta": only what is new since the previous output; "final_only": one output at the end
     output_kind: str = "cumulative"
-    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's [-100, 100])
+    # token id -> added to its logit (OpenAI's [-100, 100])
+    logit_bias: dict[int, float] | None = field(default=None, metadata=_http())
     constraint: Constraint | None = None  # structured output (JSON schema, grammar)
 
     @property

@@ -10,16 +10,15 @@ body ``{"type": "error", "error": {"type", "message"}}``.
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 
 from .chat import ChatCall, start_chat
-from .http import check_auth, count, read_json, server_of
-from .protocol import APIError, invalid
-from .streaming import event_stream, gather, guarded_events, merged_outputs, sse
+from .http import check_auth, read_json, server_of
+from .protocol import invalid, parse_chat_request
+from .streaming import merged_outputs, serve_call, sse
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn"}
 
@@ -279,45 +278,27 @@ async def _events(call: ChatCall) -> AsyncIterator[str]:
     yield sse({"type": "message_stop"}, "message_stop")
 
 
-def _stream(call: ChatCall, request: Request) -> AsyncIterator[str]:
-    def error(e: Exception) -> str:  # an error event, as Anthropic sends; no [DONE] sentinel in this API
-        return sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {e}"}}, "error")
-
-    return guarded_events(_events(call), request, "messages", call, [call.stream], error, done=None)
+def _error_event(e: Exception) -> str:  # as Anthropic sends it; this API has no [DONE] sentinel
+    return sse({"type": "error", "error": {"type": "api_error", "message": f"generation failed: {e}"}}, "error")
 
 
-async def _result(call: ChatCall, request: Request) -> dict[str, Any]:
-    def absorb(_: int, out: Any) -> None:
-        for co in out.outputs:
-            call.absorb(co)
-
-    await gather(request, "messages", call, [call.stream], absorb, lambda: call.choices[0].done)
-    return _message(call, _content(call))
+async def _start(srv: Any, body: dict[str, Any], t0: float) -> ChatCall:
+    if body.get("n") not in (None, 1):
+        raise invalid("n", "the Messages API returns one message")
+    call = await start_chat(srv, to_chat_body(body), t0)
+    call.rid = f"msg_{uuid.uuid4().hex[:24]}"
+    return call
 
 
 async def messages(request: Request):
-    t0 = time.perf_counter()
-    try:
-        check_auth(request)
-        body = await read_json(request)
-        if body.get("n") not in (None, 1):
-            raise invalid("n", "the Messages API returns one message")
-        call = await start_chat(request, to_chat_body(body), t0)
-        call.rid = f"msg_{uuid.uuid4().hex[:24]}"
-    except APIError as e:
-        count(request, "messages", e.status)
-        raise
-    if call.req.stream:
-        return event_stream(_stream(call, request), call.srv, [call.stream])
-    return await _result(call, request)
+    return await serve_call(request, "messages", _start, _events, lambda call: _message(call, _content(call)),
+                            _error_event, done=None)
 
 
 async def count_tokens(request: Request):
     check_auth(request)
     srv = server_of(request)
     body = await read_json(request)
-    from .protocol import parse_chat_request
-
     req = parse_chat_request(to_chat_body({"max_tokens": 1, **body, "stream": False}), vocab_size=srv.vocab_size)
     srv.check_model(req.model)
     text, _ = srv.encode_chat(req)

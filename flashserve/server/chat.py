@@ -11,10 +11,9 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 
 from .engine_loop import RequestStream
-from .http import check_auth, count, read_json, server_of
 from .logprobs import chat_logprobs
-from .protocol import APIError, ChatRequest, error_body, parse_chat_request
-from .streaming import Choice, event_stream, gather, guarded_events, merged_outputs, sse, usage
+from .protocol import ChatRequest, parse_chat_request
+from .streaming import Choice, merged_outputs, serve_call, sse, usage
 from .tool_parser import ChatOutputParser, Delta
 
 
@@ -39,8 +38,15 @@ class ChatCall:
                         for i in range(self.req.sampling.n)]
 
     @property
+    def streams(self) -> list[RequestStream]:
+        return [self.stream]
+
+    @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+    def finished(self) -> bool:
+        return all(c.finish_reason for c in self.choices)
 
     def absorb(self, co: Any) -> tuple[Delta | None, list[dict], str | None]:
         """Feed one CompletionOutput into its choice: (parser delta, new logprob entries, finish reason)."""
@@ -48,7 +54,7 @@ class ChatCall:
             return None, [], None
         c = self.choices[co.index]
         new, new_ids, new_lps = c.absorb(co)
-        if self.req.sampling.skip_special_tokens is not False:
+        if self.req.sampling.skip_special_tokens:
             new = self.srv.strip_specials(new)
         delta = c.parser.feed(new)
         if c.token_ids and self.ttft is None:
@@ -68,6 +74,10 @@ class ChatCall:
         c.stop_reason = co.stop_reason
         return delta, entries, c.finish_reason
 
+    def absorb_output(self, _: int, out: Any) -> None:
+        for co in out.outputs:
+            self.absorb(co)
+
     def finish_metrics(self) -> None:
         self.srv.metrics.observe_completion(
             prompt_tokens=len(self.prompt_ids), generation_tokens=self.completion_tokens, ttft=self.ttft,
@@ -82,9 +92,8 @@ class ChatCall:
         return msg
 
 
-async def start_chat(request: Request, body: dict[str, Any], t0: float) -> ChatCall:
+async def start_chat(srv: Any, body: dict[str, Any], t0: float) -> ChatCall:
     """Validate, encode and submit a chat request (raises APIError for anything the client must fix)."""
-    srv = server_of(request)
     srv.check_admitting()
     req = parse_chat_request(body, vocab_size=srv.vocab_size)
     model = srv.check_model(req.model)
@@ -93,9 +102,11 @@ async def start_chat(request: Request, body: dict[str, Any], t0: float) -> ChatC
     prompt_text, thinking = srv.encode_chat(req)
     prompt_ids = await srv.tokenize(prompt_text)
     run_ids = srv.expanded_ids(prompt_ids, images) if images else prompt_ids  # what the engine runs and bills
-    max_tokens = srv.check_length(len(run_ids), req.sampling.max_tokens, "messages", None)
-    params = srv.sampling_params(req.sampling, max_tokens, (req.top_logprobs if req.logprobs else None), None,
-                                 skip_special=False, constraint=srv.chat_constraint(req, thinking))
+    max_tokens = srv.check_length(len(run_ids), req.max_tokens, "messages", None)
+    # special tokens stay in the engine's text: absorb strips those that carry no meaning for the chat parsers
+    params = srv.sampling_params(req.sampling, max_tokens=max_tokens,
+                                 logprobs=req.top_logprobs if req.logprobs else None, skip_special_tokens=False,
+                                 constraint=srv.chat_constraint(req, thinking))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = await srv.submit(rid, prompt_ids, params, images)
     return ChatCall(srv, req, model, rid, run_ids, thinking, stream, t0)
@@ -151,19 +162,7 @@ async def _chat_chunks(call: ChatCall) -> AsyncIterator[str]:
         yield sse({**base, "choices": [], "usage": usage(len(call.prompt_ids), call.completion_tokens)})
 
 
-def _chat_events(call: ChatCall, request: Request) -> AsyncIterator[str]:
-    def error(e: Exception) -> str:
-        return sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
-
-    return guarded_events(_chat_chunks(call), request, "chat", call, [call.stream], error)
-
-
-async def _chat_result(call: ChatCall, request: Request) -> dict[str, Any]:
-    def absorb(_: int, out: Any) -> None:
-        for co in out.outputs:
-            call.absorb(co)
-
-    await gather(request, "chat", call, [call.stream], absorb, lambda: all(c.finish_reason for c in call.choices))
+def _chat_answer(call: ChatCall) -> dict[str, Any]:
     choices = [{"index": c.index, "message": call.message(c),
                 "logprobs": {"content": c.lp_entries} if call.req.logprobs else None,
                 "finish_reason": c.finish_reason or "abort", "stop_reason": c.stop_reason} for c in call.choices]
@@ -172,16 +171,7 @@ async def _chat_result(call: ChatCall, request: Request) -> dict[str, Any]:
 
 
 async def chat_completions(request: Request):
-    t0 = time.perf_counter()
-    try:
-        check_auth(request)
-        call = await start_chat(request, await read_json(request), t0)
-    except APIError as e:
-        count(request, "chat", e.status)
-        raise
-    if call.req.stream:
-        return event_stream(_chat_events(call, request), call.srv, [call.stream])
-    return await _chat_result(call, request)
+    return await serve_call(request, "chat", start_chat, _chat_chunks, _chat_answer)
 
 
 def register(app: FastAPI) -> None:

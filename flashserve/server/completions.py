@@ -12,9 +12,8 @@ from fastapi import FastAPI, Request
 
 from . import logprobs as lpmod
 from .engine_loop import RequestStream
-from .http import check_auth, count, read_json, server_of
-from .protocol import APIError, CompletionRequest, error_body, invalid, parse_completion_request
-from .streaming import Choice, event_stream, gather, guarded_events, merged_outputs, sse, usage
+from .protocol import CompletionRequest, invalid, parse_completion_request
+from .streaming import Choice, merged_outputs, serve_call, sse, usage
 
 
 @dataclass
@@ -31,11 +30,12 @@ class CompletionCall:
     streams: list[RequestStream] = field(default_factory=list)
     choices: dict[tuple[int, int], Choice] = field(default_factory=dict)
     prompt_lps: dict[int, list] = field(default_factory=dict)
+    lps: dict[tuple[int, int], Any] = field(default_factory=dict)  # each choice's logprobs, for a one-body answer
     ttft: float | None = None
 
     @property
     def echo_only(self) -> bool:
-        return self.req.sampling.max_tokens == 0
+        return self.req.max_tokens == 0
 
     def start_choices(self) -> None:
         n = self.req.sampling.n
@@ -49,6 +49,9 @@ class CompletionCall:
 
     def prompt_tokens(self) -> int:
         return sum(len(x) for x in self.prompt_ids)
+
+    def finished(self) -> bool:
+        return all(c.finish_reason for c in self.choices.values())
 
     def finish_metrics(self) -> None:
         cs = self.choices.values()
@@ -77,6 +80,12 @@ class CompletionCall:
             finish = c.finish_reason = "length" if self.echo_only else co.finish_reason
             c.stop_reason = co.stop_reason
         return new, piece, finish, first
+
+    def absorb_output(self, p: int, out: Any) -> None:
+        for co in out.outputs:
+            if co.index < self.req.sampling.n:
+                _, lp, _, _ = self.absorb(p, out, co)
+                self.lps[(p, co.index)] = lpmod.merge(self.lps.get((p, co.index)), lp)
 
     def _logprobs_piece(self, p: int, c: Choice, new_ids: list[int], new_lps: list | None) -> dict | None:
         k = self.req.logprobs
@@ -114,21 +123,20 @@ async def _prompts(srv: Any, req: CompletionRequest) -> tuple[list[list[int]], l
     return ids_list, texts
 
 
-async def start_completion(request: Request, body: dict[str, Any], t0: float) -> CompletionCall:
-    srv = server_of(request)
+async def start_completion(srv: Any, body: dict[str, Any], t0: float) -> CompletionCall:
     srv.check_admitting()
     req = parse_completion_request(body, vocab_size=srv.vocab_size)
     model = srv.check_model(req.model)
     ids_list, texts = await _prompts(srv, req)
     call = CompletionCall(srv, req, model, f"cmpl-{uuid.uuid4().hex}", ids_list, texts, t0)
-    k, skip = req.logprobs, req.sampling.skip_special_tokens is not False
+    k = req.logprobs
     params_list = []
     for i, ids in enumerate(ids_list):
         param = "prompt" if len(ids_list) == 1 else f"prompt[{i}]"
-        mt = srv.check_length(len(ids), None if call.echo_only else req.sampling.max_tokens, param,
+        mt = srv.check_length(len(ids), None if call.echo_only else req.max_tokens, param,
                               srv.cfg.completion_default_max_tokens)
-        params_list.append(srv.sampling_params(req.sampling, 1 if call.echo_only else mt, k,
-                                               k if req.echo and k is not None else None, skip))
+        params_list.append(srv.sampling_params(req.sampling, max_tokens=1 if call.echo_only else mt, logprobs=k,
+                                               prompt_logprobs=k if req.echo and k is not None else None))
     try:
         for i, (ids, params) in enumerate(zip(ids_list, params_list)):
             rid = call.base_id if len(ids_list) == 1 else f"{call.base_id}-{i}"
@@ -166,13 +174,6 @@ async def _completion_chunks(call: CompletionCall) -> AsyncIterator[str]:
         yield sse({**base, "choices": [], "usage": usage(call.prompt_tokens(), call.completion_tokens())})
 
 
-def _completion_events(call: CompletionCall, request: Request) -> AsyncIterator[str]:
-    def error(e: Exception) -> str:
-        return sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
-
-    return guarded_events(_completion_chunks(call), request, "completions", call, call.streams, error)
-
-
 def _choice_body(call: CompletionCall, c: Choice, lp: dict | None, p: int) -> dict[str, Any]:
     k = call.req.logprobs
     text = "" if call.echo_only else c.text
@@ -185,35 +186,15 @@ def _choice_body(call: CompletionCall, c: Choice, lp: dict | None, p: int) -> di
             "finish_reason": c.finish_reason or "abort", "stop_reason": c.stop_reason}
 
 
-async def _completion_result(call: CompletionCall, request: Request) -> dict[str, Any]:
-    n = call.req.sampling.n
-    lps: dict[tuple[int, int], Any] = {key: None for key in call.choices}
-
-    def absorb(p: int, out: Any) -> None:
-        for co in out.outputs:
-            if co.index < n:
-                _, lp, _, _ = call.absorb(p, out, co)
-                lps[(p, co.index)] = lpmod.merge(lps[(p, co.index)], lp)
-
-    await gather(request, "completions", call, call.streams, absorb,
-                 lambda: all(c.finish_reason for c in call.choices.values()))
+def _completion_answer(call: CompletionCall) -> dict[str, Any]:
     ordered = sorted(call.choices.items(), key=lambda kv: kv[1].index)
     return {"id": call.base_id, "object": "text_completion", "created": int(time.time()), "model": call.model,
-            "choices": [_choice_body(call, c, lps[key], key[0]) for key, c in ordered],
+            "choices": [_choice_body(call, c, call.lps.get(key), key[0]) for key, c in ordered],
             "usage": usage(call.prompt_tokens(), call.completion_tokens())}
 
 
 async def completions(request: Request):
-    t0 = time.perf_counter()
-    try:
-        check_auth(request)
-        call = await start_completion(request, await read_json(request), t0)
-    except APIError as e:
-        count(request, "completions", e.status)
-        raise
-    if call.req.stream:
-        return event_stream(_completion_events(call, request), call.srv, call.streams)
-    return await _completion_result(call, request)
+    return await serve_call(request, "completions", start_completion, _completion_chunks, _completion_answer)
 
 
 def register(app: FastAPI) -> None:

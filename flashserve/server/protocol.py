@@ -3,19 +3,23 @@
 Every problem with user input raises :class:`APIError` (400 unless stated), which the app turns into
 ``{"error": {"message", "type", "param", "code"}}``. Validation is hand-written rather than left to a model
 library so that each field gets an exact check (no silent coercion of ``"1"`` or ``true`` to numbers, no NaN),
-and so the ``param`` of the error names the offending field (``messages[2].content``).
+and so the ``param`` of the error names the offending field (``messages[2].content``). The sampling fields are
+not listed here: they are those :class:`SamplingParams` declares with :class:`RequestLimits`, read by one loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.sampling_params import MAX_N, RequestLimits, SamplingParams
+
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
-MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_STOP_LEN = 1000
@@ -206,34 +210,102 @@ def get_stop(body: dict) -> list[str] | None:
     return v or None
 
 
+def get_stop_token_ids(body: dict, vocab_size: int) -> list[int] | None:
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise invalid("stop_token_ids", "'stop_token_ids' must be an array of integers", "invalid_type")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid("stop_token_ids", f"'stop_token_ids' holds ids outside [0, {vocab_size}): {bad[:5]}")
+    return ids or None
+
+
+def get_logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """OpenAI's ``{"token id": bias}`` with biases in [-100, 100]."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise invalid("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
+    if len(bias) > 1024:
+        raise invalid("logit_bias", "'logit_bias' may hold at most 1024 tokens")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {key!r}", "invalid_type") from None
+        if not 0 <= tid < vocab_size:
+            raise invalid("logit_bias", f"'logit_bias' token id {tid} is outside [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise invalid("logit_bias", f"'logit_bias[{key}]' must be a number in [-100, 100], got {value!r}")
+        out[tid] = float(value)
+    return out or None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sampling fields
+# ---------------------------------------------------------------------------------------------------------
+
+# readers of the request fields whose JSON value is not a number or a boolean: (body, vocab_size) -> value
+_READERS = {"stop": lambda body, _: get_stop(body), "stop_token_ids": get_stop_token_ids,
+            "logit_bias": get_logit_bias}
+
+
+def _request_fields() -> list[tuple[str, type, RequestLimits]]:
+    """(name, declared type without ``None``, limits) of each SamplingParams field a request sets."""
+    hints = typing.get_type_hints(SamplingParams)
+    out = []
+    for f in dataclasses.fields(SamplingParams):
+        if "request" in f.metadata:
+            typ = next(t for t in typing.get_args(hints[f.name]) or [hints[f.name]] if t is not type(None))
+            if typ not in (bool, int, float) and f.name not in _READERS:
+                raise TypeError(f"SamplingParams.{f.name}: no request reader for {typ}")
+            out.append((f.name, typ, f.metadata["request"]))
+    return out
+
+
+REQUEST_FIELDS = _request_fields()
+
+
+def _parse_sampling(body: dict, *, vocab_size: int) -> SamplingParams:
+    """The request's sampling fields, read as :class:`SamplingParams` declares them: each field that carries
+    :class:`RequestLimits`, under its own name, checked against its declared type and those limits (numbers and
+    booleans) or by its reader (stop sequences, token ids); a field the request leaves out keeps its default.
+    The endpoint sets max_tokens and logprobs, whose request fields differ between the APIs."""
+    given: dict[str, Any] = {}
+    for name, typ, lim in REQUEST_FIELDS:
+        if typ is bool:
+            value = get_bool(body, name, None)
+        elif typ is int:
+            value = get_int(body, name, None, lim.lo, lim.hi)
+        elif typ is float:
+            value = get_float(body, name, None, lim.lo, lim.hi, lim.lo_open)
+        else:
+            value = _READERS[name](body, vocab_size)
+        if value is not None:
+            given[name] = value
+    params = SamplingParams(**given)
+    best_of = get_int(body, "best_of", None, 1, MAX_N)
+    if best_of is not None and best_of != params.n:
+        raise invalid("best_of", "'best_of' different from 'n' is not supported", "unsupported_value")
+    if params.seed is not None:
+        params.seed %= 2 ** 63  # into [0, 2**63): the engine's seed + choice index stays a valid torch seed
+    return params
+
+
 # ---------------------------------------------------------------------------------------------------------
 # requests
 # ---------------------------------------------------------------------------------------------------------
 
 @dataclass
-class SamplingFields:
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool | None = None
-    logit_bias: dict[int, float] | None = None
-
-
-@dataclass
 class ChatRequest:
     model: str | None
     messages: list[dict[str, Any]]
-    sampling: SamplingFields
+    sampling: SamplingParams  # the request's sampling fields; the handler sets max_tokens, logprobs, constraint
+    max_tokens: int | None = None  # max_completion_tokens or max_tokens; None: what the context leaves
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -254,7 +326,8 @@ class ChatRequest:
 class CompletionRequest:
     model: str | None
     prompts: list[str | list[int]]
-    sampling: SamplingFields
+    sampling: SamplingParams  # the request's sampling fields; the handler sets max_tokens and logprobs
+    max_tokens: int | None = None  # 0: echo the prompt only; None: the server's default
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
@@ -262,61 +335,6 @@ class CompletionRequest:
     echo: bool = False
     user: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _parse_sampling(body: dict, *, chat: bool, vocab_size: int) -> SamplingFields:
-    s = SamplingFields()
-    s.n = get_int(body, "n", 1, 1, MAX_N)
-    mt = get_int(body, "max_completion_tokens", None, 1) if chat else None
-    mt2 = get_int(body, "max_tokens", None, 1 if chat else 0)
-    s.max_tokens = mt if mt is not None else mt2
-    s.temperature = get_float(body, "temperature", 1.0, 0.0, 2.0)
-    s.top_p = get_float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    top_k = get_int(body, "top_k", 0, -1)
-    s.top_k = 0 if top_k == -1 else top_k
-    s.min_p = get_float(body, "min_p", 0.0, 0.0, 1.0)
-    s.seed = get_int(body, "seed", None, -(2 ** 63), 2 ** 64 - 1)
-    s.presence_penalty = get_float(body, "presence_penalty", 0.0, -2.0, 2.0)
-    s.frequency_penalty = get_float(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    s.repetition_penalty = get_float(body, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True)
-    s.stop = get_stop(body)
-    ids = body.get("stop_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise invalid("stop_token_ids", "'stop_token_ids' must be an array of integers", "invalid_type")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise invalid("stop_token_ids", f"'stop_token_ids' holds ids outside [0, {vocab_size}): {bad[:5]}")
-        s.stop_token_ids = ids or None
-    s.ignore_eos = get_bool(body, "ignore_eos", False)
-    s.skip_special_tokens = get_bool(body, "skip_special_tokens", None)
-    best_of = get_int(body, "best_of", None, 1, MAX_N)
-    if best_of is not None and best_of != s.n:
-        raise invalid("best_of", "'best_of' different from 'n' is not supported", "unsupported_value")
-    s.logit_bias = _parse_logit_bias(body.get("logit_bias"), vocab_size)
-    return s
-
-
-def _parse_logit_bias(bias: Any, vocab_size: int) -> dict[int, float] | None:
-    """OpenAI's ``{"token id": bias}`` with biases in [-100, 100]."""
-    if bias is None:
-        return None
-    if not isinstance(bias, dict):
-        raise invalid("logit_bias", "'logit_bias' must be an object mapping token ids to biases", "invalid_type")
-    if len(bias) > 1024:
-        raise invalid("logit_bias", "'logit_bias' may hold at most 1024 tokens")
-    out: dict[int, float] = {}
-    for key, value in bias.items():
-        try:
-            tid = int(key)
-        except ValueError:
-            raise invalid("logit_bias", f"'logit_bias' keys must be token ids, got {key!r}", "invalid_type") from None
-        if not 0 <= tid < vocab_size:
-            raise invalid("logit_bias", f"'logit_bias' token id {tid} is outside [0, {vocab_size})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise invalid("logit_bias", f"'logit_bias[{key}]' must be a number in [-100, 100], got {value!r}")
-        out[tid] = float(value)
-    return out or None
 
 
 def _parse_stream(body: dict) -> tuple[bool, bool, bool]:
@@ -621,7 +639,10 @@ def _parse_thinking(value: Any) -> bool | None:
 def parse_chat_request(body: dict, *, vocab_size: int) -> ChatRequest:
     model, user = _parse_common(body)
     messages = _parse_messages(body)
-    sampling = _parse_sampling(body, chat=True, vocab_size=vocab_size)
+    sampling = _parse_sampling(body, vocab_size=vocab_size)
+    max_tokens = get_int(body, "max_completion_tokens", None, 1)
+    if max_tokens is None:
+        max_tokens = get_int(body, "max_tokens", None, 1)
     stream, include_usage, continuous = _parse_stream(body)
     logprobs = bool(get_bool(body, "logprobs", False))
     top_logprobs = get_int(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
@@ -664,10 +685,10 @@ def parse_chat_request(body: dict, *, vocab_size: int) -> ChatRequest:
             except ValueError as e:
                 raise invalid("reasoning_effort", str(e)) from None
     add_gen = get_bool(body, "add_generation_prompt", True)
-    return ChatRequest(model=model, messages=messages, sampling=sampling, stream=stream, include_usage=include_usage,
-                       continuous_usage=continuous, logprobs=logprobs, top_logprobs=top_logprobs or 0, tools=tools,
-                       tool_choice=tool_choice, tool_name=tool_name, response_format=response_format,
-                       thinking=thinking, reasoning_effort=effort,
+    return ChatRequest(model=model, messages=messages, sampling=sampling, max_tokens=max_tokens, stream=stream,
+                       include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs,
+                       top_logprobs=top_logprobs or 0, tools=tools, tool_choice=tool_choice, tool_name=tool_name,
+                       response_format=response_format, thinking=thinking, reasoning_effort=effort,
                        drop_thinking=drop_thinking, add_generation_prompt=add_gen, user=user)
 
 
@@ -709,7 +730,8 @@ def parse_completion_request(body: dict, *, vocab_size: int) -> CompletionReques
                 raise invalid(param, f"'{param}' holds token ids outside [0, {vocab_size}): {bad[:5]}")
     if len(prompts) > 64:
         raise invalid("prompt", "at most 64 prompts per request")
-    sampling = _parse_sampling(body, chat=False, vocab_size=vocab_size)
+    sampling = _parse_sampling(body, vocab_size=vocab_size)
+    max_tokens = get_int(body, "max_tokens", None, 0)
     if len(prompts) * sampling.n > 128:
         raise invalid("n", "'n' times the number of prompts must be at most 128")
     stream, include_usage, continuous = _parse_stream(body)
@@ -717,8 +739,8 @@ def parse_completion_request(body: dict, *, vocab_size: int) -> CompletionReques
     echo = bool(get_bool(body, "echo", False))
     if body.get("suffix") is not None:
         raise invalid("suffix", "'suffix' is not supported", "unsupported_value")
-    if sampling.max_tokens == 0 and not echo:
+    if max_tokens == 0 and not echo:
         raise invalid("max_tokens", "'max_tokens' must be >= 1 (0 is only meaningful with 'echo')")
-    return CompletionRequest(model=model, prompts=prompts, sampling=sampling, stream=stream,
+    return CompletionRequest(model=model, prompts=prompts, sampling=sampling, max_tokens=max_tokens, stream=stream,
                              include_usage=include_usage, continuous_usage=continuous, logprobs=logprobs, echo=echo,
                              user=user)

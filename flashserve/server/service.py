@@ -1,9 +1,10 @@
-"""What every endpoint shares: the engine loop, the model's names and limits, prompt encoding, the mapping of
-request fields onto :class:`SamplingParams` (one place), submission, and the drain state of a shutdown."""
+"""What every endpoint shares: the engine loop, the model's names and limits, prompt encoding, a request's
+final :class:`SamplingParams`, submission, and the drain state of a shutdown."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -13,11 +14,12 @@ from .engine_loop import EngineDeadError, EngineLoop, RequestStream
 from .jinja_template import BUILTIN, JinjaTemplate, TemplateError
 from .logprobs import TokenStrings
 from .metrics import ServerMetrics
-from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatRequest, SamplingFields, invalid
+from .protocol import DEFAULT_MAX_REQUEST_BYTES, APIError, ChatRequest, invalid
 from .stats_log import StatsLogger
 
 if TYPE_CHECKING:
     from ..engine.interface import Engine
+    from ..engine.sampling_params import SamplingParams
 
 # Special tokens that carry meaning for the chat parsers and therefore stay in chat text.
 _KEEP_IN_CHAT = {chat_encoding.THINK_START, chat_encoding.THINK_END, chat_encoding.DSML, chat_encoding.SYSTEM}
@@ -43,9 +45,9 @@ class ServerConfig:
 
 
 def _engine_import():
-    from flashserve.engine import QueueFullError, RequestError, SamplingParams
+    from flashserve.engine import QueueFullError, RequestError
 
-    return QueueFullError, RequestError, SamplingParams
+    return QueueFullError, RequestError
 
 
 class Server:
@@ -188,18 +190,11 @@ class Server:
         return max_tokens
 
     # -- requests ------------------------------------------------------------------------------------------
-    def sampling_params(self, s: SamplingFields, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None, skip_special: bool, constraint: Any = None) -> Any:
-        """The one mapping of request fields onto the engine's SamplingParams."""
-        _, RequestError, SamplingParams = _engine_import()
-        seed = None if s.seed is None else s.seed % (2 ** 63)
-        params = SamplingParams(n=s.n, max_tokens=max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                top_k=s.top_k, min_p=s.min_p, seed=seed, presence_penalty=s.presence_penalty,
-                                frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty,
-                                stop=s.stop, stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
-                                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                skip_special_tokens=skip_special, output_kind="delta",
-                                logit_bias=s.logit_bias, constraint=constraint)
+    def sampling_params(self, sampling: SamplingParams, **decided: Any) -> SamplingParams:
+        """What the engine runs: the request's sampling fields with what its endpoint decided (max_tokens,
+        logprobs, constraint, ...), streamed as deltas, checked against this model."""
+        _, RequestError = _engine_import()
+        params = dataclasses.replace(sampling, output_kind="delta", **decided)
         try:
             params.validate(self.vocab_size)
         except RequestError as e:
@@ -220,7 +215,7 @@ class Server:
         return images.expanded_ids(prompt_ids, imgs, self.engine.model_config.image_token_id)
 
     async def submit(self, rid: str, prompt_ids: list[int], params: Any, imgs: list | None = None) -> RequestStream:
-        QueueFullError, RequestError, _ = _engine_import()
+        QueueFullError, RequestError = _engine_import()
         self.check_admitting()
         try:
             return await self.loop.add(rid, prompt_ids, params, imgs or [])

@@ -1,20 +1,22 @@
-"""Streaming machinery every endpoint shares: per-choice state, merging the outputs of several engine requests,
-server-sent events, and ending the engine requests of a client that went away."""
+"""What every generation endpoint shares: the skeleton of a call (:func:`serve_call`), per-choice state,
+merging the outputs of several engine requests, server-sent events, and ending the engine requests of a client
+that went away."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from .engine_loop import RequestStream
-from .http import count
-from .protocol import APIError
+from .http import check_auth, count, read_json, server_of
+from .protocol import APIError, error_body
 from .tool_parser import ChatOutputParser
 
 log = logging.getLogger("flashserve.server")
@@ -30,6 +32,27 @@ def sse(obj: Any, event: str | None = None) -> str:
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def openai_error_event(e: Exception) -> str:
+    """An engine failure in the middle of an OpenAI stream (the status is already sent)."""
+    return sse(error_body(f"generation failed: {e}", "server_error", None, "internal_error"))
+
+
+class Call(Protocol):
+    """One generation call in flight (its endpoint's state), as :func:`serve_call` drives it."""
+
+    srv: Any  # the Server
+    req: Any  # the parsed request: ``req.stream`` picks a streamed or a one-body answer
+
+    @property
+    def streams(self) -> list[RequestStream]: ...  # its engine requests
+
+    def absorb_output(self, k: int, out: Any) -> None: ...  # a RequestOutput of request k (one-body answer)
+
+    def finished(self) -> bool: ...  # every choice has finished
+
+    def finish_metrics(self) -> None: ...
 
 
 @dataclass
@@ -138,12 +161,12 @@ async def collect(request: Request, srv: Any, streams: list[RequestStream]) -> A
         srv.abort_unfinished(streams)
 
 
-async def guarded_events(chunks: AsyncIterator[str], request: Request, endpoint: str, call: Any,
-                         streams: list[RequestStream], error_event: Callable[[Exception], str],
-                         done: str | None = DONE) -> AsyncIterator[str]:
+async def guarded_events(chunks: AsyncIterator[str], request: Request, endpoint: str, call: Call,
+                         error_event: Callable[[Exception], str], done: str | None) -> AsyncIterator[str]:
     """``chunks`` as a streamed body: an engine failure mid-stream becomes ``error_event`` (in-band: the status
     is already sent), then ``done``; however it ends, unfinished requests are aborted, the outcome is counted
     (499: the client left) and ``call.finish_metrics()`` runs."""
+    streams = call.streams
     status = 200
     try:
         try:
@@ -164,20 +187,41 @@ async def guarded_events(chunks: AsyncIterator[str], request: Request, endpoint:
         call.finish_metrics()
 
 
-async def gather(request: Request, endpoint: str, call: Any, streams: list[RequestStream],
-                 absorb: Callable[[int, Any], None], finished: Callable[[], bool]) -> None:
-    """Feed every output of a non-streaming call to ``absorb``; count the outcome. An engine failure is a 500,
-    a shutdown that cut the call a 503 (retry elsewhere); a client that left counts as 499."""
+async def gather(request: Request, endpoint: str, call: Call) -> None:
+    """Feed every output of a non-streaming call to ``call.absorb_output``; count the outcome. An engine failure
+    is a 500, a shutdown that cut the call a 503 (retry elsewhere); a client that left counts as 499."""
     try:
-        async for p, out in collect(request, call.srv, streams):
-            absorb(p, out)
+        async for p, out in collect(request, call.srv, call.streams):
+            call.absorb_output(p, out)
     except Exception as e:
         count(request, endpoint, 500)
         raise APIError(f"generation failed: {e}", status=500, type="server_error", code="internal_error")
     call.finish_metrics()
-    done = finished()
+    done = call.finished()
     if not done and call.srv.draining:
         count(request, endpoint, 503)
         raise APIError("The server shut down before the request finished; retry", status=503,
                        type="server_error", code="shutting_down")
     count(request, endpoint, 200 if done else 499)
+
+
+async def serve_call(request: Request, endpoint: str, start: Callable[[Any, dict[str, Any], float], Awaitable[Call]],
+                     chunks: Callable[[Call], AsyncIterator[str]], answer: Callable[[Call], dict[str, Any]],
+                     error_event: Callable[[Exception], str] = openai_error_event,
+                     done: str | None = DONE) -> Any:
+    """The skeleton of every generation endpoint: authenticate, read the body, ``start(server, body, t0)`` the
+    call (parse, check the model, build the prompt, submit it to the engine loop; an :class:`APIError` is counted
+    under ``endpoint`` and answered), then stream ``chunks(call)`` as server-sent events (see
+    :func:`guarded_events`), or gather every output and answer ``answer(call)``."""
+    t0 = time.perf_counter()
+    try:
+        check_auth(request)
+        call = await start(server_of(request), await read_json(request), t0)
+    except APIError as e:
+        count(request, endpoint, e.status)
+        raise
+    if call.req.stream:
+        events = guarded_events(chunks(call), request, endpoint, call, error_event, done)
+        return event_stream(events, call.srv, call.streams)
+    await gather(request, endpoint, call)
+    return answer(call)
