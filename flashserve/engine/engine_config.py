@@ -45,8 +45,9 @@ class EngineConfig:
     # on this CPU at start-up (flashserve.engine.execution). Process-wide.
     int8_kernel: str = "auto"
     # Speculative decoding, as vLLM's ``speculative_config``: {"method": "ngram" | "mtp" | "dspark",
-    # "num_speculative_tokens": k, ...} (dict or its JSON text; see flashserve.engine.spec_config). None: off.
-    speculative_config: dict | str | None = None
+    # "num_speculative_tokens": k, ...} (dict or its JSON text; see flashserve.engine.spec_config). "auto": the
+    # drafter the checkpoint ships, if any (spec_config.shipped_drafter); None or "off": no speculation.
+    speculative_config: dict | str | None = "auto"
     # Parallel layout (flashserve.parallel), vLLM's names: ranks = tensor_parallel_size x data_parallel_size
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False

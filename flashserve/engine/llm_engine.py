@@ -24,6 +24,7 @@ from .sampling_params import QueueFullError, RequestError, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestGroup, RequestOutput, Sequence
 from .spec_config import SpeculativeConfig
+from .spec_config import describe as describe_speculation
 from .speculative import SpecStats, make_drafter, speculation_allowed
 from .threads import set_threads
 from .tokenizer import load_tokenizer, set_engram_token_map
@@ -45,7 +46,8 @@ class LLMEngine:
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} asked but CUDA is not available")
-        self.spec = spec = SpeculativeConfig.parse(c.speculative_config)
+        self.spec = spec = SpeculativeConfig.parse(c.speculative_config, c.model)
+        log.info(describe_speculation(spec, c.speculative_config))
         self.dtype = torch.float64 if c.dtype in ("float64", "fp64", torch.float64) else resolve_dtype(c.dtype)
         with_mtp = spec is not None and spec.method in ("mtp", "dspark")
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,

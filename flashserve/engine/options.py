@@ -64,7 +64,8 @@ HELP = {
                     "quantized per token) or unpack a packed checkpoint (float); default: as the checkpoint "
                     "stores them",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
-                          "(methods: ngram, mtp, dspark; see docs/speculative.md)",
+                          "(methods: ngram, mtp, dspark; see docs/speculative.md), off, or auto (the default: the "
+                          "drafter the checkpoint ships, if any)",
 }
 
 
@@ -81,8 +82,10 @@ def parse_size(text: str) -> int:
 def parse_speculative(text: str) -> dict:
     """``--speculative-config`` JSON -> the dict, checked now so a bad value is reported by name."""
     from ..config import ConfigError
-    from .spec_config import SpeculativeConfig
+    from .spec_config import AUTO, OFF, SpeculativeConfig
 
+    if text in (AUTO, OFF):
+        return text
     try:
         SpeculativeConfig.parse(text)
     except ConfigError as e:

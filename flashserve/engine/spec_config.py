@@ -6,12 +6,16 @@ Torch-free (the CLI parses ``--speculative-config`` before anything heavy is imp
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import PRESET_JSON, ConfigError, load_config
 
 METHODS = ("ngram", "mtp", "dspark")
+AUTO, OFF = "auto", "off"  # the default: a checkpoint's own drafter when it ships one; no speculation
+MTP_DEFAULT_TOKENS = 1  # V4's MTP block, chained: one draft a step unless asked for more (vLLM's default)
 
 # Above this many decoding sequences a step verifies no drafts. Measured on the embedded model (1 CPU thread,
 # python -m flashserve.bench.spec, 16 held-out prompts, docs/speculative.md; self-distilled drafter): DSpark's
@@ -35,10 +39,14 @@ class SpeculativeConfig:
     confidence_threshold: float = 0.0  # dspark: stop the block at the first draft the confidence head rates lower
 
     @classmethod
-    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
-        """From a dict or its JSON text (``--speculative-config '{"method": "ngram", ...}'``); None: off."""
-        if value is None or isinstance(value, cls):
-            return value
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None,
+              model: str | None = None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (``--speculative-config '{"method": "ngram", ...}'``); None or "off":
+        off; "auto": the drafter ``model``'s checkpoint ships, if any (:func:`shipped_drafter`)."""
+        if value is None or isinstance(value, cls) or value == OFF:
+            return None if value == OFF else value
+        if value == AUTO:
+            return shipped_drafter(model)
         if isinstance(value, str):
             try:
                 value = json.loads(value)
@@ -75,3 +83,48 @@ class SpeculativeConfig:
         c = self.confidence_threshold
         if not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
             raise ConfigError(f"speculative_config.confidence_threshold: {c!r} must be in [0, 1)")
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    """The tensor names a checkpoint folder stores: its safetensors index, else each file's header."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    names = []
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            names += [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
+    return names
+
+
+def shipped_drafter(model: str | None) -> SpeculativeConfig | None:
+    """What ``speculative_config="auto"`` (the default) runs: a checkpoint folder that stores its drafter
+    (V4.1's DSpark stages, V4's MTP block: tensors under ``mtp.``) decodes with it, DSpark a whole block a step,
+    MTP one token; presets (seeded random weights) and checkpoints without one do not speculate. Drafts stop
+    above ``disable_by_batch_size`` sequences."""
+    if model is None or str(model) in PRESET_JSON or not Path(model).is_dir():
+        return None
+    cfg = load_config(model)
+    if not cfg.num_nextn_predict_layers:
+        return None
+    if not any(n.startswith("mtp.") or ".mtp." in n for n in _tensor_names(Path(model))):
+        return None
+    return default_for(cfg)
+
+
+def default_for(cfg) -> SpeculativeConfig:
+    """The drafter a model of ``cfg`` carries, at its default depth."""
+    if cfg.is_v41:
+        return SpeculativeConfig("dspark", cfg.dspark_block_size)
+    return SpeculativeConfig("mtp", MTP_DEFAULT_TOKENS)
+
+
+def describe(spec: SpeculativeConfig | None, value: Any) -> str:
+    """One log line saying what speculation an engine runs, and why."""
+    if spec is None:
+        why = "the checkpoint ships no drafter" if value == AUTO else "off"
+        return f"speculative decoding: none ({why})"
+    origin = "the checkpoint's own drafter; --speculative-config off turns it off" if value == AUTO else "as asked"
+    return (f"speculative decoding: {spec.method}, {spec.num_speculative_tokens} tokens a step, off above "
+            f"{spec.disable_by_batch_size} sequences ({origin})")

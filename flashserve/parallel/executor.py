@@ -118,7 +118,7 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     dtype = torch.float64 if config.dtype in ("float64", "fp64") else resolve_dtype(config.dtype)
     from ..engine.spec_config import SpeculativeConfig
 
-    spec = SpeculativeConfig.parse(config.speculative_config)  # drafters built as LLMEngine builds them
+    spec = SpeculativeConfig.parse(config.speculative_config, config.model)  # drafters as LLMEngine builds them
     # a checkpoint: an EP rank reads only its experts' tensors, engram tables are mapped, not read (presets draw
     # every weight, the same on each rank)
 

@@ -89,7 +89,7 @@ def rank_memory(model: str, layout: Layout, *, dtype: str = "bfloat16", quantiza
     layout.check(cfg)
     fmt_name, formats = _formats(model, cfg, quantization)
     torch_dtype = torch.float64 if dtype in ("float64", "fp64") else resolve_dtype(dtype)
-    spec = SpeculativeConfig.parse(speculative_config)
+    spec = SpeculativeConfig.parse(speculative_config, model)
     drafter_loaded = bool(spec is not None and spec.method in ("mtp", "dspark") and cfg.num_nextn_predict_layers)
     with torch.device("meta"):
         net = Transformer(cfg, with_mtp=True, with_vision=True)  # the drafter counted apart, loaded or not

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flashserve.config import ConfigError
-from flashserve.engine import SamplingParams
+from flashserve.engine import EngineConfig, SamplingParams
 from flashserve.engine.spec_config import SpeculativeConfig
 from flashserve.engine.speculative import NgramIndex, accept
 
@@ -370,3 +370,47 @@ def test_drafters_that_the_model_cannot_run_are_refused(models):
     with pytest.raises(ConfigError, match="exceeds the DSpark block size"):
         make_engine(models("tiny-v41", with_mtp=True), "tiny-v41",
                     speculative_config={"method": "dspark", "num_speculative_tokens": 6})
+
+
+# ------------------------------------------------------------------------------ on by default where shipped
+
+
+def _v4_folder(path, with_drafter: bool):
+    """A tiny V4 checkpoint folder, with or without its MTP block's tensors."""
+    from flashserve.config import preset_config
+    from flashserve.model.checkpoint import save_checkpoint
+    from flashserve.model.init import random_init
+    from flashserve.model.transformer import Transformer
+
+    cfg = preset_config("tiny-v4")
+    tensors = random_init(Transformer(cfg), seed=2).checkpoint_tensors()
+    if not with_drafter:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+    save_checkpoint(tensors, path, cfg, quantize=False)
+    return str(path)
+
+
+def test_a_checkpoint_that_ships_its_drafter_speculates_by_default(tmp_path, caplog):
+    """With no speculative_config, a checkpoint storing its drafter decodes with it (the embedded V4.1: DSpark, a
+    whole block; a V4 checkpoint: MTP, one token), and the log says so; "off" turns it off; presets (random
+    weights) and checkpoints without a drafter do not speculate. Greedy tokens are the same either way."""
+    import logging
+
+    from flashserve.engine.llm_engine import LLMEngine
+    from flashserve.models import default_model
+
+    kw = dict(kv_memory="16MiB", max_num_seqs=2, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="flashserve"):
+        on = LLMEngine(EngineConfig(model=default_model(), **kw))
+    assert (on.spec.method, on.spec.num_speculative_tokens) == ("dspark", on.model_config.dspark_block_size)
+    assert "speculative decoding: dspark, 5 tokens a step" in caplog.text and "--speculative-config off" in caplog.text
+    off = LLMEngine(EngineConfig(model=default_model(), speculative_config="off", **kw))
+    assert off.spec is None and off.drafter is None
+    prompt = off.tokenizer.encode("def fibonacci(n):")
+    assert run_greedy(on, [prompt], 24) == run_greedy(off, [prompt], 24)
+    assert on.spec_stats.as_dict()["num_accepted_tokens"] > 0  # it did draft, and drafts were taken
+
+    assert LLMEngine(EngineConfig(model="tiny-v41", **kw)).spec is None  # a preset: seeded random weights
+    mtp = LLMEngine(EngineConfig(model=_v4_folder(tmp_path / "with", True), **kw)).spec
+    assert (mtp.method, mtp.num_speculative_tokens) == ("mtp", 1)
+    assert LLMEngine(EngineConfig(model=_v4_folder(tmp_path / "without", False), **kw)).spec is None
