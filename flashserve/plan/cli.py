@@ -63,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=None, help="expert parallelism (default: --gpus)")
     p.add_argument("--attention-dp", type=int, default=None, help="attention data-parallel ranks (default: gpus/tp)")
     p.add_argument("--prefill-gpus", type=int, default=0, help="separate prefill GPUs (0: prefill shares the GPUs)")
+    p.add_argument("--prefill-tp", type=int, default=None,
+                   help="prefill pool's attention tensor parallelism (default 1; needs --prefill-gpus)")
+    p.add_argument("--prefill-ep", type=int, default=None,
+                   help="prefill pool's expert parallelism (default: --prefill-gpus)")
+    p.add_argument("--prefill-attention-dp", type=int, default=None,
+                   help="prefill pool's attention data-parallel ranks (default: prefill-gpus/prefill-tp)")
     p.add_argument("--weight-dtype", default="fp4", help="routed-expert dtype: fp4, fp8, bf16, fp32")
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
@@ -98,7 +104,9 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
     overrides = {k: getattr(a, k) for k in OVERRIDE_FLAGS if getattr(a, k) is not None}
     return PlanInputs(
         model=a.model, hardware=a.hardware, gpus=a.gpus, tp=a.tp, ep=a.ep, attention_dp=a.attention_dp,
-        prefill_gpus=a.prefill_gpus, weight_dtype=a.weight_dtype, kv_dtype=a.kv_dtype, concurrency=a.concurrency,
+        prefill_gpus=a.prefill_gpus, prefill_tp=a.prefill_tp, prefill_ep=a.prefill_ep,
+        prefill_attention_dp=a.prefill_attention_dp, weight_dtype=a.weight_dtype, kv_dtype=a.kv_dtype,
+        concurrency=a.concurrency,
         context=a.context, prompt_len=a.prompt_len, output_len=a.output_len, accept_length=a.accept_length,
         draft_tokens=a.draft_tokens, prefix_hit_rate=a.prefix_hit_rate, cost_per_gpu_hour=a.cost_per_gpu_hour,
         overrides=overrides, stack=a.stack)
@@ -130,7 +138,9 @@ def _speculation_summary(s: dict[str, object] | None) -> str:
 
 
 def _summary_core(d: dict[str, object]) -> str:
-    return (f"{d['model']} on {d['gpus']}× {d['hardware']} (TP{d['tp']} EP{d['ep']} DP{d['attention_dp']}), "
+    pool = (f" + {d['prefill_gpus']} prefill (TP{d['prefill_tp']} EP{d['prefill_ep']} "
+            f"DP{d['prefill_attention_dp']})" if d["prefill_gpus"] else "")
+    return (f"{d['model']} on {d['gpus']}× {d['hardware']} (TP{d['tp']} EP{d['ep']} DP{d['attention_dp']}){pool}, "
             f"concurrency {d['concurrency']}, context {d['context']:,.0f}\n"
             f"  tokens/s per agent        {d['tokens_per_s_per_agent']:,.1f}\n"
             f"  output tokens/s per GPU   {d['output_tokens_per_s_per_gpu']:,.1f}\n"

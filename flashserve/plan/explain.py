@@ -81,7 +81,11 @@ def _stack_row(r: PlanResult) -> Row:
 
 def _step_rows(r: PlanResult) -> Iterator[Row]:
     s, dep = r.step, r.deployment
-    yield "layout", "decode GPUs / TP / EP / attention DP", f"{dep.gpus} / {dep.tp} / {dep.ep} / {dep.dp}", f"{r.inputs.prefill_gpus} prefill GPUs (0 = shared)"
+    pre = r.prefill_deployment
+    yield "layout", "decode GPUs / TP / EP / attention DP", f"{dep.gpus} / {dep.tp} / {dep.ep} / {dep.dp}", ""
+    yield ("layout", "prefill GPUs / TP / EP / attention DP", f"{pre.gpus} / {pre.tp} / {pre.ep} / {pre.dp}",
+           "separate pool (--prefill-gpus), its own layout (--prefill-tp, --prefill-ep, --prefill-attention-dp)"
+           if r.prefill_pool else "shared: prefill runs on the decode GPUs and their layout")
     yield "layout", "dtypes experts / dense / KV", f"{dep.expert_dtype} / {dep.dense_dtype} / {dep.model.kv_dtype}", ""
     yield "step", "sequences per attention rank", f"{s.sequences_per_rank:.4g}", f"{s.rows_per_sequence} rows each (1 + drafted)"
     yield "step", "distinct experts per layer", f"{s.distinct_experts_per_layer:.4g}", "E·(1−(1−k/E)^B), all rows of the step"

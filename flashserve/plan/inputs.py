@@ -20,6 +20,9 @@ class PlanInputs:
     ep: int | None = None  # expert parallelism (default: all decode GPUs)
     attention_dp: int | None = None  # attention data-parallel ranks (default: gpus / tp)
     prefill_gpus: int = 0  # disaggregated prefill pool; 0 = prefill shares the decode GPUs
+    prefill_tp: int | None = None  # the pool's attention TP (default 1, as --tp); needs prefill_gpus > 0
+    prefill_ep: int | None = None  # the pool's expert parallelism (default: all prefill GPUs)
+    prefill_attention_dp: int | None = None  # the pool's attention DP ranks (default: prefill_gpus / prefill_tp)
     weight_dtype: str = "fp4"  # routed experts; dense weights FP8 unless bf16/fp32 is asked
     kv_dtype: str | None = None  # default: the model's native cache format
     concurrency: int = 1  # sequences decoding at once across the decode GPUs
@@ -42,6 +45,17 @@ class PlanInputs:
     def resolved_dp(self) -> int:
         return self.attention_dp if self.attention_dp is not None else self.gpus // self.tp
 
+    def resolved_prefill_tp(self) -> int:
+        return self.prefill_tp if self.prefill_tp is not None else 1
+
+    def resolved_prefill_ep(self) -> int:
+        return self.prefill_ep if self.prefill_ep is not None else self.prefill_gpus
+
+    def resolved_prefill_dp(self) -> int:
+        if self.prefill_attention_dp is not None:
+            return self.prefill_attention_dp
+        return self.prefill_gpus // self.resolved_prefill_tp()
+
     def resolved_draft_tokens(self, block: int) -> int:
         if self.draft_tokens is not None:
             return self.draft_tokens
@@ -61,6 +75,30 @@ def _number(value: object, flag: str, low: float, high: float = math.inf) -> Non
         raise PlanError(flag, f"must be a number {bound}, got {value!r}")
 
 
+def _validate_prefill_layout(inp: PlanInputs) -> None:
+    """The separate prefill pool's layout, checked as the decode one is against --gpus."""
+    given = [(flag, v) for flag, v in (("--prefill-tp", inp.prefill_tp), ("--prefill-ep", inp.prefill_ep),
+                                       ("--prefill-attention-dp", inp.prefill_attention_dp)) if v is not None]
+    if not inp.prefill_gpus:
+        if given:
+            raise PlanError(given[0][0], "needs --prefill-gpus > 0 (with 0, prefill shares the decode GPUs "
+                            "and their layout)")
+        return
+    n, tp = inp.prefill_gpus, inp.resolved_prefill_tp()
+    _positive_int(tp, "--prefill-tp")
+    if n % tp:
+        raise PlanError("--prefill-tp", f"TP {tp} does not divide --prefill-gpus {n}")
+    if inp.prefill_ep is not None:
+        _positive_int(inp.prefill_ep, "--prefill-ep")
+        if n % inp.prefill_ep:
+            raise PlanError("--prefill-ep", f"EP {inp.prefill_ep} does not divide --prefill-gpus {n}")
+    if inp.prefill_attention_dp is not None:
+        _positive_int(inp.prefill_attention_dp, "--prefill-attention-dp")
+        if inp.prefill_attention_dp * tp != n:
+            raise PlanError("--prefill-attention-dp", f"attention DP {inp.prefill_attention_dp} × TP {tp} must "
+                            f"equal --prefill-gpus {n}")
+
+
 def validate(inp: PlanInputs) -> None:
     """Refuse impossible or meaningless inputs before any arithmetic."""
     _positive_int(inp.gpus, "--gpus")
@@ -76,6 +114,7 @@ def validate(inp: PlanInputs) -> None:
         if inp.attention_dp * inp.tp != inp.gpus:
             raise PlanError("--attention-dp", f"attention DP {inp.attention_dp} × TP {inp.tp} must equal --gpus {inp.gpus}")
     _positive_int(inp.prefill_gpus, "--prefill-gpus", 0)
+    _validate_prefill_layout(inp)
     if inp.weight_dtype not in WEIGHT_BYTES:
         raise PlanError("--weight-dtype", f"unknown dtype {inp.weight_dtype!r}; choose one of {', '.join(WEIGHT_BYTES)}")
     if inp.kv_dtype is not None and inp.kv_dtype not in KV_DTYPES:

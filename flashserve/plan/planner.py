@@ -1,8 +1,9 @@
 """Put the terms together: per-agent speed, throughput per GPU, TTFT, sessions that fit, cost.
 
-Prefill accounting: with ``prefill_gpus`` = 0 prefill shares the decode GPUs (each decode cycle also pays
-for the prompts of the requests that finish in it); otherwise a separate pool serves prompts and caps the
-output rate when it cannot keep up. Throughput per GPU always divides by every GPU deployed.
+Prefill accounting: with ``prefill_gpus`` = 0 prefill shares the decode GPUs and their layout (each decode
+cycle also pays for the prompts of the requests that finish in it); otherwise a separate pool with its own
+layout (``prefill_tp``/``prefill_ep``/``prefill_attention_dp``, by default EP over the whole pool) serves
+prompts and caps the output rate when it cannot keep up. Throughput per GPU always divides by every GPU deployed.
 """
 
 from __future__ import annotations
@@ -130,6 +131,12 @@ class PlanResult:
     prefill_limited: bool
     price_per_gpu_hour: float
     speculation: Speculation | None = None  # with a drafter: the step without it, the parts, the crossover
+    prefill_pool: Deployment | None = None  # the separate prefill pool's layout; None: prefill on the decode GPUs
+
+    @property
+    def prefill_deployment(self) -> Deployment:
+        """The GPUs and layout prompts are computed on: the prefill pool, or the decode deployment."""
+        return self.prefill_pool or self.deployment
 
     @property
     def output_tokens_per_s_per_gpu(self) -> float:
@@ -186,6 +193,8 @@ class PlanResult:
             "model": dep.model.name, "hardware": dep.hw.name,
             "gpus": dep.gpus, "prefill_gpus": self.inputs.prefill_gpus, "total_gpus": self.total_gpus,
             "tp": dep.tp, "ep": dep.ep, "attention_dp": dep.dp,
+            "prefill_tp": self.prefill_deployment.tp, "prefill_ep": self.prefill_deployment.ep,
+            "prefill_attention_dp": self.prefill_deployment.dp,
             "weight_dtype": dep.expert_dtype, "dense_dtype": dep.dense_dtype, "kv_dtype": dep.model.kv_dtype,
             "concurrency": self.inputs.concurrency, "context": self.context,
             "accept_length": self.accept_length, "draft_tokens": dep.draft_tokens,
@@ -231,14 +240,27 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
                       stack=stack.name if stack else None)
 
 
+def prefill_pool(inp: PlanInputs, dep: Deployment) -> Deployment | None:
+    """The separate prefill pool: the decode deployment's model, dtypes and efficiency on its own GPUs and
+    layout (None when prefill shares the decode GPUs)."""
+    if inp.prefill_gpus <= 0:
+        return None
+    tp = inp.resolved_prefill_tp()
+    if tp > dep.hw.scaleup_domain:
+        raise PlanError("--prefill-tp", f"TP {tp} spans more than one {dep.hw.scaleup_domain}-GPU scale-up domain")
+    return replace(dep, gpus=inp.prefill_gpus, tp=tp, ep=inp.resolved_prefill_ep(), dp=inp.resolved_prefill_dp())
+
+
 def plan(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None = None) -> PlanResult:
     """Run the planner on ``inp`` (``model``/``hw`` may be passed to skip the lookups)."""
     dep = build_deployment(inp, model, hw)
     ctx = inp.resolved_context()
     step = decode_step(dep, inp.concurrency, ctx)
-    disagg = inp.prefill_gpus > 0
+    pool = prefill_pool(inp, dep)
+    disagg = pool is not None
     xfer = (dep.hw.scaleout_bw or dep.hw.scaleup_bw) * dep.eff.eta_comm if disagg else 0.0
-    pre = prefill_terms(dep, inp.prompt_len, inp.prefix_hit_rate, inp.prefill_gpus or inp.gpus, step.t_step, xfer)
+    pre = prefill_terms(pool or dep, inp.prompt_len, inp.prefix_hit_rate, inp.prefill_gpus or inp.gpus,
+                        step.t_step, xfer)
     uncached = inp.prompt_len * (1.0 - inp.prefix_hit_rate)
     al = inp.accept_length
     if disagg:
@@ -257,5 +279,5 @@ def plan(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None =
         inputs=inp, deployment=dep, step=step, prefill=pre, capacity=cap, context=ctx,
         accept_length=al, cycle_time_s=cycle, tokens_per_s_per_agent=al / cycle, output_tokens_per_s=out,
         total_gpus=inp.gpus + inp.prefill_gpus, prefill_limited=limited, price_per_gpu_hour=price,
-        speculation=speculation_terms(dep, al, inp.concurrency, ctx, cap.sessions_fit),
+        speculation=speculation_terms(dep, al, inp.concurrency, ctx, cap.sessions_fit), prefill_pool=pool,
     )

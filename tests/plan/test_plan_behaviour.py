@@ -42,6 +42,20 @@ def test_prefix_hits_cut_ttft_and_small_prefill_pool_limits_output() -> None:
     assert starved.output_tokens_per_s < roomy.output_tokens_per_s
 
 
+def test_prefill_pool_has_its_own_layout() -> None:
+    decode = replace(V41, gpus=8, tp=2)
+    shared = plan(decode)
+    assert shared.prefill_pool is None and shared.prefill_deployment == shared.deployment
+    pool = plan(replace(decode, prefill_gpus=16)).prefill_deployment  # EP over the pool, TP 1, DP = 16 / 1
+    assert (pool.gpus, pool.tp, pool.ep, pool.dp) == (16, 1, 16, 16)
+    given = plan(replace(decode, prefill_gpus=16, prefill_tp=4, prefill_ep=8))
+    p = given.prefill_deployment
+    assert (p.gpus, p.tp, p.ep, p.dp) == (16, 4, 8, 4)  # DP = 16 / 4
+    d = given.deployment
+    assert (d.gpus, d.tp, d.ep, d.dp) == (8, 2, 8, 4)
+    assert given.step.t_step == shared.step.t_step  # the prefill layout leaves the decode step alone
+
+
 def test_v41_prefill_runs_only_the_encoder() -> None:
     r = plan(V41)
     m = r.deployment.model

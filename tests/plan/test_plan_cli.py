@@ -48,6 +48,19 @@ def test_explain_prints_every_term(capsys) -> None:
         assert term in out, term
 
 
+def test_json_and_explain_carry_both_layouts(capsys) -> None:
+    argv = BASE + ["--prefill-gpus", "16", "--prefill-tp", "2"]
+    d = _json(capsys, argv + ["--json"])
+    assert (d["gpus"], d["tp"], d["ep"], d["attention_dp"]) == (8, 1, 8, 8)
+    assert (d["prefill_gpus"], d["prefill_tp"], d["prefill_ep"], d["prefill_attention_dp"]) == (16, 2, 16, 8)
+    assert main(argv + ["--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "decode GPUs / TP / EP / attention DP" in out and "8 / 1 / 8 / 8" in out
+    assert "prefill GPUs / TP / EP / attention DP" in out and "16 / 2 / 16 / 8" in out
+    shared = _json(capsys, BASE + ["--json"])  # co-located: prefill runs on the decode layout
+    assert (shared["prefill_gpus"], shared["prefill_tp"], shared["prefill_ep"]) == (0, 1, 8)
+
+
 def test_sweep_writes_json_and_png(tmp_path, capsys) -> None:
     prefix = tmp_path / "curve"
     assert main(["sweep"] + BASE + ["--levels", "1,4,16,64,256", "--out", str(prefix)]) == 0
@@ -96,6 +109,13 @@ def test_calibrate_warns_when_the_points_do_not_pin_the_terms(tmp_path, capsys) 
     (["--gpus", "8", "--tp", "3"], "--tp"),
     (["--gpus", "8", "--ep", "5"], "--ep"),
     (["--gpus", "8", "--tp", "2", "--attention-dp", "2"], "--attention-dp"),
+    (["--prefill-tp", "2"], "--prefill-tp"),
+    (["--prefill-ep", "8"], "--prefill-ep"),
+    (["--prefill-gpus", "32", "--prefill-tp", "3"], "--prefill-tp"),
+    (["--prefill-gpus", "32", "--prefill-ep", "12"], "--prefill-ep"),
+    (["--prefill-gpus", "32", "--prefill-ep", "0"], "--prefill-ep"),
+    (["--prefill-gpus", "32", "--prefill-tp", "2", "--prefill-attention-dp", "8"], "--prefill-attention-dp"),
+    (["--hardware", "h100", "--prefill-gpus", "32", "--prefill-tp", "16"], "--prefill-tp"),
     (["--concurrency", "0"], "--concurrency"),
     (["--kv-dtype", "int3"], "--kv-dtype"),
     (["--weight-dtype", "fp2"], "--weight-dtype"),

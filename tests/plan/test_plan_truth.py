@@ -41,6 +41,26 @@ def test_prefill_points_cover_lmsys_and_deepseek_and_hold_them_out() -> None:
     assert {round(p.uncached_tokens_per_s_per_gpu) for p in held.values()} == {6538, 4026}
 
 
+def test_disaggregated_prefill_pool_plans_its_own_ep_layout() -> None:
+    """LMSYS's 96xH100 deployment with its prefill on 4 nodes (32 GPUs, EP32): the pool runs EP32, not the
+    decode side's EP72, so its prompt tokens/s per GPU are those of the EP32 prefill point planned alone and
+    lie within the tolerance of LMSYS's 52.3k tokens/s per 8-GPU node."""
+    from dataclasses import replace
+
+    lmsys = next(p for p in PUBLISHED if p.name == "h100-sglang-ep72")
+    alone = next(p for p in PUBLISHED_PREFILL if p.name == "h100-lmsys-prefill-2k")
+    disagg = plan(replace(lmsys.inputs, prefill_gpus=32))
+    pool = disagg.prefill_deployment
+    assert (pool.gpus, pool.tp, pool.ep, pool.dp) == (32, 1, 32, 32)
+    assert (disagg.deployment.gpus, disagg.deployment.ep) == (72, 72)  # decode keeps its own layout
+    per_gpu = disagg.prefill.tokens_per_s_per_gpu
+    assert per_gpu == pytest.approx(plan(alone.inputs).prefill.tokens_per_s_per_gpu, rel=1e-12)
+    assert abs(per_gpu / (52300 / 8) - 1) <= TOLERANCE
+    # on the decode GPUs' EP72 (9 nodes) a token reaches more remote nodes: beyond the tolerance
+    shared = plan(replace(lmsys.inputs, prefill_gpus=0)).prefill.tokens_per_s_per_gpu
+    assert shared / (52300 / 8) - 1 < -TOLERANCE
+
+
 def test_stored_prefill_efficiency_is_the_documented_fit() -> None:
     entry = json.loads(HARDWARE_JSON.read_text())["efficiency"]["hopper"]
     fitted = [p for p in PUBLISHED_PREFILL if p.name in entry["prefill_fitted_on"]]
