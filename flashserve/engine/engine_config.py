@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+INT8_KERNELS = ("auto", "aten", "chunked")  # EngineConfig.int8_kernel
+
+
 @dataclass
 class EngineConfig:
     model: str

@@ -17,11 +17,9 @@ import torch
 
 from ..model import cpu_kernels, packed
 from ..model.weight_layout import column_major_tall_weights, join_int8_rows, prepack_for_rows
+from .engine_config import INT8_KERNELS
 
 log = logging.getLogger("flashserve.engine")
-
-INT8_KERNEL_CHOICES = ("auto", "aten", "chunked")
-
 
 @dataclass
 class ExecutionPlan:
@@ -58,8 +56,8 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
     """Decide how ``model``'s steps run on ``device`` and lay out the weights that path reads; ``rows``: the most
     rows a decode step computes (sequences x verified tokens). ``int8_kernel``: "auto" times torch's int8
     kernel against chunked float products on this CPU (once a process), "aten" or "chunked" chooses."""
-    if int8_kernel not in INT8_KERNEL_CHOICES:
-        raise ValueError(f"int8_kernel must be one of {', '.join(INT8_KERNEL_CHOICES)}, got {int8_kernel!r}")
+    if int8_kernel not in INT8_KERNELS:
+        raise ValueError(f"int8_kernel must be one of {', '.join(INT8_KERNELS)}, got {int8_kernel!r}")
     formats = Counter(m.packed.fmt.name for m in model.modules() if isinstance(m, packed.PackedLinear))
     formats.update(f"{m.w1_packed.fmt.name} experts" for m in model.modules() if isinstance(m, packed.PackedExperts))
     int8_rows = any(f.split()[0] in packed.INT8_ROWS for f in formats)

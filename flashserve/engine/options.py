@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from ..config.checkpoint_layout import QUANTIZATIONS
-from .engine_config import EngineConfig
+from .engine_config import INT8_KERNELS, EngineConfig
 from .threads import default_threads
 
 # Fields that are not user options: the positional model, and knobs tests set directly.
@@ -25,7 +25,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "cache_dtype": ("packed", "float"),
     "prefix_replay": ("exact", "window"),
     "quantization": QUANTIZATIONS,
-    "int8_kernel": ("auto", "aten", "chunked"),
+    "int8_kernel": INT8_KERNELS,
 }
 
 HELP = {

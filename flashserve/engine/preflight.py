@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ..config import ConfigError, ModelConfig, load_config
 from ..config.checkpoint_layout import QUANTIZATIONS
 from ..config.arithmetic import kv_record
+from .engine_config import INT8_KERNELS
 
 if TYPE_CHECKING:
     from .engine_config import EngineConfig
@@ -105,7 +106,7 @@ def _check_scalars(c: EngineConfig) -> None:
     if c.prefill_chunk is not None and (not isinstance(c.prefill_chunk, int) or c.prefill_chunk < 1):
         raise ConfigError(f"prefill_chunk: must be an integer >= 1, got {c.prefill_chunk!r}")
     for name, allowed in (("cache_dtype", ("packed", "float")), ("prefix_replay", ("exact", "window")),
-                          ("quantization", QUANTIZATIONS), ("int8_kernel", ("auto", "aten", "chunked"))):
+                          ("quantization", QUANTIZATIONS), ("int8_kernel", INT8_KERNELS)):
         v = getattr(c, name)
         if v is not None and v not in allowed:
             raise ConfigError(f"{name}: must be one of {', '.join(allowed)}, got {v!r}")
