@@ -12,7 +12,8 @@ import torch
 
 from ..config.arithmetic import kv_record
 from ..config.model_config import ModelConfig
-from ..model import quant
+from ..model import modes, quant
+from ..model.modes import COMPILED
 
 E4M3_MAX = 448.0
 # --------------------------------------------------------------------------- packed records
@@ -47,11 +48,24 @@ def _unpack_fp4(p: torch.Tensor, block: int, e4m3: bool, dtype: torch.dtype, pai
     ``pairs``: :func:`quant.e2m1_pair_table` on ``p``'s device."""
     d = p.shape[-1] * 2 * block // (block + 2)  # record = d/2 code bytes + d/block scale bytes
     codes = p[..., : d // 2]
-    # eager on the CPU, quant's own table is faster; ``pairs`` serves compiled graphs and other devices
-    vals = quant.decode_e2m1_bytes(codes) if quant.eager_on_cpu(p) else pairs[codes.long()].flatten(-2)  # [..., d]
+    vals = _e2m1_values(codes, pairs)  # [..., d]
     sc = p[..., d // 2:]
     scale = quant.decode_e4m3_bytes(sc) if e4m3 else quant.e8m0_to_float(sc)
     return (vals.unflatten(-1, (-1, block)) * scale[..., None]).flatten(-2).to(dtype)
+
+
+@modes.per_mode
+def _e2m1_values(codes: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The E2M1 values of code bytes ``codes``: eager on the CPU by quant's own table (faster), by ``pairs``
+    elsewhere and in compiled steps."""
+    if codes.device.type == "cpu":
+        return quant.decode_e2m1_bytes(codes)
+    return pairs[codes.long()].flatten(-2)
+
+
+@_e2m1_values.variant(COMPILED)
+def _e2m1_values_compiled(codes: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    return pairs[codes.long()].flatten(-2)
 
 
 def _unpack_fp8(p: torch.Tensor, dtype: torch.dtype, scales: torch.Tensor) -> torch.Tensor:

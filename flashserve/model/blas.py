@@ -4,7 +4,7 @@ At batch 1 a decode step is mostly matrix-vector products, and at a few rows sma
 statically linked MKL runs the first well below the memory bandwidth and repacks the weight on every call for
 the second. So (docs/engine-speed.md#products-on-the-cpu):
 
-* **Compiled, one row** (:func:`compiled_row`): the product is written as a broadcast multiply summed over the
+* **Compiled, one row** (:func:`linear` in a compiled CPU step, :mod:`.modes`): the product is written as a broadcast multiply summed over the
   inputs (:func:`reduce_linear`), which inductor turns into one vectorised reduction kernel per product, called
   from the step's C++ with no dispatch; an int8 weight's conversion and an expert's gather are fused into its
   read (about 3x MKL's ``mm`` over the peers checkpoint's one-row products).
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_kernels
+from . import cpu_kernels, modes
+from .modes import COMPILED, COMPILED_CPU
 
 
 def _numpy_uses_openblas() -> bool:
@@ -69,14 +70,9 @@ def _mm_np(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def compiled_cpu(x: torch.Tensor) -> bool:
-    """Whether ``x`` is traced into a compiled CPU step, where :func:`reduce_linear` makes one-row products."""
-    return torch.compiler.is_compiling() and x.device.type == "cpu"
-
-
-def compiled_row(x: torch.Tensor) -> bool:
-    """:func:`compiled_cpu` and ``x`` is one row."""
-    return compiled_cpu(x) and x.numel() == x.shape[-1]
+def one_row(x: torch.Tensor) -> bool:
+    """Whether ``x`` holds one row of its last dimension."""
+    return x.numel() == x.shape[-1]
 
 
 def materialized(x: torch.Tensor) -> torch.Tensor:
@@ -100,11 +96,17 @@ def shared_operand(x: torch.Tensor, rows) -> torch.Tensor:
     return stored_operand(x) if rows > 1 else x
 
 
+@modes.per_mode
 def stored_operand(x: torch.Tensor) -> torch.Tensor:
     """``x`` stored once (:func:`materialized`) in a compiled CPU step, whatever its rows: an operand as long as the
     context, which a product would otherwise recompute per head (the indexer's keys, see
-    :meth:`flashserve.model.attention.Indexer.scores`)."""
-    return materialized(x.contiguous()) if compiled_cpu(x) else x
+    :meth:`flashserve.model.attention.Indexer.scores`). ``x`` itself in other modes."""
+    return x
+
+
+@stored_operand.variant(COMPILED_CPU)
+def _stored_operand_compiled_on_cpu(x: torch.Tensor) -> torch.Tensor:
+    return materialized(x.contiguous())
 
 
 def reduce_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -125,14 +127,18 @@ def _aligned(t: torch.Tensor, labels: str, order: list[str]) -> torch.Tensor:
     return t.reshape([t.shape[present.index(c)] if c in labels else 1 for c in order])
 
 
+@modes.per_mode
 def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(eq, a, b)`` for two operands (no label repeated within one). In a compiled CPU step it is
     written as a broadcast product summed over the contracted labels, which inductor fuses into its kernels:
     as ``bmm`` each was an external MKL call with a parallel region of its own (45 a batch-1 step of the peers
     checkpoint, about 4 us each, for products of a few KB: attention scores and values, the indexer, the
-    hyper-connection mixing). Elsewhere torch's ``einsum``."""
-    if not compiled_cpu(a):
-        return torch.einsum(eq, a, b)
+    hyper-connection mixing)."""
+    return torch.einsum(eq, a, b)
+
+
+@einsum.variant(COMPILED_CPU)
+def _einsum_compiled_on_cpu(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ins, out = eq.replace(" ", "").split("->")
     la, lb = ins.split(",")
     if "..." in eq:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
@@ -146,55 +152,79 @@ def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return prod.sum(tuple(range(len(out), len(order)))) if summed else prod
 
 
+@modes.per_mode
 def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias): one row in a compiled CPU step :func:`reduce_linear`, several float32 rows
-    there over ``panels`` (``w``'s copy from :func:`make_panels`, None where it has none)
-    :func:`~flashserve.model.cpu_kernels.dense_rows`, eager OpenBLAS where :func:`takes` says so, torch
-    otherwise."""
-    if compiled_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype:
-        return reduce_linear(x, w)
-    if panels is not None and compiled_cpu(x) and x.dtype == torch.float32:
-        flat = x.reshape(-1, x.shape[-1])
-        return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
-    if not takes(x, w) or torch.compiler.is_compiling():
+    """``F.linear(x, w)`` (no bias). Eager: OpenBLAS where :func:`takes` says so, torch otherwise. In a compiled
+    CPU step: one row :func:`reduce_linear`, several float32 rows over ``panels`` (``w``'s copy from
+    :func:`make_panels`, None where it has none) :func:`~flashserve.model.cpu_kernels.dense_rows`."""
+    if not takes(x, w):
         return F.linear(x, w)
     flat = x.reshape(-1, x.shape[-1])
     return _mm_np(flat, w).view(*x.shape[:-1], w.shape[0])
 
 
+@linear.variant(COMPILED)
+def _linear_compiled(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+@linear.variant(COMPILED_CPU)
+def _linear_compiled_on_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
+    if one_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype:
+        return reduce_linear(x, w)
+    if panels is not None and x.dtype == torch.float32:
+        flat = x.reshape(-1, x.shape[-1])
+        return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
+
+
+@modes.per_mode
 def pairs_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Row ``p`` of ``x [P, K]`` times its own matrix ``w[p]`` (``w [P, N, K]``, optional per-row ``scale [P, N]``):
-    [P, N], the gathered experts' product. Compiled on the CPU: :func:`reduce_linear`, each ``w[p]`` read in place
-    (an int8 ``w`` converted as read); otherwise a batched product."""
-    if compiled_cpu(x):
-        y = reduce_linear(x, w)
-    else:
-        y = torch.bmm(w.to(x.dtype), x.unsqueeze(-1)).squeeze(-1)
+    [P, N], the gathered experts' product: a batched product; in a compiled CPU step :func:`reduce_linear`,
+    each ``w[p]`` read in place (an int8 ``w`` converted as read)."""
+    y = torch.bmm(w.to(x.dtype), x.unsqueeze(-1)).squeeze(-1)
     return y if scale is None else y * scale.to(y.dtype)
 
 
+@pairs_linear.variant(COMPILED_CPU)
+def _pairs_linear_compiled_on_cpu(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    y = reduce_linear(x, w)
+    return y if scale is None else y * scale.to(y.dtype)
+
+
+@modes.per_mode
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
                    panels: torch.Tensor | None = None) -> torch.Tensor:
     """Group ``g`` of ``x [..., G, K]`` times group ``g`` of ``w``'s rows (``w [G * N, K]``, optional per-row
-    ``scale``): [..., G, N]. One token in a compiled CPU step: :func:`reduce_linear` (an int8 ``w`` read as is).
-    Several float32 rows there, with ``panels`` (``w``'s copy from :func:`make_panels`): each group through
+    ``scale``): [..., G, N]. In a compiled CPU step, one token: :func:`reduce_linear` (an int8 ``w`` read as is);
+    several float32 rows with ``panels`` (``w``'s copy from :func:`make_panels`): each group through
     :func:`~flashserve.model.cpu_kernels.dense_rows` over its own panels, instead of MKL's batched product,
     which packs the weight on every call, on one thread."""
+    return _grouped_einsum(x, w, scale)
+
+
+def _grouped_einsum(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    G, K = x.shape[-2], x.shape[-1]
+    y = torch.einsum("...gk,gnk->...gn", x, w.view(G, -1, K).to(x.dtype))
+    return y if scale is None else y * scale.view(G, -1).to(y.dtype)
+
+
+@grouped_linear.variant(COMPILED_CPU)
+def _grouped_linear_compiled_on_cpu(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None,
+                                 panels: torch.Tensor | None = None) -> torch.Tensor:
     G, K = x.shape[-2], x.shape[-1]
     N = w.shape[0] // G
-    if (panels is not None and compiled_cpu(x) and x.numel() > G * K and x.dtype == torch.float32 and scale is None
+    if (panels is not None and x.numel() > G * K and x.dtype == torch.float32 and scale is None
             and N % cpu_kernels.LANES == 0 and panels.shape[-1] == cpu_kernels.LANES):
         per = N // cpu_kernels.LANES  # group g's outputs: panels g * per .. (g + 1) * per - 1
         flat = x.reshape(-1, G, K)
         y = torch.stack([cpu_kernels.dense_rows(flat[:, g], panels[g * per:(g + 1) * per], N) for g in range(G)], 1)
         return y.view(*x.shape[:-1], N)
-    wg = w.view(G, -1, K)
-    sg = None if scale is None else scale.view(G, -1)
-    if compiled_cpu(x) and x.numel() == G * K:
-        y = reduce_linear(x, wg)
-    else:
-        y = torch.einsum("...gk,gnk->...gn", x, wg.to(x.dtype))
-    return y if sg is None else y * sg.to(y.dtype)
+    if x.numel() != G * K:
+        return _grouped_einsum(x, w, scale)
+    y = reduce_linear(x, w.view(G, -1, K))
+    return y if scale is None else y * scale.view(G, -1).to(y.dtype)
 
 
 PANELS = "_panels"  # suffix of a weight's panel copy: a buffer beside it, not a checkpoint tensor
@@ -259,18 +289,23 @@ def _parameter(module: nn.Module, path: str) -> torch.Tensor | None:
         return None
 
 
+@modes.per_mode
 def joint_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:
     """``x`` times each weight of ``module``'s joint ``group`` in one call, by path (``"wq_a.weight"``:
-    ``[..., N]``, a view): over the joined panels of :func:`make_joint_panels` for several float32 rows of a
-    compiled CPU step (the peers checkpoint's 16-row step makes 66 calls where it made 112; a call costs about
+    ``[..., N]``, a view), in a compiled CPU step: over the joined panels of :func:`make_joint_panels` for several
+    float32 rows (the peers checkpoint's 16-row step makes 66 calls where it made 112; a call costs about
     5 us besides its products, docs/engine-speed.md#products-on-the-cpu), or over the joined int8 rows of
-    :func:`flashserve.model.packed.join_int8_rows` for one row (:func:`joint_int8_products`). Empty otherwise;
-    the group's other weights are the caller's to multiply."""
-    made = joint_int8_products(x, module, group)
-    if made:
-        return made
+    :func:`flashserve.model.packed.join_int8_rows` for one row (:func:`joint_int8_products`). Empty otherwise
+    (and in other modes); the group's other weights are the caller's to multiply."""
+    return {}
+
+
+@joint_products.variant(COMPILED_CPU)
+def _joint_products_compiled_on_cpu(x: torch.Tensor, module: nn.Module, group: str) -> dict[str, torch.Tensor]:
+    if one_row(x):
+        return joint_int8_products(x, module, group)
     panels = getattr(module, group + JOINT + PANELS, None)
-    if panels is None or compiled_row(x) or not compiled_cpu(x) or x.dtype != torch.float32:
+    if panels is None or x.dtype != torch.float32:
         return {}
     paths, widths = getattr(module, group + JOINT + "_of")
     lanes = cpu_kernels.LANES
@@ -291,10 +326,9 @@ def joint_int8_products(x: torch.Tensor, module: nn.Module, group: str) -> dict[
     """One row ``x`` of a compiled CPU step times the int8 weights of ``module``'s ``group`` whose rows
     :func:`flashserve.model.packed.join_int8_rows` stored one after another, by path: one call of the int8 kernel
     where the weights took one each, every output the same sum (the kernel sums each output row alone, in a fixed
-    order). Empty where a one-row product of those weights would not take the kernel (eager code, several rows,
-    CPUs that prefer inductor's product: :func:`~flashserve.model.cpu_kernels.int8_pairs_preferred`)."""
-    if (getattr(module, group + INT8_JOINT + "_of", None) is None or not compiled_row(x)
-            or not cpu_kernels.int8_pairs_preferred()):
+    order). Empty where a one-row product of those weights would not take the kernel (CPUs that prefer
+    inductor's product: :func:`~flashserve.model.cpu_kernels.int8_pairs_preferred`)."""
+    if getattr(module, group + INT8_JOINT + "_of", None) is None or not cpu_kernels.int8_pairs_preferred():
         return {}
     q, s = getattr(module, group + INT8_JOINT + "_q"), getattr(module, group + INT8_JOINT + "_s")
     paths, widths = getattr(module, group + INT8_JOINT + "_of")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import blas, cpu_kernels
+from . import blas, cpu_kernels, modes
+from .modes import COMPILED, COMPILED_CPU
 from .norms import fp32, rms
 
 
@@ -33,6 +34,7 @@ def hyper_mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torc
     return HyperMix(pre, post, sinkhorn(comb, iters, hc_eps))
 
 
+@modes.per_mode
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``iters`` alternating normalisations of ``comb`` [.., n, n]: columns first, then rows and columns
     ``iters - 1`` times, each dividing by (sum + eps).
@@ -43,10 +45,6 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     on the CPU through its C++ kernel (:func:`~flashserve.model.cpu_kernels.sinkhorn`: the same values, bit for bit
     at n = 4).
     """
-    if torch.compiler.is_compiling():
-        if comb.device.type == "cpu" and comb.dtype == torch.float32 and cpu_kernels.sinkhorn_available():
-            return cpu_kernels.sinkhorn(comb, iters, eps)
-        return _sinkhorn_scalings(comb, iters, eps)
     if torch.is_grad_enabled() and comb.requires_grad:
         return _sinkhorn_sums(comb, iters, eps)
     n = comb.shape[-1]
@@ -60,6 +58,18 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         c.div_(torch.baddbmm(eps_col, c, ones_col))  # eps + row sums [.., n, 1]
         c.div_(torch.baddbmm(eps_row, ones_row, c))
     return comb
+
+
+@sinkhorn.variant(COMPILED)
+def _sinkhorn_compiled(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    return _sinkhorn_scalings(comb, iters, eps)
+
+
+@sinkhorn.variant(COMPILED_CPU)
+def _sinkhorn_compiled_on_cpu(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    if comb.dtype == torch.float32 and cpu_kernels.sinkhorn_available():
+        return cpu_kernels.sinkhorn(comb, iters, eps)
+    return _sinkhorn_scalings(comb, iters, eps)
 
 
 def _sinkhorn_sums(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

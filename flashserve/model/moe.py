@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.model_config import ModelConfig
-from . import blas
+from . import blas, modes
+from .modes import COMPILED, COMPILED_CPU
 from .norms import fp32
 
 
@@ -96,25 +97,35 @@ class Experts(nn.Module):
         (float here; packed formats say for themselves)."""
         return True
 
+    @modes.per_mode
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_k w[t,k] · expert_{idx[t,k]}(x_t)."""
-        if blas.compiled_cpu(x) and self.reads_in_place():
+        pairs = idx.numel()
+        # gathering pays when experts are rarely shared by several tokens and the copies stay small
+        small = pairs * 3 * self.inter * self.dim * x.element_size() <= GATHER_BYTES
+        if pairs <= self.n_experts and small:
+            return self._gathered(x, idx, w)
+        if pairs <= GROUPED_MM_ROWS * self.n_experts and self._grouped_mm_ok(x):
+            return self._grouped_mm(x, idx, w)
+        return self._grouped(x, idx, w)
+
+    @forward.variant(COMPILED)
+    def _forward_compiled(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        # fixed shapes, no host sync; the alternative to gathering is every expert on every row (no _grouped_mm
+        # traced): gathering is faster even when the copies are large (peers checkpoint, batch 1: 45.0 against
+        # 32.6 tok/s)
+        if idx.numel() <= self.n_experts:
+            return self._gathered(x, idx, w)
+        return self._dense(x, idx, w)
+
+    @forward.variant(COMPILED_CPU)
+    def _forward_compiled_on_cpu(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.reads_in_place():
             # each pair's product reads its expert in place (the gather fused into the read): rows x top-k
             # products instead of rows x experts. One layer of the peers checkpoint (16 experts, top-4) at 16 rows,
             # 2 threads, median ms: float 1.37 against 3.00 for every expert on every row, int8 0.55 against 1.68
             return self._gathered(x, idx, w)
-        pairs = idx.numel()
-        # gathering pays when experts are rarely shared by several tokens and the copies stay small
-        small = pairs * 3 * self.inter * self.dim * x.element_size() <= GATHER_BYTES
-        # compiled, the alternative is every expert on every row (no _grouped_mm): gathering is faster even when
-        # the copies are large (peers checkpoint, batch 1: 45.0 against 32.6 tok/s)
-        if pairs <= self.n_experts and (small or torch.compiler.is_compiling()):
-            return self._gathered(x, idx, w)
-        if pairs <= GROUPED_MM_ROWS * self.n_experts and self._grouped_mm_ok(x):
-            return self._grouped_mm(x, idx, w)
-        if torch.compiler.is_compiling():  # a compiled step: fixed shapes, no host sync
-            return self._dense(x, idx, w)
-        return self._grouped(x, idx, w)
+        return self._forward_compiled(x, idx, w)
 
     def _dense(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by the routing (zero where not picked): a compiled step's path
@@ -136,9 +147,9 @@ class Experts(nn.Module):
 
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
         """``torch._grouped_mm`` takes fp32/bf16/fp16 on the CPU with 16-byte-aligned rows (CUDA: untested);
-        its meta kernel accepts bf16 only, so a compiled forward uses the loop."""
+        its meta kernel accepts bf16 only, so a compiled forward never asks."""
         inter, dim = self.inter, self.dim
-        return (x.device.type == "cpu" and hasattr(torch, "_grouped_mm") and not torch.compiler.is_compiling()
+        return (x.device.type == "cpu" and hasattr(torch, "_grouped_mm")
                 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and (dim * x.element_size()) % 16 == 0 and (inter * x.element_size()) % 16 == 0)
 

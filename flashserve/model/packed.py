@@ -31,7 +31,8 @@ from torch import nn
 from ..config import checkpoint_layout as ckpt
 from ..config.checkpoint_layout import QUANTIZATIONS, checkpoint_layout
 from ..config.model_config import ModelConfig
-from . import blas, cpu_kernels, quant, w8a8
+from . import blas, cpu_kernels, modes, quant, w8a8
+from .modes import COMPILED, COMPILED_CPU, EAGER
 from .moe import Experts, clamped_swiglu
 from .norms import fp32
 
@@ -73,10 +74,9 @@ def encode(w: torch.Tensor, fmt: Format) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.view(torch.int32)
 
 
+@modes.per_mode
 def decode(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """Float weights ``[..., out, cols]`` in ``dtype`` from packed bytes and scales (any leading dims)."""
-    if q.device.type == "cpu" and torch.compiler.is_compiling():
-        return torch.ops.flashserve.decode_packed(q, s, fmt.name, fmt.row_block, fmt.col_block, cols, dtype)
     if fmt.name in INT8_ROWS:
         return _int8_rows(q, s, dtype)
     scale = quant.e8m0_to_float(s)
@@ -96,10 +96,16 @@ def decode(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torc
 # A compiled step on the CPU decodes through this op, an opaque call to the eager table lookups: inductor's
 # own code for the decode arithmetic made MXFP4 experts slower compiled than eager, and dynamo traces the
 # tables' views slowly.
+@decode.variant(COMPILED_CPU)
+def _decode_compiled_on_cpu(q: torch.Tensor, s: torch.Tensor, fmt: Format, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.flashserve.decode_packed(q, s, fmt.name, fmt.row_block, fmt.col_block, cols, dtype)
+
+
 @torch.library.custom_op("flashserve::decode_packed", mutates_args=())
 def _decode_packed(q: torch.Tensor, s: torch.Tensor, name: str, row_block: int, col_block: int, cols: int,
                    dtype: torch.dtype) -> torch.Tensor:
-    return decode(q, s, Format(name, row_block, col_block), cols, dtype)
+    with modes.running(EAGER):  # the op's body runs eagerly, whichever step calls it
+        return decode(q, s, Format(name, row_block, col_block), cols, dtype)
 
 
 @_decode_packed.register_fake
@@ -219,20 +225,26 @@ def _int8_kernel_ok(x: torch.Tensor) -> bool:
 INT8_CHUNK_VALUES = 1 << 19
 
 
+@modes.per_mode
 def int8_mm(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
-    """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: in a compiled CPU step's one-row products
+    """``x @ (q * scale).T`` [..., out] for int8 rows ``q`` [out, in]: eager, torch's int8 kernel where it pays
+    (:func:`_int8_kernel_ok`), :func:`int8_linear` elsewhere; in a compiled CPU step's one-row products
     :func:`cpu_kernels.int8_linear` on AVX2-only CPUs (inductor's code converts the bytes one at a time there),
-    else inductor's; eager, torch's int8 kernel where it pays (:func:`_int8_kernel_ok`), :func:`int8_linear`
-    elsewhere."""
-    if blas.compiled_row(x):  # compiled on the CPU: the C++ kernel with AVX2 only, else inductor's product
-        if cpu_kernels.int8_pairs_preferred():
-            return cpu_kernels.int8_linear(x, q, scale_bits).to(x.dtype)  # the bits as stored: no view op
-        return blas.reduce_linear(x, q) * scale_bits.view(torch.float32).to(x.dtype)
+    else inductor's."""
     if not _int8_kernel_ok(x):
         return int8_linear(x, q, scale_bits)
     flat = x.reshape(-1, q.shape[-1])
     y = torch.ops.aten._weight_int8pack_mm(flat, q, scale_bits.view(torch.float32).to(x.dtype))
     return y.view(*x.shape[:-1], q.shape[0])
+
+
+@int8_mm.variant(COMPILED_CPU)
+def _int8_mm_compiled_on_cpu(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
+    if not blas.one_row(x):
+        return int8_mm.eager(x, q, scale_bits)
+    if cpu_kernels.int8_pairs_preferred():
+        return cpu_kernels.int8_linear(x, q, scale_bits).to(x.dtype)  # the bits as stored: no view op
+    return blas.reduce_linear(x, q) * scale_bits.view(torch.float32).to(x.dtype)
 
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale_bits: torch.Tensor) -> torch.Tensor:
@@ -272,15 +284,23 @@ class PackedWeights(nn.Module):
         if table is not None and table.device.type != "meta":
             table.copy_(quant.e2m1_decode(torch.arange(16, dtype=torch.uint8, device=table.device)).view(torch.int32))
 
+    @modes.per_mode
     def dequantize(self, dtype: torch.dtype, index: torch.Tensor | int | slice | None = None) -> torch.Tensor:
         """Float weights (of the experts ``index`` along the first dim when given)."""
         q, s = (self.qweight, self.scale) if index is None else (self.qweight[index], self.scale[index])
-        if (index is None or isinstance(index, slice)) and blas.compiled_cpu(q):  # in place, compiled: traced
+        return decode(q, s, self.fmt, self.shape[-1], dtype)
+
+    @dequantize.variant(COMPILED_CPU)
+    def _dequantize_compiled_on_cpu(self, dtype: torch.dtype,
+                                 index: torch.Tensor | int | slice | None = None) -> torch.Tensor:
+        # weights read in place (all of them, or a slice of experts) are decoded in inductor's own code
+        if index is None or isinstance(index, slice):
+            q, s = (self.qweight, self.scale) if index is None else (self.qweight[index], self.scale[index])
             if self.fmt.name == MXFP4:
                 return decode_mxfp4_traced(q, s, self.e2m1_bits, self.shape[-1], dtype)
             if self.fmt.name in INT8_ROWS:  # a conversion and a product, one vectorised kernel
                 return _int8_rows(q, s, dtype)
-        return decode(q, s, self.fmt, self.shape[-1], dtype)
+        return self.dequantize.eager(self, dtype, index)
 
     @torch.no_grad()
     def set_float(self, w: torch.Tensor, index: int | None = None) -> None:
@@ -328,27 +348,42 @@ class PackedLinear(_PackedMatrix):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self.packed
         if p.fmt.name == W8A8:
-            if not torch.compiler.is_compiling():  # a compiled step uses the kernel made at start-up
-                self.prepare_kernel()
-            return w8a8.linear(x, p.qweight, p.scale, self.kernel)
+            return w8a8.linear(x, p.qweight, p.scale, self.ready_kernel())
         if p.fmt.name == INT8:
             return int8_mm(x, p.qweight, p.scale)
         return blas.linear(x, p.dequantize(x.dtype))
 
+    @modes.per_mode
+    def ready_kernel(self) -> w8a8.Int8Kernel | None:
+        """The w8a8 kernel's copy of the weights, made (again) first where the weights changed; a compiled step
+        takes the one made at start-up as it is."""
+        self.prepare_kernel()
+        return self.kernel
+
+    @ready_kernel.variant(COMPILED)
+    def _ready_kernel_compiled(self) -> w8a8.Int8Kernel | None:
+        return self.kernel
+
+    @modes.per_mode
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., G, in / G]`` by the weight's G row groups: int8 rows multiplied as stored (no decoded copy),
         other formats decoded."""
         p = self.packed
         if p.fmt.name not in INT8_ROWS:
             return blas.grouped_linear(x, p.dequantize(x.dtype))
+        return blas.grouped_linear(x, p.qweight, p.scale.view(torch.float32))
+
+    @grouped.variant(COMPILED_CPU)
+    def _grouped_compiled_on_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.packed
         G, K = x.shape[-2], x.shape[-1]
-        if blas.compiled_cpu(x) and x.numel() == G * K and cpu_kernels.int8_pairs_preferred():
+        if p.fmt.name in INT8_ROWS and x.numel() == G * K and cpu_kernels.int8_pairs_preferred():
             # one token: group g is pair g of the int8 kernel (inductor's code converts the bytes one at a time
             # on AVX2-only CPUs, see int8_mm)
             q, s = p.qweight.view(G, -1, K), p.scale.view(G, -1)
             groups = torch.arange(G, device=x.device)
             return cpu_kernels.int8_pairs(x.reshape(G, K), groups, q, s).to(x.dtype).view(x.shape[:-1] + (-1,))
-        return blas.grouped_linear(x, p.qweight, p.scale.view(torch.float32))
+        return self.grouped.eager(self, x)
 
     def kernel_bytes(self) -> int:
         """Bytes of fbgemm's copy (w8a8): the int8 matrix again plus an int32 column sum per output (measured:
@@ -467,9 +502,9 @@ class PackedExperts(Experts):
         return (self.w1_packed.fmt.name == MXFP4 and x.device.type == "cpu" and self.dim % quant.MX_BLOCK == 0
                 and self.inter % quant.MX_BLOCK == 0 and cpu_kernels.mxfp4_pairs_available())
 
+    @modes.per_mode
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # a compiled CPU step reads experts as stored; eager decode-sized batches take the MXFP4 kernel as well
-        if (blas.compiled_cpu(x) and self.reads_in_place()) or (x.shape[0] <= DENSE_MAX_ROWS and self.mxfp4_kernel(x)):
+        if x.shape[0] <= DENSE_MAX_ROWS and self.mxfp4_kernel(x):  # decode-sized batches take the MXFP4 kernel
             return self._gathered(x, idx, w)
         # More (row, expert) pairs than experts, a few rows (a verification step, a small batch): the loop over
         # hit experts pays ~10 ops and a host sync per expert, gathering would decode more than every expert;
@@ -485,31 +520,42 @@ class PackedExperts(Experts):
             return self._dense(x, idx, w)
         return super().forward(x, idx, w)
 
+    @forward.variant(COMPILED_CPU)
+    def _forward_compiled_on_cpu(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.reads_in_place():  # int8 rows and MXFP4 bytes multiplied as stored
+            return self._gathered(x, idx, w)
+        return self.forward.eager(self, x, idx, w)
+
     def _grouped_mm_ok(self, x: torch.Tensor) -> bool:
         return False  # it would decode every expert each step; the loop decodes only the experts hit
 
+    @modes.per_mode
     def gate_up_products(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """With the MXFP4 kernel, or the int8 kernel in a compiled step (:meth:`int8_kernel`), one call over the
-        tokens' rows (each read once for its k pairs, no [pairs, D] copy), the same sums as two
+        """With the MXFP4 kernel, or the int8 kernel in a compiled CPU step (:meth:`int8_kernel`), one call over
+        the tokens' rows (each read once for its k pairs, no [pairs, D] copy), the same sums as two
         :meth:`pair_products` calls; otherwise :meth:`Experts.gate_up_products`."""
-        w1, w3 = self.w1_packed, self.w3_packed
-        if self.mxfp4_kernel(x):
-            gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale)
-        elif self.int8_kernel(idx):
-            gate_up = cpu_kernels.int8_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale)
-        else:
+        if not self.mxfp4_kernel(x):
             return super().gate_up_products(x, idx)
-        gate_up = gate_up.to(x.dtype)
+        w1, w3 = self.w1_packed, self.w3_packed
+        gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale).to(x.dtype)
+        return gate_up[0], gate_up[1]
+
+    @gate_up_products.variant(COMPILED_CPU)
+    def _gate_up_products_compiled_on_cpu(self, x: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.int8_kernel(idx):
+            return self.gate_up_products.eager(self, x, idx)
+        w1, w3 = self.w1_packed, self.w3_packed
+        gate_up = cpu_kernels.int8_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale).to(x.dtype)
         return gate_up[0], gate_up[1]
 
     def int8_kernel(self, experts: torch.Tensor) -> bool:
-        """Whether the int8 pair products of ``experts`` (one index a pair) run :func:`cpu_kernels.int8_pairs`:
-        int8 experts in a compiled CPU step of a static count of pairs, at most :data:`INT8_KERNEL_PAIRS` (one
-        token's; a dynamic count would be guarded on), on a CPU that prefers the kernel."""
-        return (self.w1_packed.fmt.name == INT8 and blas.compiled_cpu(experts)
-                and isinstance(experts.numel(), int) and experts.numel() <= INT8_KERNEL_PAIRS
-                and cpu_kernels.int8_pairs_preferred())
+        """Whether a compiled CPU step's int8 pair products of ``experts`` (one index a pair) run
+        :func:`cpu_kernels.int8_pairs`: int8 experts, a static count of pairs, at most :data:`INT8_KERNEL_PAIRS`
+        (one token's; a dynamic count would be guarded on), on a CPU that prefers the kernel."""
+        return (self.w1_packed.fmt.name == INT8 and isinstance(experts.numel(), int)
+                and experts.numel() <= INT8_KERNEL_PAIRS and cpu_kernels.int8_pairs_preferred())
 
+    @modes.per_mode
     def pair_products(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """int8: a row scale factors out of its dot product, so each gathered expert is only converted, and
         the [pairs, out] products are scaled (one pass less over the weights than decoding them first). MXFP4 on
@@ -518,13 +564,18 @@ class PackedExperts(Experts):
         p = getattr(self, f"{name}_packed")
         if self.mxfp4_kernel(h):
             return cpu_kernels.mxfp4_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
-        if p.fmt.name == MXFP4 and blas.compiled_cpu(h) and p.shape[-1] % quant.MX_BLOCK == 0:
-            return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if p.fmt.name != INT8:
             return super().pair_products(name, h, experts)
+        return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
+
+    @pair_products.variant(COMPILED_CPU)
+    def _pair_products_compiled_on_cpu(self, name: str, h: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        p = getattr(self, f"{name}_packed")
+        if p.fmt.name == MXFP4 and not self.mxfp4_kernel(h) and p.shape[-1] % quant.MX_BLOCK == 0:
+            return mxfp4_pairs_linear(h, p.qweight[experts], p.scale[experts]).to(h.dtype)
         if self.int8_kernel(experts):
             return cpu_kernels.int8_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
-        return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
+        return self.pair_products.eager(self, name, h, experts)
 
 
 # ---------------------------------------------------------------------------- which tensors, which format

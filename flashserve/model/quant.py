@@ -21,6 +21,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import modes
+from .modes import COMPILED
+
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E8M0_BIAS = 127
@@ -50,16 +53,21 @@ def e8m0_to_float(b: torch.Tensor) -> torch.Tensor:
     b = b.view(torch.uint8) if b.dtype == E8M0_DTYPE else b
     if b.dtype != torch.uint8:
         raise TypeError(f"e8m0 scales must be uint8 or float8_e8m0fnu, got {b.dtype}")
-    if eager_on_cpu(b):  # one gather instead of five ops (see the tables below)
+    return _e8m0_values(b)
+
+
+@modes.per_mode
+def _e8m0_values(b: torch.Tensor) -> torch.Tensor:
+    if b.device.type == "cpu":  # one gather instead of five ops (see the tables below)
         return _E8M0_VALUES.index_select(0, b.reshape(-1).long()).view(b.shape)
     return _e8m0_arithmetic(b)
 
 
-def eager_on_cpu(t: torch.Tensor) -> bool:
-    """Whether the CPU's decode tables apply: an eager CPU tensor. Traced code keeps the arithmetic (tracing the
-    tables' dtype views over symbolic sizes cost dynamo 30 s per graph); a compiled CPU graph does not trace
-    either, it calls the tables through ``packed.decode``'s opaque op."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+# Traced code keeps the arithmetic: tracing the tables' dtype views over symbolic sizes cost dynamo 30 s per graph
+# (a compiled CPU step calls the tables through ``packed.decode``'s opaque op instead)
+@_e8m0_values.variant(COMPILED)
+def _e8m0_values_compiled(b: torch.Tensor) -> torch.Tensor:
+    return _e8m0_arithmetic(b)
 
 
 def _e8m0_arithmetic(b: torch.Tensor) -> torch.Tensor:
@@ -139,26 +147,39 @@ def e2m1_pair_table() -> torch.Tensor:
 # MXFP4 experts 0.13 ms against 5.0 for the E2M1 arithmetic and unpacking (0.76 when the table's rows are
 # [2] floats: hence each entry is a byte's two float32 values read as one float64); a 4096x128 FP8 matrix 0.85
 # ms against 3.1 for torch's float8 -> float32 conversion, which has no vector path on the CPU. Constant
-# tables, eager CPU only (eager_on_cpu): compiled, the arithmetic fuses; on CUDA a host table would have to be
+# tables, eager CPU only (the functions' compiled modes, :mod:`.modes`): compiled, the arithmetic fuses; on CUDA a host table would have to be
 # copied inside a graph.
 _E2M1_PAIRS = e2m1_pair_table().view(torch.float64).view(256)  # [256]: (low nibble, high nibble) as float32 pairs
 _E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).to(torch.float32)  # [256] float32
 _E8M0_VALUES = _e8m0_arithmetic(torch.arange(256, dtype=torch.uint8))  # [256] float32
 
 
+@modes.per_mode
 def decode_e2m1_bytes(packed: torch.Tensor) -> torch.Tensor:
     """float32 values ``[..., 2n]`` of packed E2M1 pairs ``uint8 [..., n]`` (low nibble = even column)."""
     p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
-    if not eager_on_cpu(p):
+    if p.device.type != "cpu":
         return e2m1_decode(unpack_nibbles(p))
     return _E2M1_PAIRS.index_select(0, p.reshape(-1).int()).view(torch.float32).view(*p.shape[:-1], 2 * p.shape[-1])
 
 
+@decode_e2m1_bytes.variant(COMPILED)
+def _decode_e2m1_bytes_compiled(packed: torch.Tensor) -> torch.Tensor:
+    p = packed.view(torch.uint8) if packed.dtype == torch.int8 else packed
+    return e2m1_decode(unpack_nibbles(p))
+
+
+@modes.per_mode
 def decode_e4m3_bytes(b: torch.Tensor) -> torch.Tensor:
     """float32 values of E4M3 bytes (``uint8`` or ``float8_e4m3fn``), same shape."""
-    if not eager_on_cpu(b):
+    if b.device.type != "cpu":
         return b.view(FP8_DTYPE).to(torch.float32)
     return _E4M3_VALUES.index_select(0, b.view(torch.uint8).reshape(-1).long()).view(b.shape)
+
+
+@decode_e4m3_bytes.variant(COMPILED)
+def _decode_e4m3_bytes_compiled(b: torch.Tensor) -> torch.Tensor:
+    return b.view(FP8_DTYPE).to(torch.float32)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

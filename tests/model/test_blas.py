@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from flashserve.model import blas, cpu_kernels
+from step_modes import compile_as_step
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,8 +75,8 @@ def _compiled(f, *args):
         return gm.forward
 
     torch._dynamo.reset()
-    torch.compile(f, backend=recording, fullgraph=True)(*args)
-    got = torch.compile(f, backend="inductor", fullgraph=True)(*args)
+    compile_as_step(f, backend=recording, fullgraph=True)(*args)
+    got = compile_as_step(f, backend="inductor", fullgraph=True)(*args)
     return got, {str(n.target) for g in graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")}
 
 
@@ -179,7 +180,7 @@ def test_a_compiled_product_reads_its_normalised_row_once_stored(monkeypatch):
     with torch.inference_mode():
         want = f(x)
         torch._dynamo.reset()
-        got, code = run_and_get_code(torch.compile(f, fullgraph=True), x)
+        got, code = run_and_get_code(compile_as_step(f, fullgraph=True), x)
     loops = _reduction_loops("\n".join(code))
     assert any("int8" in body for body in loops), loops  # the product is inductor's reduction ...
     assert not any("sqrt" in body for body in loops if "int8" in body), loops  # ... over the stored row
@@ -208,7 +209,7 @@ def test_an_operand_several_products_read_is_computed_once_for_several_rows(rows
     with torch.inference_mode():
         want = f(q, idx)
         torch._dynamo.reset()
-        got, code = run_and_get_code(torch.compile(f, fullgraph=True, dynamic=False), q, idx)
+        got, code = run_and_get_code(compile_as_step(f, fullgraph=True, dynamic=False), q, idx)
     products = [body for body in _reduction_loops("\n".join(code)) if "sin" in body]
     assert (products == []) == (rows > 1), products
     assert _rel(got, want) <= 1e-6
@@ -246,7 +247,7 @@ def test_a_grouped_projection_takes_each_groups_panels_for_several_compiled_rows
         assert blas.make_panels(lin, "weight")
         with torch.inference_mode():
             torch._dynamo.reset()
-            f = torch.compile(lambda x: lin.grouped(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
+            f = compile_as_step(lambda x: lin.grouped(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
             for rows in (5, 1):
                 x = torch.randn(rows, 1, G, 48)
                 got, (code,) = run_and_get_code(f, x)
@@ -272,7 +273,7 @@ def test_stream_panels_serve_compiled_rows_with_the_panels_values(monkeypatch):
     x = torch.randn(9, 64)
     with torch.inference_mode():
         torch._dynamo.reset()
-        f = torch.compile(lambda x: (torch.tanh(x), lin(torch.tanh(x))), dynamic=False, options={"cpp_wrapper": True})
+        f = compile_as_step(lambda x: (torch.tanh(x), lin(torch.tanh(x))), dynamic=False, options={"cpp_wrapper": True})
         (h, got), (code,) = run_and_get_code(f, x)
     assert "flashserve::dense_rows" in code
     assert torch.equal(got, cpu_kernels.dense_rows(h, blas.panels(ref, "weight"), 40))
@@ -297,11 +298,11 @@ def test_weights_of_one_input_share_one_joint_product_with_their_own_sums():
     assert blas.joint_products(x, mod, "x") == {}  # eager
     with torch.inference_mode():
         torch._dynamo.reset()
-        f = torch.compile(lambda x: (torch.tanh(x), blas.joint_products(torch.tanh(x), mod, "x")), dynamic=False,
+        f = compile_as_step(lambda x: (torch.tanh(x), blas.joint_products(torch.tanh(x), mod, "x")), dynamic=False,
                           options={"cpp_wrapper": True})
         (h, got), (code,) = run_and_get_code(f, x)
         torch._dynamo.reset()
-        one = torch.compile(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x[:1, :1])
+        one = compile_as_step(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x[:1, :1])
     assert code.count("flashserve::dense_rows") == 1 and one == {}
     for path, n in zip(paths, (40, 8, 33)):
         w = mod.get_parameter(path)
@@ -328,7 +329,7 @@ def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():
     with torch.inference_mode():
         for mod in (lin, tall):
             torch._dynamo.reset()
-            f = torch.compile(lambda x, m=mod: m(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
+            f = compile_as_step(lambda x, m=mod: m(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
             for rows in (3, 1):
                 x = torch.randn(rows, 64)
                 got, (code,) = run_and_get_code(f, x)

@@ -5,6 +5,7 @@ import torch
 
 from flashserve.model import blas, cpu_kernels, mhc
 from flashserve.model.packed import EXPERT_FP4, PackedWeights
+from step_modes import compile_as_step
 
 
 def _experts(E: int, N: int, K: int, seed: int) -> PackedWeights:
@@ -94,7 +95,7 @@ def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper):
         return torch.ops.flashserve.mxfp4_pairs(x * 2, experts, q, s).relu()
 
     torch._dynamo.reset()
-    compiled = torch.compile(f, fullgraph=True, dynamic=False, options={"cpp_wrapper": cpp_wrapper})
+    compiled = compile_as_step(f, fullgraph=True, dynamic=False, options={"cpp_wrapper": cpp_wrapper})
     assert torch.equal(compiled(x, experts, pw.qweight, pw.scale), f(x, experts, pw.qweight, pw.scale))
 
 
@@ -358,7 +359,7 @@ def test_a_compiled_int8_layer_uses_the_kernel_where_preferred(monkeypatch):
     torch._dynamo.reset()
     with torch.inference_mode():
         want = f(x)
-        got = torch.compile(f, fullgraph=True, dynamic=False)(x)
+        got = compile_as_step(f, fullgraph=True, dynamic=False)(x)
     assert calls == [(1, 64), (2, 64), (4, 64)]  # traced once each: 4 groups of 24 rows are 4 pairs
     assert got[2].shape == (1, 1, 4, 24)
     for a, b in zip(got, want):

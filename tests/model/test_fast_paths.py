@@ -5,9 +5,10 @@ import torch
 
 from torch._inductor.utils import run_and_get_code
 
-from flashserve.model import cpu_kernels, mhc
+from flashserve.model import cpu_kernels, mhc, modes
 from flashserve.model.mhc import _sinkhorn_scalings, sinkhorn
 from flashserve.model.moe import Experts
+from step_modes import compile_as_step
 
 
 def plain_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -41,12 +42,11 @@ def test_sinkhorn_as_row_and_column_scalings_equals_plain_loop(iters, shape):
     torch.testing.assert_close(got, plain_sinkhorn(comb, iters, 1e-6), rtol=0, atol=1e-12)
 
 
-def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels(monkeypatch):
-    """Traced (as compiled steps run it where the C++ kernel is not used: CUDA, float64), Sinkhorn has no batched
-    product (which inductor would call as an external kernel per half-step), its graph grows by a handful of ops
-    an iteration (entry by entry it grew by 88, and tracing them was most of a compile), and inductor keeps it in
-    the same few kernels whatever the iterations."""
-    monkeypatch.setattr(mhc.cpu_kernels, "sinkhorn_available", lambda: False)
+def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels():
+    """Traced as a compiled step off the CPU runs it (no C++ kernel), Sinkhorn has no batched product (which
+    inductor would call as an external kernel per half-step), its graph grows by a handful of ops an iteration
+    (entry by entry it grew by 88, and tracing them was most of a compile), and inductor keeps it in the same few
+    kernels whatever the iterations."""
     graphs = []
 
     def recording(gm, _inputs):
@@ -59,7 +59,7 @@ def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels(monk
     for iters in (3, 6, 20):
         torch._dynamo.reset()
         graphs.clear()
-        got = torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.clone(), iters, 1e-6)
+        got = compile_as_step(sinkhorn, modes.COMPILED, backend=recording, fullgraph=True)(comb.clone(), iters, 1e-6)
         torch.testing.assert_close(got, sinkhorn(comb.clone(), iters, 1e-6), rtol=1e-6, atol=1e-7)
         ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
         assert ops and not any("bmm" in op for op in ops)
@@ -69,7 +69,7 @@ def test_compiled_sinkhorn_grows_by_a_few_ops_an_iteration_in_a_few_kernels(monk
     torch._dynamo.reset()
     kernels = {}
     for iters in (3, 6):
-        got, code = run_and_get_code(torch.compile(sinkhorn, fullgraph=True), comb[:1, :1].clone(), iters, 1e-6)
+        got, code = run_and_get_code(compile_as_step(sinkhorn, modes.COMPILED, fullgraph=True), comb[:1, :1].clone(), iters, 1e-6)
         torch.testing.assert_close(got, plain_sinkhorn(comb[:1, :1], iters, 1e-6), rtol=1e-6, atol=1e-7)
         kernels[iters] = "\n".join(code).count("cpp_fused")
     assert 0 < kernels[6] == kernels[3] <= 2
@@ -89,15 +89,15 @@ def test_a_compiled_cpu_sinkhorn_is_one_kernel_call_with_the_traced_values(iters
     g = torch.Generator().manual_seed(iters)
     comb = torch.softmax(3 * torch.randn(5, 2, 4, 4, generator=g), -1) + 1e-6
     torch._dynamo.reset()
-    got = torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.clone(), iters, 1e-6)
+    got = compile_as_step(sinkhorn, backend=recording, fullgraph=True)(comb.clone(), iters, 1e-6)
     ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
     assert sum("flashserve.sinkhorn" in op for op in ops) == 1 and len(ops) <= 2
     assert torch.equal(got, _sinkhorn_scalings(comb, iters, 1e-6))
-    through_cpp = torch.compile(sinkhorn, fullgraph=True, options={"cpp_wrapper": True})
+    through_cpp = compile_as_step(sinkhorn, fullgraph=True, options={"cpp_wrapper": True})
     assert torch.equal(through_cpp(comb.clone(), iters, 1e-6), got)
     graphs.clear()
     torch._dynamo.reset()
-    torch.compile(sinkhorn, backend=recording, fullgraph=True)(comb.double(), iters, 1e-6)
+    compile_as_step(sinkhorn, backend=recording, fullgraph=True)(comb.double(), iters, 1e-6)
     assert graphs and not any("flashserve.sinkhorn" in str(n.target) for gm in graphs for n in gm.graph.nodes)
 
 
@@ -244,7 +244,7 @@ def test_compiled_index_scores_store_no_product_per_head_entry_and_column():
     with torch.inference_mode():
         want = scores(x, qr, packed)
         torch._dynamo.reset()
-        got, (code,) = run_and_get_code(torch.compile(scores, fullgraph=True, dynamic=False), x, qr, packed)
+        got, (code,) = run_and_get_code(compile_as_step(scores, fullgraph=True, dynamic=False), x, qr, packed)
     sizes = [eval(s) for s in re.findall(r"empty_strided_cpu\(\((\d+(?:, *\d+)*,?)\)", code)]
     largest = max(torch.Size(s if isinstance(s, tuple) else (s,)).numel() for s in sizes)
     assert T * d <= largest < H * T * d  # the unpacked keys are stored; their products per head are not

@@ -16,6 +16,7 @@ from flashserve.model import quant
 from flashserve.model.checkpoint import save_checkpoint
 from flashserve.model.packed import (FLOAT, PackedEmbedding, PackedExperts, PackedLinear,
                                      dequantized_state, resident_bytes)
+from step_modes import compile_as_step
 
 torch.set_grad_enabled(False)
 IDS = torch.randint(3, 500, (2, 37), generator=torch.Generator().manual_seed(3))
@@ -144,11 +145,11 @@ def test_a_compiled_graph_decodes_through_the_eager_tables(fmt, shape):
 
     if len(shape) == 3:  # experts: the rows a step gathers
         pick = torch.tensor([2, 0])
-        fn = torch.compile(lambda q, s, i: decode(q[i], s[i], f, shape[-1], torch.float32), backend=recording,
+        fn = compile_as_step(lambda q, s, i: decode(q[i], s[i], f, shape[-1], torch.float32), backend=recording,
                            fullgraph=True)
         got, want = fn(q, sc, pick), decode(q, sc, f, shape[-1], torch.float32)[pick]
     else:
-        fn = torch.compile(lambda q, s: decode(q, s, f, shape[-1], torch.float32), backend=recording, fullgraph=True)
+        fn = compile_as_step(lambda q, s: decode(q, s, f, shape[-1], torch.float32), backend=recording, fullgraph=True)
         got, want = fn(q, sc), decode(q, sc, f, shape[-1], torch.float32)
     assert torch.equal(got, want)
     ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
@@ -191,7 +192,7 @@ def test_every_expert_on_every_row_runs_in_chunks_compiled_equal_to_eager(fmt, m
         graphs.append(gm)
         return compile_fx(gm, inputs)
 
-    compiled = torch.compile(packed._dense, backend=inductor, fullgraph=True)(x, idx, w)
+    compiled = compile_as_step(packed._dense, backend=inductor, fullgraph=True)(x, idx, w)
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ops and "flashserve.decode_packed" not in ops
     assert _rel(compiled, eager) <= 1e-6
@@ -214,7 +215,7 @@ def test_compiled_whole_mxfp4_decode_is_inductors_lookup_and_exact():
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, inputs)
 
-    got = torch.compile(lambda: pw.dequantize(torch.float32), backend=recording, fullgraph=True)()
+    got = compile_as_step(lambda: pw.dequantize(torch.float32), backend=recording, fullgraph=True)()
     assert torch.equal(got, want)
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ops and "flashserve.decode_packed" not in ops
@@ -233,7 +234,7 @@ def test_a_compiled_int8_layer_equals_eager():
         graphs.append(gm)
         return gm.forward
 
-    assert torch.equal(torch.compile(lin, backend=recording, fullgraph=True)(x), lin(x))
+    assert torch.equal(compile_as_step(lin, backend=recording, fullgraph=True)(x), lin(x))
     assert graphs
 
 
@@ -328,7 +329,7 @@ def test_mxfp4_pair_products_equal_decoded_weights_times_rows():
     got = mxfp4_pairs_linear(x, pw.qweight[experts], pw.scale[experts])
     assert got.dtype == torch.float32 and got.shape == (7, 24)
     assert _rel(got.double(), want) <= 1e-6
-    compiled = torch.compile(mxfp4_pairs_linear, fullgraph=True)(x, pw.qweight[experts], pw.scale[experts])
+    compiled = compile_as_step(mxfp4_pairs_linear, fullgraph=True)(x, pw.qweight[experts], pw.scale[experts])
     assert _rel(compiled.double(), want) <= 1e-6
 
 
@@ -358,7 +359,7 @@ def test_compiled_experts_multiply_each_pair_as_stored(fmt, rows):
         return compile_fx(gm, inputs)
 
     torch._dynamo.reset()
-    got = torch.compile(ex, backend=inductor, fullgraph=True)(x, idx, w)
+    got = compile_as_step(ex, backend=inductor, fullgraph=True)(x, idx, w)
     assert _rel(got, ex._grouped(x, idx, w)) <= 1e-5
     ops = {str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
     assert ops and not any("bmm" in op or "decode_packed" in op or "scatter" in op for op in ops), ops
@@ -405,13 +406,13 @@ def test_int8_weights_of_one_input_share_one_kernel_call_with_their_own_sums(mon
     assert blas.joint_products(x, mod, "x") == {}  # eager
     with torch.inference_mode():
         torch._dynamo.reset()
-        f = torch.compile(lambda x: blas.joint_products(torch.tanh(x), mod, "x"), dynamic=False,
+        f = compile_as_step(lambda x: blas.joint_products(torch.tanh(x), mod, "x"), dynamic=False,
                           options={"cpp_wrapper": True})
         got, (code,) = run_and_get_code(f, x)
         torch._dynamo.reset()
-        own = torch.compile(lambda x: [mod[n](torch.tanh(x)) for n in "abc"], dynamic=False)(x)
+        own = compile_as_step(lambda x: [mod[n](torch.tanh(x)) for n in "abc"], dynamic=False)(x)
         torch._dynamo.reset()
-        rows = torch.compile(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x.expand(3, 64))
+        rows = compile_as_step(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x.expand(3, 64))
     assert code.count("flashserve::int8_pairs") == 1 and rows == {}
     assert list(got) == ["a.weight", "b.weight", "c.weight"]
     for path, want in zip(got, own):
@@ -419,4 +420,4 @@ def test_int8_weights_of_one_input_share_one_kernel_call_with_their_own_sums(mon
     monkeypatch.setattr(cpu_kernels, "int8_pairs_preferred", lambda: False)
     with torch.inference_mode():
         torch._dynamo.reset()
-        assert torch.compile(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x) == {}
+        assert compile_as_step(lambda x: blas.joint_products(x, mod, "x"), dynamic=False)(x) == {}

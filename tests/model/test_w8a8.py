@@ -15,6 +15,7 @@ from flashserve.config import ConfigError
 from flashserve.model import load_model, w8a8
 from flashserve.model.packed import (INT8, W8A8, Format, PackedExperts, PackedLinear, prepare_kernels,
                                      resident_bytes)
+from step_modes import compile_as_step
 
 torch.set_grad_enabled(False)
 
@@ -93,7 +94,7 @@ def test_a_compiled_graph_calls_the_kernel_as_one_op(backend):
         graphs.append(gm)
         return gm.forward
 
-    fn = torch.compile(lin, backend=recording if backend == "recording" else "inductor", fullgraph=True)
+    fn = compile_as_step(lin, backend=recording if backend == "recording" else "inductor", fullgraph=True)
     got = fn(x)
     if graphs:
         ops = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ...model import modes
 from ...model.packed import PackedLinear
 from ..cache import KVCache
 from ..fixed_state import FixedBatchState
@@ -85,6 +86,8 @@ class DecodeStep:
         self.capture, self.streams = capture, streams
         self.buckets = decode_buckets(max_num_seqs, one_row_graph=cache.device.type == "cpu")
         self.enforce_eager = enforce_eager
+        # how the step's forward runs (the model's functions bind their implementation to it, model/modes.py)
+        self.mode = modes.for_step(cache.device.type, compiled=not enforce_eager)
         cfg = model.cfg
         # the fewest pages a step reads: enough entries in every cache an indexer selects from that its top-k and
         # candidate-pool sizes stay below the read width, so those size checks never flip (and recompile) as a
@@ -199,7 +202,8 @@ class DecodeStep:
         rec = self._recorder
         if rec is not None:
             rec.calls.clear()
-        logits, feats = self._forward(inp.ids, inp.start, inp.slots, inp.table)
+        with modes.running(self.mode):
+            logits, feats = self._forward(inp.ids, inp.start, inp.slots, inp.table)
         if rec is not None and key not in self._direct:
             graph = id(rec.calls[0][1]) if len(rec.calls) == 1 else None
             if graph not in self._plans:
