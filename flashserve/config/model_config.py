@@ -163,6 +163,30 @@ class ModelConfig:
         return self.model_type == V41
 
     @property
+    def shifted_collapse(self) -> bool:
+        """V4.1: a block collapses its streams for attention with the ``pre`` weights its predecessor's FFN site
+        made, and for its FFN with its own attention site's (the model carries ``pre`` from block to block, and
+        the head collapses with the last one); V4 collapses each site with its own weights and ends in a
+        hyper-connection head."""
+        return self.is_v41
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """V4.1's causal encoder-decoder: a prompt's layers before :attr:`decoder_start` can run alone, the
+        decoder on a bounded replay of the last window (encoder-only prefill)."""
+        return self.is_v41 and self.decoder_start < self.num_hidden_layers
+
+    @property
+    def image_input(self) -> bool:
+        """Whether prompts may hold image positions (V4.1 with an ``image_token_id``)."""
+        return self.is_v41 and self.image_token_id is not None
+
+    @property
+    def query_head_norm(self) -> bool:
+        """V4: each attention head's query is RMS-normalised after ``wq_b`` (V4.1 normalises the latent only)."""
+        return not self.is_v41
+
+    @property
     def num_mtp_layers(self) -> int:
         """V4: classic MTP blocks; V4.1: DSpark stages."""
         return self.num_nextn_predict_layers

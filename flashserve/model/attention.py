@@ -8,6 +8,10 @@ from the :class:`~flashserve.model.state.SequenceState` in the forward context.
 from __future__ import annotations
 
 
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -51,6 +55,29 @@ def v4_fake_quant_index(x: torch.Tensor) -> torch.Tensor:
     if d & (d - 1):
         return x
     return fake_quant_fp4(hadamard(x), block=32, e4m3_scale=False)
+
+
+@dataclass(frozen=True)
+class QatPoints:
+    """Where a family rounds attention's activations in QAT (docs/architecture.md#numerics-and-quantisation-points),
+    each a function of the tensor: bound once from the config (:func:`qat_points`)."""
+
+    window_kv: Callable[[torch.Tensor], torch.Tensor]  # a layer's window rows
+    compressed_kv: Callable[[torch.Tensor], torch.Tensor]  # compressed main entries
+    index_key: Callable[[torch.Tensor], torch.Tensor]  # index keys
+    index_query: Callable[[torch.Tensor], torch.Tensor]  # the indexer's query
+
+
+def qat_points(cfg: ModelConfig) -> QatPoints:
+    """V4.1: FP8 window rows, FP4 compressed entries (E4M3 scales per 16) and index rows (UE8M0 per 32); V4: the
+    reference's FP8 on the non-RoPE dims and a rotated FP4 index."""
+    if cfg.is_v41:
+        index = functools.partial(fake_quant_fp4, block=32, e4m3_scale=False)
+        return QatPoints(window_kv=functools.partial(fake_quant_fp8, block=32),
+                         compressed_kv=functools.partial(fake_quant_fp4, block=16, e4m3_scale=True),
+                         index_key=index, index_query=index)
+    kv = functools.partial(v4_fake_quant_kv, rope_dim=cfg.qk_rope_head_dim)
+    return QatPoints(window_kv=kv, compressed_kv=kv, index_key=v4_fake_quant_index, index_query=v4_fake_quant_index)
 
 
 def _gather_groups(raw: torch.Tensor, last: torch.Tensor, first_pos: torch.Tensor, n_groups: int,
@@ -160,30 +187,29 @@ class Indexer(nn.Module):
             self.wq_b = blas.Linear(cfg.q_lora_rank, nih * ihd, bias=False)
             self.weights_proj = blas.Linear(D, nih, bias=False)
 
-    def query(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, fake_quant: bool | str,
+    def query(self, x: torch.Tensor, qr: torch.Tensor, ctx: ForwardContext, rounding: Callable | None,
               products: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The index query [B,S,H,d] (roped, rounded as the keys are) and head weights [B,S,H] (times H^-1/2).
-        ``products``: ``qr`` times ``wq_b`` and ``x`` times ``weights_proj`` made already (by their names)."""
+        """The index query [B,S,H,d] (roped, then ``rounding`` as the keys were, if given: QAT) and head weights
+        [B,S,H] (times H^-1/2). ``products``: ``qr`` times ``wq_b`` and ``x`` times ``weights_proj`` made already
+        (by their names)."""
         B, S, _ = x.shape
         products = products or {}
         q = products.get("wq_b")
         q = (self.wq_b(qr) if q is None else q).view(B, S, self.n_heads, self.head_dim)
         cos, sin = ctx.angles("compress")
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
-        if fake_quant is True:
-            q = fake_quant_fp4(q, block=32, e4m3_scale=False)
-        if fake_quant == "v4":
-            q = v4_fake_quant_index(q)
+        if rounding is not None:
+            q = rounding(q)
         w = products.get("weights_proj")
         if w is None:
             w = blas.linear(fp32(x), fp32(self.weights_proj.weight), blas.panels(self.weights_proj, "weight"))
         return fp32(q), w * self.n_heads ** -0.5
 
     def scores(self, x: torch.Tensor, qr: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext,
-               fake_quant: bool | str, products: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+               rounding: Callable | None, products: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Index scores [B,S,T] (fp32, unmasked) of this forward's rows against all index keys [B,T,d].
-        ``products``: as in :meth:`query`."""
-        q, w = self.query(x, qr, ctx, fake_quant, products)
+        ``rounding``, ``products``: as in :meth:`query`."""
+        q, w = self.query(x, qr, ctx, rounding, products)
         # the keys span the whole index cache, T entries growing with the context: each operand unpacked (and the
         # query FP4-rounded) and stored once. Fused at one row, inductor redid the page lookups, the FP4 unpacking
         # and the query's rounding for every head, entry and column, and stored all [H, T, d] products before
@@ -264,7 +290,8 @@ class Attention(nn.Module):
         self.cfg, self.layer, self.ratio, self.role = cfg, layer, ratio, role
         self.n_heads, self.head_dim, self.window = H, hd, cfg.sliding_window
         self.o_groups = cfg.o_groups  # heads and output groups of this rank (tensor parallel: a slice of each)
-        self.v41 = cfg.is_v41
+        self.qat = qat_points(cfg)
+        self.query_head_norm = cfg.query_head_norm
         self.rope_kind = "compress" if ratio > 0 else "main"
         self.wq_a = blas.Linear(D, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -284,7 +311,7 @@ class Attention(nn.Module):
         eps = cfg.rms_norm_eps
         if ratio == 0:
             return
-        if self.v41:
+        if cfg.is_v41:
             if role == "full":
                 self.compressor = Compressor(D, hd, ratio, overlap=False, ape=False, gate=ratio > 1, eps=eps)
             if role in ("full", "reindex"):
@@ -301,7 +328,7 @@ class Attention(nn.Module):
         x, qr = ["wq_a.weight", "wkv.weight"], ["wq_b.weight"]
         if self.compressor is not None and self.src_main == self.main_key:  # produce() runs the compressors
             x += [f"compressor.{w}.weight" for w in ("wkv", "wgate") if getattr(self.compressor, w) is not None]
-            if not self.v41 and self.indexer is not None:
+            if self.role == "csa":  # V4: the indexer's own compressor
                 x += ["indexer.compressor.wkv.weight", "indexer.compressor.wgate.weight"]
         if self.ratio > 0 and self.indexer is not None and self.cfg.index_source(self.layer) == self.layer:
             x.append("indexer.weights_proj.weight")  # _select() scores
@@ -322,25 +349,23 @@ class Attention(nn.Module):
         pos = (first[:, None] + torch.arange(G, device=x.device)) * self.ratio  # [B,G]
         cos, sin = ctx.rope.angles("compress", pos)
         main = apply_rope(latent, cos, sin)
-        if self.v41:
-            if ctx.fake_quant:
-                main = fake_quant_fp4(main, block=16, e4m3_scale=True)
+        if self.role == "full":  # V4.1's KV source: index keys projected from the compressed latent
             wk = self.indexer.wk
             index = self.indexer.k_norm(blas.linear(fp32(latent), fp32(wk.weight), blas.panels(wk, "weight")))
             index = apply_rope(index, cos, sin)
             if ctx.fake_quant:
-                index = fake_quant_fp4(index, block=32, e4m3_scale=False)
+                index = self.qat.index_key(index)
             ctx.state.append_compressed(self.index_key, index.to(x.dtype), n_new)
-        elif self.indexer is not None:
+        elif self.indexer is not None:  # V4's CSA layer: the indexer's own compressor
             ilatent, n_idx = self.indexer.compressor(x, ctx, self.index_key, _under(products, "indexer.compressor."))
             ipos = (first[:, None] + torch.arange(ilatent.shape[1], device=x.device)) * self.ratio
             icos, isin = ctx.rope.angles("compress", ipos)
             index = apply_rope(ilatent, icos, isin)
             if ctx.fake_quant:
-                index = v4_fake_quant_index(index)
+                index = self.qat.index_key(index)
             ctx.state.append_compressed(self.index_key, index.to(x.dtype), n_idx)
-        if ctx.fake_quant and not self.v41:
-            main = v4_fake_quant_kv(main, self.cfg.qk_rope_head_dim)
+        if ctx.fake_quant:
+            main = self.qat.compressed_kv(main)
         ctx.state.append_compressed(self.main_key, main.to(x.dtype), n_new)
         ctx.produced.add(self.layer)
 
@@ -355,10 +380,10 @@ class Attention(nn.Module):
             return self._select_paged(x, qr, ctx, t, products, *paged)
         keys, n_entries = ctx.state.compressed(self.src_index)
         visible = self._visible(t, keys.shape[1], n_entries)
-        mode = (True if self.v41 else "v4") if ctx.fake_quant else False
-        scores = self.indexer.scores(x, qr, keys, ctx, mode, _under(products, "indexer."))
+        rounding = self.qat.index_query if ctx.fake_quant else None
+        scores = self.indexer.scores(x, qr, keys, ctx, rounding, _under(products, "indexer."))
         cfg = self.cfg
-        if self.v41 and cfg.candidate_source_layer_id >= 0:
+        if cfg.candidate_source_layer_id >= 0:  # V4.1's candidate pool
             if self.layer == cfg.candidate_source_layer_id:
                 n_vis = visible.sum(-1)
                 ctx.candidates = candidate_pool(scores, visible, n_vis, cfg.candidate_block_size,
@@ -379,11 +404,11 @@ class Attention(nn.Module):
         step took 9.9 ms against 1.6 at 1K (docs/engine-speed.md#the-c-kernels)."""
         cfg = self.cfg
         B, S = t.shape
-        mode = (True if self.v41 else "v4") if ctx.fake_quant else False
-        q, w = self.indexer.query(x, qr, ctx, mode, _under(products, "indexer."))
+        rounding = self.qat.index_query if ctx.fake_quant else None
+        q, w = self.indexer.query(x, qr, ctx, rounding, _under(products, "indexer."))
         limit = torch.minimum((t + 1) // self.ratio, n_entries[:, None])  # [B,S] visible entries
         cand, n_blocks = t.new_zeros(B * S, 0), 0
-        if self.v41 and cfg.candidate_source_layer_id >= 0:
+        if cfg.candidate_source_layer_id >= 0:  # V4.1's candidate pool
             if self.layer == cfg.candidate_source_layer_id:
                 n_blocks = cfg.candidate_topk_blocks
             elif self.layer > cfg.candidate_source_layer_id and ctx.candidate_blocks is not None:
@@ -435,12 +460,12 @@ class Attention(nn.Module):
         qw = blas.joint_products(qr, self, "qr")
         q = _made(qw, "wq_b.weight", self.wq_b, qr).view(B, S, H, hd)
         made = {**xw, **qw}
-        if not self.v41:
+        if self.query_head_norm:
             q = rms(q, self.cfg.rms_norm_eps)
         q = apply_rope(q, cos[:, :, None], sin[:, :, None])
         kv = apply_rope(self.kv_norm(_made(xw, "wkv.weight", self.wkv, x)), cos, sin)
         if ctx.fake_quant:
-            kv = fake_quant_fp8(kv, block=32) if self.v41 else v4_fake_quant_kv(kv, self.cfg.qk_rope_head_dim)
+            kv = self.qat.window_kv(kv)
         keys, kpos = ctx.state.window(self.layer, kv)
         t = ctx.positions
         qf = blas.shared_operand(fp32(q), B * S)

@@ -26,7 +26,7 @@ class Block(nn.Module):
                  engram_rows: int | None = None):
         super().__init__()
         n, D = cfg.hc_mult, cfg.hidden_size
-        self.cfg, self.layer, self.shifted = cfg, layer, cfg.is_v41
+        self.cfg, self.layer, self.shifted = cfg, layer, cfg.shifted_collapse
         self.engram = Engram(cfg, engram_rows) if engram_rows else None
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, ratio=ratio, role=role)

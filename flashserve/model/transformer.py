@@ -49,7 +49,7 @@ class Transformer(nn.Module):
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = blas.Linear(D, V, bias=False)
-        self.hc_head = None if cfg.is_v41 else HyperHead(n, D, cfg.hc_eps, cfg.rms_norm_eps)
+        self.hc_head = None if cfg.shifted_collapse else HyperHead(n, D, cfg.hc_eps, cfg.rms_norm_eps)
         self.rope = RotaryTables(cfg)
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
         self._engram_slot = {lid: i for i, lid in enumerate(cfg.engram_layer_ids)}
@@ -93,8 +93,7 @@ class Transformer(nn.Module):
                                patches, grid)
 
     def image_mask(self, ids: torch.Tensor) -> torch.Tensor | None:
-        tok = self.cfg.image_token_id
-        return (ids == tok) if (self.cfg.is_v41 and tok is not None) else None
+        return (ids == self.cfg.image_token_id) if self.cfg.image_input else None
 
     def _engram_ids(self, ids: torch.Tensor, state: SequenceState) -> torch.Tensor | None:
         if self.engram_hasher is None:
@@ -149,13 +148,13 @@ class Transformer(nn.Module):
             x = torch.where(ctx.image_mask[..., None], image_embeds.to(x.dtype), x)
         x = x[..., None, :].expand(B, S, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = None
-        if cfg.is_v41:
+        if cfg.shifted_collapse:  # the first block's attention collapses onto stream 0
             pre = torch.zeros(B, S, cfg.hc_mult, device=x.device)
             pre[..., 0] = 1.0
         engram = self._engram_ids(input_ids, state)
         features: dict[int, torch.Tensor] = {}
         L = cfg.num_hidden_layers
-        split = cfg.decoder_start if (encoder_only and cfg.is_v41) else L
+        split = cfg.decoder_start if (encoder_only and cfg.encoder_decoder) else L
         x, pre = self._run(x, pre, ctx, range(split), engram, capture, features)
         if split < L:
             x, pre, ctx, features = self._replay(x, pre, ctx, engram, capture, features, run_decoder)

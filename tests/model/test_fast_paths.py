@@ -224,7 +224,7 @@ def test_compiled_index_scores_store_no_product_per_head_entry_and_column():
 
     from flashserve.config import load_config
     from flashserve.engine.kv_codec import codecs
-    from flashserve.model.attention import Indexer
+    from flashserve.model.attention import Indexer, qat_points
 
     cfg = load_config("tiny-v41")
     g = torch.Generator().manual_seed(8)
@@ -239,7 +239,7 @@ def test_compiled_index_scores_store_no_product_per_head_entry_and_column():
     ctx = SimpleNamespace(angles=lambda kind: (angle.cos(), angle.sin()))
 
     def scores(x, qr, packed):
-        return indexer.scores(x, qr, codec.unpack(packed, torch.float32), ctx, True)
+        return indexer.scores(x, qr, codec.unpack(packed, torch.float32), ctx, qat_points(cfg).index_query)
 
     with torch.inference_mode():
         want = scores(x, qr, packed)
