@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model import cpu_kernels, packed
+from ..model import cpu_kernels, modes, packed
 from ..model.weight_layout import column_major_tall_weights, join_int8_rows, prepack_for_rows
 from .engine_config import INT8_KERNELS
 
@@ -25,6 +25,7 @@ log = logging.getLogger("flashserve.engine")
 class ExecutionPlan:
     device: str  # "cpu" | "cuda"
     compiled: bool  # decode steps through torch.compile (False: eager)
+    mode: modes.Mode  # the mode decode steps run in, which binds the model's per-mode implementations
     isa: str  # torch's CPU capability ("AVX512", "AVX2", ...); "" on a GPU
     formats: dict[str, int]  # weight format -> modules stored in it
     int8_aten: tuple[bool, bool]  # eager int8 products through torch's int8 kernel: at one row, at several rows
@@ -42,7 +43,7 @@ class ExecutionPlan:
         if self.int8_aten[0] != self.int8_aten[1]:
             int8 = f"torch's int8 kernel at {'one row' if self.int8_aten[0] else 'several rows'} only"
         lines = [f"execution plan: {self.device}{' ' + self.isa if self.isa else ''}, decode "
-                 f"{'compiled' if self.compiled else 'eager'}; weights: {formats}"]
+                 f"{self.mode.name.lower().replace('_', ' on the ')}; weights: {formats}"]
         if any(f.split()[0] in packed.INT8_ROWS for f in self.formats):
             lines.append(f"  eager int8 products: {int8} ({self.int8_source})")
         for what, names in self.relayouts.items():
@@ -66,7 +67,7 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
     else:
         int8_aten = (int8_kernel == "aten",) * 2
     packed.use_int8pack(*int8_aten)
-    plan = ExecutionPlan(device=device, compiled=compiled,
+    plan = ExecutionPlan(device=device, compiled=compiled, mode=modes.for_step(device, compiled),
                          isa=torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
                          formats=dict(formats), int8_aten=int8_aten,
                          int8_source=("given" if int8_kernel != "auto" else
