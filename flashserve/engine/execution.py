@@ -4,7 +4,8 @@
 compiled, the CPU's vector ISA, the weight format of every module, which of torch's int8 kernels pays on this
 CPU (timed here, or given: ``int8_kernel``), and it lays out again the weights that the chosen path reads in
 another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
-CPU steps). :meth:`ExecutionPlan.finish` adds the C++ kernels the warm-up step built. The engine logs
+CPU steps). On a CPU it builds the C++ kernels (or loads their cached build) before anything runs, so that no
+request waits for a compiler. The engine logs
 :meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class ExecutionPlan:
     kernels: list[str] = field(default_factory=list)  # C++ kernels built (or loaded) by the warm-up
 
     def finish(self) -> None:
-        """Record the C++ kernels the model's first steps built (call after the warm-up)."""
+        """Record the C++ kernels this process has loaded (call after the warm-up)."""
         self.kernels = cpu_kernels.built()
 
     def describe(self) -> str:
@@ -67,6 +68,8 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
     else:
         int8_aten = (int8_kernel == "aten",) * 2
     packed.use_int8pack(*int8_aten)
+    if device == "cpu":
+        cpu_kernels.build()  # logs its time; a machine without a compiler says so once and runs torch's code
     plan = ExecutionPlan(device=device, compiled=compiled, mode=modes.for_step(device, compiled),
                          isa=torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
                          formats=dict(formats), int8_aten=int8_aten,

@@ -1,5 +1,5 @@
-"""C++ kernels for the CPU where torch's and inductor's code fall short, compiled at first use with inductor's
-own compiler settings for this CPU (its on-disk cache keeps them between runs: seconds each the first time).
+"""C++ kernels for the CPU where torch's and inductor's code fall short, built for this CPU with torch's extension
+API when an engine starts (:func:`build`; cached between runs).
 
 * :func:`mxfp4_pairs`: the (row, expert) pair products of MXFP4 experts, each expert's bytes decoded once for
   all its rows (``csrc/mxfp4_pairs.cpp``); an MXFP4 projection of the peers checkpoint at 16 rows takes about a
@@ -23,12 +23,14 @@ own compiler settings for this CPU (its on-disk cache keeps them between runs: s
   codes, the k best kept as the entries go by. Fixed-shape steps call it instead of unpacking the whole cache,
   storing its scores and taking about ten passes over them (``Attention._select_paged``).
 
-They are operators on torch's dispatcher whose CPU implementations are C++ in the same sources, registered when
-the native build is loaded: a compiled step's C++ wrapper calls them with no Python in between (a call through
-Python costs microseconds, and a step makes about a hundred). Until the build is loaded the Python
-implementations below run and load it. Where no C++ compiler works the kernels are not available
-(``*_available`` says so) and torch's or inductor's code runs. What each kernel is worth, and when it runs:
-docs/engine-speed.md#the-c-kernels.
+They are operators on torch's dispatcher, declared and implemented in C++ (``csrc/ops.cpp`` and each kernel's
+source) and built with torch's extension API (``torch.utils.cpp_extension``) for this CPU, once a machine: later
+processes load the cached build in well under a second. A compiled step's C++ wrapper calls them with no Python in
+between (a call through Python costs microseconds, and a step makes about a hundred); their fake implementations,
+for tracing, are registered here. The engine builds them before it serves (:func:`build`, from its execution
+plan) and logs how long it took. Where no C++ compiler works the kernels are not available (``*_available`` says
+so, and the log says why, once) and torch's or inductor's code runs. What each kernel is worth, and when it
+runs: docs/engine-speed.md#the-c-kernels.
 """
 
 from __future__ import annotations
@@ -44,98 +46,99 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-# kernel -> its C signature (the binding takes tensors for the pointers)
-_ARGS = {
-    # x, experts, q, s, q2, s2, out, P, k, E, N, K, matrices, threads
-    "mxfp4_pairs": ("const float*", "const int64_t*", "const uint8_t*", "const uint8_t*", "const uint8_t*",
-                    "const uint8_t*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-                    "int64_t"),
-    # x, panels, out, M, N, K, layout (0 float32 panels, 1 bfloat16 panels, 2 stream panels), threads
-    "dense_rows": ("const float*", "const void*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
-    # x, experts, q, scale, q2, scale2, out, P, k, E, N, K, matrices, threads
-    "int8_pairs": ("const float*", "const int64_t*", "const int8_t*", "const float*", "const int8_t*",
-                   "const float*", "float*", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t",
-                   "int64_t"),
-    # comb, out, B, n, iters, eps
-    "sinkhorn": ("const float*", "float*", "int64_t", "int64_t", "int64_t", "float"),
-    # q, w, pages, table, limit, cand, idx, valid, pool, R, S, H, d, n_pages, P, epp, rec, C, k, block, n_blocks,
-    # threads
-    "index_topk": ("const float*", "const float*", "const uint8_t*", "const int64_t*", "const int64_t*",
-                   "const int64_t*", "int64_t*", "uint8_t*", "int64_t*", "int64_t", "int64_t", "int64_t", "int64_t",
-                   "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t"),
-}
-# csrc headers a kernel's source needs (isa.h alone by default)
-_HEADERS = {"mxfp4_pairs": ("isa.h", "pairs.h", "fp4.h"), "int8_pairs": ("isa.h", "pairs.h"),
-            "index_topk": ("isa.h", "fp4.h")}
+_SOURCES = ("ops.cpp", "mxfp4_pairs.cpp", "dense_rows.cpp", "int8_pairs.cpp", "sinkhorn.cpp", "index_topk.cpp")
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
-# the native build also registers its operator's CPU implementation on torch's dispatcher (in C++)
-_ISA_FLAGS = {"native": ("-DFLASHSERVE_REGISTER_OP",), "avx2": ("-DFLASHSERVE_NO_AVX512",),
-              "scalar": ("-DFLASHSERVE_NO_SIMD",)}
+# each path's build: its operator namespace (the model calls the native one) and its flags
+_NAMESPACES = {"native": "flashserve", "avx2": "flashserve_avx2", "scalar": "flashserve_scalar"}
+_ISA_FLAGS = {"native": (), "avx2": ("-DFLASHSERVE_NO_AVX512",), "scalar": ("-DFLASHSERVE_NO_SIMD",)}
+# inductor's own flags for its C++ kernels: no fused multiply-adds or value-changing rewrites (the kernels' sums are
+# tested bit for bit against torch's), gcc's loop vectorizer off (the kernels vectorize themselves)
+_CFLAGS = ("-O3", "-DNDEBUG", "-march=native", "-fopenmp", "-fno-trapping-math", "-fno-signed-zeros",
+           "-ffp-contract=off", "-fexcess-precision=fast", "-fno-tree-loop-vectorize")
 LANES = 16  # output columns per panel of :func:`pack_panels`
 STREAM_LANES = 6  # output columns per stream panel (:func:`pack_stream_panels`)
 STREAM_MIN_BYTES = 16 << 20  # float32 weights from this size get stream panels on AVX2 CPUs (:func:`streams`)
 
 
 @functools.cache
-def _load(kernel: str, isa: str = "native") -> Callable[..., None] | None:
-    """The compiled ``kernel`` (a Python binding taking tensors), or None where it cannot be built here. The
-    first build on a machine runs the C++ compiler (seconds to tens of seconds); later ones load it from disk.
-    The engine builds what its model calls before it serves (``DecodeStep.warm_up``), and says so in the log."""
-    log.info("CPU kernel %s (%s): building, or loading a cached build", kernel, isa)
+def build(isa: str = "native") -> str | None:
+    """Build the kernels' ``isa`` path with torch's extension API, or load the build cached for this CPU (torch's
+    extensions folder, ``$TORCH_EXTENSIONS_DIR``), and return its operator namespace; None where it cannot be
+    built here (the reason is logged once). The first build on a machine runs the C++ compiler (about 20 s on
+    2 cores); later processes load it."""
+    from torch.utils import cpp_extension
+
+    if isa not in _NAMESPACES:
+        raise ValueError(f"unknown kernel path {isa!r}; choose one of {', '.join(ISAS)}")
+    name = f"flashserve_kernels_{isa}_{_cpu_tag()}"
     t0 = time.perf_counter()
     try:
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-        # one text, one cache key: the shared headers, then the kernel
-        source = "".join((_CSRC / f).read_text() for f in (*_HEADERS.get(kernel, ("isa.h",)), f"{kernel}.cpp"))
-        fn = CppPythonBindingsCodeCache.load_pybinding(list(_ARGS[kernel]), source, needs_vec_isa=True,
-                                                       extra_flags=_ISA_FLAGS[isa])
-    except Exception as e:  # no compiler, an unexpected inductor version: torch's or inductor's code runs instead
-        log.warning("CPU kernel %s unavailable (%s: %s); using torch's code", kernel, type(e).__name__, e)
+        cpp_extension.load(name=name, sources=[str(_CSRC / f) for f in _SOURCES],
+                           extra_cflags=[*_CFLAGS, f"-DFLASHSERVE_OPS={_NAMESPACES[isa]}", *_ISA_FLAGS[isa]],
+                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], is_python_module=False)
+    except Exception as e:  # no compiler, no ninja: torch's or inductor's code runs instead
+        log.warning("CPU kernels (%s) unavailable, running torch's code instead (%s: %s)", isa, type(e).__name__,
+                    str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return None
-    log.info("CPU kernel %s (%s) ready in %.1f s", kernel, isa, time.perf_counter() - t0)
-    if isa == "native" and kernel not in _BUILT:
-        _BUILT.append(kernel)
-    return fn
+    if isa == "native" and "native" not in _READY:
+        _register_fakes_once()
+    _READY.add(isa)
+    log.info("CPU kernels (%s) ready in %.1f s: %s", isa, time.perf_counter() - t0, ", ".join(KERNELS))
+    return _NAMESPACES[isa]
 
 
-_BUILT: list[str] = []  # native kernels loaded in this process, in order
+def _cpu_tag() -> str:
+    """A short name for this CPU's instruction sets (a hash of /proc/cpuinfo's flags), which names its builds: a
+    ``-march=native`` build cached in a shared home is not loaded on another kind of CPU."""
+    import hashlib
+    import platform
+
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.machine() + platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+
+
+KERNELS = ("mxfp4_pairs", "dense_rows", "int8_pairs", "sinkhorn", "index_topk")
+_READY: set[str] = set()  # the paths built or loaded in this process
 
 
 def built() -> list[str]:
-    """The C++ kernels this process has built or loaded from disk (their native builds)."""
-    return list(_BUILT)
+    """The C++ kernels this process has built or loaded (the native path's)."""
+    return list(KERNELS) if "native" in _READY else []
 
 
-def _kernel(kernel: str, isa: str) -> Callable[..., None]:
-    fn = _load(kernel, isa)
-    if fn is None:
-        raise RuntimeError(f"the CPU kernel {kernel} could not be compiled here (see the log)")
-    return fn
+def _ops(isa: str):
+    """``torch.ops.<namespace>`` of the ``isa`` path's build (building it if needed)."""
+    ns = build(isa)
+    if ns is None:
+        raise RuntimeError(f"the CPU kernels ({isa}) could not be built here (see the log)")
+    return getattr(torch.ops, ns)
 
 
 @torch.compiler.assume_constant_result  # a traced step reads the answer as a constant
 def mxfp4_pairs_available() -> bool:
     """Whether :func:`mxfp4_pairs` has its compiled kernel on this machine (compiling it if needed)."""
-    return _load("mxfp4_pairs") is not None
+    return build() is not None
 
 
 @torch.compiler.assume_constant_result
 def dense_rows_available() -> bool:
     """Whether :func:`dense_rows` has its compiled kernel on this machine (compiling it if needed)."""
-    return _load("dense_rows") is not None
+    return build() is not None
 
 
 @torch.compiler.assume_constant_result
 def sinkhorn_available() -> bool:
     """Whether :func:`sinkhorn` has its compiled kernel on this machine (compiling it if needed)."""
-    return _load("sinkhorn") is not None
+    return build() is not None
 
 
 @torch.compiler.assume_constant_result
 def index_topk_available() -> bool:
     """Whether :func:`index_topk` has its compiled kernel on this machine (compiling it if needed)."""
-    return _load("index_topk") is not None
+    return build() is not None
 
 
 @torch.compiler.assume_constant_result
@@ -143,7 +146,7 @@ def int8_pairs_preferred() -> bool:
     """Whether compiled steps multiply int8 weights through :func:`int8_pairs`: on CPUs with AVX2 but not
     AVX-512, where inductor's code converts the bytes one at a time, and where it is built. AVX-512 CPUs keep
     inductor's products, fast there (docs/engine-speed.md#the-c-kernels)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2" and _load("int8_pairs") is not None
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and build() is not None
 
 
 def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -160,15 +163,10 @@ def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, sc
         ups = "" if up is None else f", up {tuple(up[0].shape)} {up[0].dtype} and {tuple(up[1].shape)}"
         raise ValueError(f"int8_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)} "
                          f"{q.dtype}, scale {tuple(scale.shape)}{ups} do not match")
-    fn = _kernel("int8_pairs", isa)
-    x = x.to(torch.float32).contiguous()
-    experts = experts.to(torch.int64).contiguous().view(-1)
-    q2, s2 = (q, scale) if up is None else up
-    P = experts.numel()
-    out = torch.empty(1 if up is None else 2, P, N, dtype=torch.float32)
-    fn(x, experts, q.contiguous(), _float_scale(scale), q2.contiguous(), _float_scale(s2), out, P, P // x.shape[0],
-       E, N, K, 1 if up is None else 2, torch.get_num_threads())
-    return out[0] if up is None else out
+    ops = _ops(isa)
+    if up is None:
+        return ops.int8_pairs(x, experts, q, _float_scale(scale))
+    return ops.int8_gate_up(x, experts, q, _float_scale(scale), up[0], _float_scale(up[1]))
 
 
 def _float_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -193,11 +191,7 @@ def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     if not 1 <= n <= 8 or comb.shape[-2] != n or iters < 1 or comb.dtype != torch.float32:
         raise ValueError(f"sinkhorn: comb {tuple(comb.shape)} {comb.dtype}, iters {iters}: expected float32 "
                          "[.., n, n] with 1 <= n <= 8 and iters >= 1")
-    fn = _kernel("sinkhorn", "native")
-    c = comb.contiguous()
-    out = torch.empty_like(c)
-    fn(c, out, c.numel() // (n * n), n, iters, float(eps))
-    return out
+    return _ops("native").sinkhorn(comb, iters, float(eps))
 
 
 def index_topk_eager(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, limit: torch.Tensor,
@@ -225,15 +219,8 @@ def index_topk_eager(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, tabl
                          f"block {block}, n_blocks {n_blocks} do not match")
     if pages.dtype != torch.uint8:
         raise ValueError(f"index_topk: pages must be uint8 records, not {pages.dtype}")
-    fn = _kernel("index_topk", isa)
-    idx = torch.empty(R, k, dtype=torch.int64)
-    valid = torch.empty(R, k, dtype=torch.uint8)
-    pool = torch.empty(R, n_blocks, dtype=torch.int64)
-    fn(q.to(torch.float32).contiguous(), w.to(torch.float32).contiguous(), pages.contiguous(),
-       table.to(torch.int64).contiguous(), limit.to(torch.int64).contiguous(), cand.to(torch.int64).contiguous(),
-       idx, valid, pool, R, R // B, H, d, pages.shape[0], P, pages.shape[1], pages.shape[2], cand.shape[1], k, block,
-       n_blocks, torch.get_num_threads())
-    return idx, valid.view(torch.bool), pool
+    return _ops(isa).index_topk(q.to(torch.float32), w.to(torch.float32), pages, table.to(torch.int64),
+                                limit.to(torch.int64), cand.to(torch.int64), k, block, n_blocks)
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
@@ -250,15 +237,10 @@ def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s
             or (up is not None and (up[0].shape != q.shape or up[1].shape != s.shape))):
         raise ValueError(f"mxfp4_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)}, "
                          f"s {tuple(s.shape)} do not match")
-    fn = _kernel("mxfp4_pairs", isa)
-    x = x.to(torch.float32).contiguous()
-    experts = experts.to(torch.int64).contiguous().view(-1)
-    P = experts.numel()
-    q2, s2 = (q, s) if up is None else (up[0].contiguous(), up[1].contiguous())
-    out = torch.empty(1 if up is None else 2, P, N, dtype=torch.float32)
-    fn(x, experts, q.contiguous(), s.contiguous(), q2, s2, out, P, P // x.shape[0], E, N, 2 * half,
-       1 if up is None else 2, torch.get_num_threads())
-    return out[0] if up is None else out
+    ops = _ops(isa)
+    if up is None:
+        return ops.mxfp4_pairs(x, experts, q, s)
+    return ops.mxfp4_gate_up(x, experts, q, s, up[0], up[1])
 
 
 # where a bfloat16 panel line keeps column c: slot BF16_SLOTS[c] (csrc/dense_rows.cpp, COLUMN_SLOT)
@@ -320,75 +302,43 @@ def dense_rows_eager(x: torch.Tensor, panels: torch.Tensor, n: int, isa: str = "
         raise ValueError(f"dense_rows: x {tuple(x.shape)}, panels {tuple(panels.shape)}, n {n} do not match")
     if panels.dtype != torch.float32 and (panels.dtype != torch.bfloat16 or lanes != LANES):
         raise ValueError(f"dense_rows: panels are float32 or bfloat16 (stream panels float32), not {panels.dtype}")
-    fn = _kernel("dense_rows", isa)
-    x = x.to(torch.float32).contiguous()
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    layout = 2 if lanes == STREAM_LANES else int(panels.dtype == torch.bfloat16)
-    fn(x, panels.contiguous(), out, x.shape[0], n, x.shape[1], layout, torch.get_num_threads())
-    return out
+    return _ops(isa).dense_rows(x, panels, n)
 
 
-# The operators a compiled step calls (inductor cannot trace into a binding). Their CPU implementations are the
-# sources' C++, registered when the native build loads; until then these Python ones (under a key the CPU one
-# takes precedence over) load it and run the binding
-_LIB = torch.library.Library("flashserve", "FRAGMENT")
-_LIB.define("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor")
-_LIB.define("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
-_LIB.define("dense_rows(Tensor x, Tensor panels, int n) -> Tensor")
-_LIB.define("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor")
-_LIB.define("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor")
-_LIB.define("sinkhorn(Tensor comb, int iters, float eps) -> Tensor")
-_LIB.define("index_topk(Tensor q, Tensor w, Tensor pages, Tensor table, Tensor limit, Tensor cand, int k, int block, "
-            "int n_blocks) -> (Tensor, Tensor, Tensor)")
-_LIB.impl("mxfp4_pairs", mxfp4_pairs_eager, "CompositeExplicitAutograd")
-_LIB.impl("mxfp4_gate_up", lambda x, experts, q1, s1, q3, s3: mxfp4_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
-          "CompositeExplicitAutograd")
-_LIB.impl("dense_rows", dense_rows_eager, "CompositeExplicitAutograd")
-_LIB.impl("int8_pairs", int8_pairs_eager, "CompositeExplicitAutograd")
-_LIB.impl("int8_gate_up", lambda x, experts, q1, s1, q3, s3: int8_pairs_eager(x, experts, q1, s1, up=(q3, s3)),
-          "CompositeExplicitAutograd")
-_LIB.impl("sinkhorn", sinkhorn_eager, "CompositeExplicitAutograd")
-_LIB.impl("index_topk", index_topk_eager, "CompositeExplicitAutograd")
+def _register_fakes_once() -> None:
+    """The native operators' fake implementations (output shapes and dtypes), which tracing a step needs; once a
+    process."""
+    fake = torch.library.register_fake
 
+    @fake("flashserve::index_topk")
+    def _(q, w, pages, table, limit, cand, k, block, n_blocks):
+        R = q.shape[0]
+        return (q.new_empty((R, k), dtype=torch.int64), q.new_empty((R, k), dtype=torch.bool),
+                q.new_empty((R, n_blocks), dtype=torch.int64))
 
-@torch.library.register_fake("flashserve::index_topk")
-def _(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, table: torch.Tensor, limit: torch.Tensor,
-      cand: torch.Tensor, k: int, block: int, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    R = q.shape[0]
-    return (q.new_empty((R, k), dtype=torch.int64), q.new_empty((R, k), dtype=torch.bool),
-            q.new_empty((R, n_blocks), dtype=torch.int64))
+    @fake("flashserve::mxfp4_pairs")
+    def _(x, experts, q, s):
+        return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
 
+    @fake("flashserve::mxfp4_gate_up")
+    def _(x, experts, q1, s1, q3, s3):
+        return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
-@torch.library.register_fake("flashserve::mxfp4_pairs")
-def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], q.shape[1]), dtype=torch.float32)
+    @fake("flashserve::int8_pairs")
+    def _(x, experts, q, scale):
+        return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
 
+    @fake("flashserve::int8_gate_up")
+    def _(x, experts, q1, s1, q3, s3):
+        return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
-@torch.library.register_fake("flashserve::mxfp4_gate_up")
-def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
-      s3: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
+    @fake("flashserve::sinkhorn")
+    def _(comb, iters, eps):
+        return torch.empty_like(comb, memory_format=torch.contiguous_format)
 
-
-@torch.library.register_fake("flashserve::int8_pairs")
-def _(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
-
-
-@torch.library.register_fake("flashserve::int8_gate_up")
-def _(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
-      s3: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
-
-
-@torch.library.register_fake("flashserve::sinkhorn")
-def _(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    return torch.empty_like(comb, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("flashserve::dense_rows")
-def _(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], n), dtype=torch.float32)
+    @fake("flashserve::dense_rows")
+    def _(x, panels, n):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
 def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -431,7 +381,7 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "LANES", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
+__all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",
            "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
            "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "sinkhorn",

@@ -238,8 +238,8 @@ class DecodeStep:
     def warm_up(self, rows: int = 1) -> float:
         """Compile every bucket now (on the scratch slot and page) rather than at the first request of each
         size; returns and logs the seconds it took. An eager step runs the smallest and largest batch once, so
-        that the CPU kernels its layers call are built (or loaded from disk) before the engine serves, not
-        during its first request."""
+        that what its first steps set up (the w8a8 kernels' weights, torch's own lazy state) is done before the
+        engine serves, not during its first request."""
         t0 = time.perf_counter()
         cache = self.cache
         for b in self.buckets if not self.enforce_eager else sorted({self.buckets[0], self.buckets[-1]}):

@@ -21,9 +21,9 @@
 // Every output is one thread's sum over k in order (one fused multiply-add per k with AVX-512 or AVX2): the
 // result does not depend on the number of threads. FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the
 // narrower paths (the tests build all three).
+#include "isa.h"
 #include <cstdint>
 #include <type_traits>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, prepended by the loader
 
 namespace {
 
@@ -393,7 +393,7 @@ void rows_times_stream_panels(const float* x, const float* panels, float* out, i
 }  // namespace
 
 // layout: 0 float32 panels, 1 bfloat16 panels (bits in COLUMN_SLOT order), 2 float32 stream panels
-extern "C" void kernel(const float* x, const void* panels, float* out, int64_t M, int64_t N, int64_t K,
+static void kernel(const float* x, const void* panels, float* out, int64_t M, int64_t N, int64_t K,
                        int64_t layout, int64_t threads) {
     if (layout == 2)
         rows_times_stream_panels(x, static_cast<const float*>(panels), out, M, N, K, threads);
@@ -403,8 +403,7 @@ extern "C" void kernel(const float* x, const void* panels, float* out, int64_t M
         rows_times_panels(x, static_cast<const float*>(panels), out, M, N, K, threads);
 }
 
-#if defined(FLASHSERVE_REGISTER_OP)
-// flashserve::dense_rows(x, panels, n) for CPU tensors on torch's dispatcher (the schema is defined in Python):
+// flashserve::dense_rows(x, panels, n) for CPU tensors on torch's dispatcher (schema: ops.cpp):
 // a compiled step's C++ reaches it with no Python in between
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -428,5 +427,4 @@ at::Tensor dense_rows_op(const at::Tensor& x, const at::Tensor& panels, int64_t 
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("dense_rows", &dense_rows_op); }
-#endif
+FS_LIBRARY_IMPL(m) { m.impl("dense_rows", &dense_rows_op); }

@@ -1,4 +1,5 @@
-// Shared by the kernels that read FP4 (flashserve.model.cpu_kernels prepends it, after isa.h, to mxfp4_pairs.cpp
+#pragma once
+// Shared by the kernels that read FP4 (included by mxfp4_pairs.cpp
 // and index_topk.cpp): the E2M1 values and the UE8M0 scales, as flashserve.model.quant decodes them.
 #include <cstdint>
 #include <cstring>

@@ -16,6 +16,8 @@
 // Each head's dot product is exact when the query is FP4-rounded too (integer multiples of one power of two,
 // summed in float); the heads are summed in order. Ties keep the lower index in every chunking, so the result
 // does not depend on the number of threads.
+#include "isa.h"
+#include "fp4.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,7 +26,6 @@
 #include <stdexcept>
 #include <utility>
 #include <vector>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, E2M1 and e8m0: csrc/fp4.h, prepended by the loader
 
 namespace {
 
@@ -412,7 +413,7 @@ void write_row(std::vector<Entry>& chosen, int64_t k, int64_t T, int64_t* out, u
 
 }  // namespace
 
-extern "C" void kernel(const float* q, const float* w, const uint8_t* pages, const int64_t* table,
+static void kernel(const float* q, const float* w, const uint8_t* pages, const int64_t* table,
                        const int64_t* limit, const int64_t* cand, int64_t* idx, uint8_t* valid, int64_t* pool,
                        int64_t R, int64_t S, int64_t H, int64_t d, int64_t n_pages, int64_t P, int64_t epp,
                        int64_t rec, int64_t C, int64_t k, int64_t block, int64_t n_blocks, int64_t threads) {
@@ -465,9 +466,8 @@ extern "C" void kernel(const float* q, const float* w, const uint8_t* pages, con
     }
 }
 
-#if defined(FLASHSERVE_REGISTER_OP)
 // flashserve::index_topk(q, w, pages, table, limit, cand, k, block, n_blocks) for CPU tensors on torch's dispatcher
-// (the schema is defined in Python): a compiled step's C++ reaches it with no Python in between
+// (schema: ops.cpp): a compiled step's C++ reaches it with no Python in between
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -506,5 +506,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> index_topk_op(const at::Tensor& q
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("index_topk", &index_topk_op); }
-#endif
+FS_LIBRARY_IMPL(m) { m.impl("index_topk", &index_topk_op); }

@@ -10,10 +10,11 @@
 // q [E, N, K] int8; scale [E, N] float32; out [P, N] float32. K % 8 == 0 for the vector path. With
 // matrices = 2 the same pairs also multiply (q2, scale2) (a MoE's up projection beside its gate) into out[P + p]:
 // one call, one fork of the threads, where two took one each.
+#include "isa.h"
+#include "pairs.h"
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, and ExpertGroups: csrc/pairs.h, prepended by the loader
 
 namespace {
 
@@ -90,7 +91,7 @@ inline void tile_products(const int8_t* q, const float* scale, int64_t n0, int64
 
 }  // namespace
 
-extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, const float* scale,
+static void kernel(const float* x, const int64_t* experts, const int8_t* q, const float* scale,
                        const int8_t* q2_or_unused, const float* scale2_or_unused, float* out, int64_t P, int64_t k,
                        int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
     const ExpertGroups groups(experts, P, E, "int8_pairs");
@@ -120,9 +121,8 @@ extern "C" void kernel(const float* x, const int64_t* experts, const int8_t* q, 
     }
 }
 
-#if defined(FLASHSERVE_REGISTER_OP)
-// flashserve::int8_pairs(x, experts, q, scale) for CPU tensors on torch's dispatcher (the schema is defined in
-// Python): a compiled step's C++ reaches it with no Python in between
+// flashserve::int8_pairs(x, experts, q, scale) for CPU tensors on torch's dispatcher (schema: ops.cpp): a compiled
+// step's C++ reaches it with no Python in between
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -168,8 +168,7 @@ at::Tensor int8_gate_up_op(const at::Tensor& x, const at::Tensor& experts, const
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) {
+FS_LIBRARY_IMPL(m) {
     m.impl("int8_pairs", &int8_pairs_op);
     m.impl("int8_gate_up", &int8_gate_up_op);
 }
-#endif

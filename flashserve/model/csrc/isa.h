@@ -1,5 +1,5 @@
-// Shared by the kernels in this folder (flashserve.model.cpu_kernels prepends it to each source before
-// compiling): which vector path to build (FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the narrower ones),
+#pragma once
+// Shared by the kernels in this folder (each source includes it): which vector path to build (FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the narrower ones),
 // and aligned_floats for the kernels' copies of x.
 #include <cstdint>
 #if !defined(FLASHSERVE_NO_SIMD) && (defined(__AVX512F__) || defined(__AVX2__))
@@ -30,3 +30,14 @@ inline std::unique_ptr<float, void (*)(void*)> aligned_floats(int64_t n, bool ze
 }
 
 }  // namespace
+
+// The operator namespace of this build (flashserve.model.cpu_kernels defines FLASHSERVE_OPS): flashserve for the
+// CPU's own path, which the model calls, flashserve_avx2 / flashserve_scalar for the narrower ones (tests). The
+// extra level of macros expands FLASHSERVE_OPS before torch's macros paste it into their names.
+#if !defined(FLASHSERVE_OPS)
+#define FLASHSERVE_OPS flashserve
+#endif
+#define FS_LIBRARY_FRAGMENT_(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define FS_LIBRARY_FRAGMENT(m) FS_LIBRARY_FRAGMENT_(FLASHSERVE_OPS, m)
+#define FS_LIBRARY_IMPL_(ns, m) TORCH_LIBRARY_IMPL(ns, CPU, m)
+#define FS_LIBRARY_IMPL(m) FS_LIBRARY_IMPL_(FLASHSERVE_OPS, m)

@@ -9,13 +9,15 @@
 // experts [P] int64 in [0, E); q [E, N, K/2] uint8, two E2M1 codes a byte, the low nibble the even column;
 // s [E, N, K/32] uint8 UE8M0 scales; out [P, N] float32, or [2, P, N] with the up projection's (q2, s2) beside
 // the gate's, decoded in the same pass over the pairs. K % 32 == 0.
-// Compiled at first use with inductor's flags for this CPU; FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select
+// Built by torch's extension API for this CPU; FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select
 // the narrower paths (the tests build all three).
+#include "isa.h"
+#include "pairs.h"
+#include "fp4.h"
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
-// FS_AVX512 / FS_AVX2: csrc/isa.h, ExpertGroups: csrc/pairs.h, E2M1 and e8m0: csrc/fp4.h, prepended by the loader
 
 namespace {
 
@@ -239,7 +241,7 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
 
 // Pair p = row p / k of x [P / k, K] times expert experts[p]'s matrix (q, s), into out[p] (out [P, N]); with
 // matrices = 2 also times (q2, s2) (the up projection beside the gate), into out[P + p] (q2, s2 unread with 1).
-extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s,
+static void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s,
                        const uint8_t* q2_or_unused, const uint8_t* s2_or_unused, float* out, int64_t P, int64_t k,
                        int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
     const uint8_t *q2 = matrices == 2 ? q2_or_unused : nullptr, *s2 = matrices == 2 ? s2_or_unused : nullptr;
@@ -293,9 +295,8 @@ extern "C" void kernel(const float* x, const int64_t* experts, const uint8_t* q,
     }
 }
 
-#if defined(FLASHSERVE_REGISTER_OP)
 // flashserve::mxfp4_pairs(x, experts, q, s) and flashserve::mxfp4_gate_up(x, experts, q1, s1, q3, s3) for CPU
-// tensors on torch's dispatcher (the schemas are defined in Python): a compiled step's C++ reaches them with no
+// tensors on torch's dispatcher (schemas: ops.cpp): a compiled step's C++ reaches them with no
 // Python in between
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -343,8 +344,7 @@ at::Tensor mxfp4_gate_up_op(const at::Tensor& x, const at::Tensor& experts, cons
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) {
+FS_LIBRARY_IMPL(m) {
     m.impl("mxfp4_pairs", &mxfp4_pairs_op);
     m.impl("mxfp4_gate_up", &mxfp4_gate_up_op);
 }
-#endif

@@ -1,4 +1,5 @@
-// Shared by the pair kernels (flashserve.model.cpu_kernels prepends it, after isa.h, to mxfp4_pairs.cpp and
+#pragma once
+// Shared by the pair kernels (included by mxfp4_pairs.cpp and
 // int8_pairs.cpp): (row, expert) pairs grouped by expert, and the work items over them.
 #include <stdexcept>
 #include <string>

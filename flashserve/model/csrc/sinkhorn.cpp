@@ -9,6 +9,7 @@
 // Sums run in index order; every operation rounds to float32 as torch's would (no fused multiply-adds: inductor's
 // flags keep them apart), so the values are those of the traced scalings up to the order of their 4-term sums.
 // Layout: comb and out [B, n, n] float32, contiguous.
+#include "isa.h"
 #include <cstdint>
 #include <stdexcept>
 
@@ -52,13 +53,12 @@ void pass(const float* comb, float* out, int64_t b0, int64_t m, int64_t n, int64
 
 }  // namespace
 
-extern "C" void kernel(const float* comb, float* out, int64_t B, int64_t n, int64_t iters, float eps) {
+static void kernel(const float* comb, float* out, int64_t B, int64_t n, int64_t iters, float eps) {
     if (n < 1 || n > NMAX || iters < 1) throw std::invalid_argument("sinkhorn: n must be in [1, 8] and iters >= 1");
     for (int64_t b0 = 0; b0 < B; b0 += LANES) pass(comb, out, b0, B - b0 < LANES ? B - b0 : LANES, n, iters, eps);
 }
 
-#if defined(FLASHSERVE_REGISTER_OP)
-// flashserve::sinkhorn(comb, iters, eps) for CPU tensors on torch's dispatcher (the schema is defined in Python):
+// flashserve::sinkhorn(comb, iters, eps) for CPU tensors on torch's dispatcher (schema: ops.cpp):
 // a compiled step's C++ reaches it with no Python in between
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -77,5 +77,4 @@ at::Tensor sinkhorn_op(const at::Tensor& comb, int64_t iters, double eps) {
 }
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashserve, CPU, m) { m.impl("sinkhorn", &sinkhorn_op); }
-#endif
+FS_LIBRARY_IMPL(m) { m.impl("sinkhorn", &sinkhorn_op); }

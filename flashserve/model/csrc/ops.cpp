@@ -1,0 +1,18 @@
+// The operators of flashserve's CPU kernels, declared on torch's dispatcher in this build's namespace
+// (FLASHSERVE_OPS, csrc/isa.h); each kernel's source registers its CPU implementation. Their fake (meta)
+// implementations, for tracing, are registered from Python (flashserve.model.cpu_kernels).
+#include "isa.h"
+
+#include <torch/library.h>
+
+FS_LIBRARY_FRAGMENT(m) {
+    m.set_python_module("flashserve.model.cpu_kernels");  // where the fake implementations are
+    m.def("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor");
+    m.def("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
+    m.def("dense_rows(Tensor x, Tensor panels, int n) -> Tensor");
+    m.def("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor");
+    m.def("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
+    m.def("sinkhorn(Tensor comb, int iters, float eps) -> Tensor");
+    m.def("index_topk(Tensor q, Tensor w, Tensor pages, Tensor table, Tensor limit, Tensor cand, int k, int block, "
+          "int n_blocks) -> (Tensor, Tensor, Tensor)");
+}
