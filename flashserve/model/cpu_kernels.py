@@ -70,6 +70,8 @@ def build(isa: str = "native") -> str | None:
 
     if isa not in _NAMESPACES:
         raise ValueError(f"unknown kernel path {isa!r}; choose one of {', '.join(ISAS)}")
+    if isa in _READY:  # loaded in this process already: loading another build would define its operators twice
+        return _NAMESPACES[isa]
     name = f"flashserve_kernels_{isa}_{_cpu_tag()}"
     t0 = time.perf_counter()
     try:
