@@ -28,7 +28,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import safe_open
@@ -462,11 +462,12 @@ def packed_dtypes(path: str | Path) -> dict[str, str]:
 # ============================================================================ writing
 
 
-def _scale_name(name: str) -> str:
+def scale_name(name: str) -> str:
+    """The stored name of a weight's scale (``X.weight`` -> ``X.scale``)."""
     return (name[: -len(".weight")] if name.endswith(".weight") else name) + ".scale"
 
 
-def _stored_bytes(spec: TensorSpec, cfg: ModelConfig, quantize: bool) -> int:
+def stored_bytes(spec: TensorSpec, cfg: ModelConfig, quantize: bool = True) -> int:
     """Bytes a tensor takes on disk (weight + scale), computed from its spec alone."""
     n = spec.numel
     if spec.kind == INT:
@@ -499,7 +500,7 @@ def _encode(spec: TensorSpec, t: torch.Tensor, cfg: ModelConfig, quantize: bool)
         w, s = quant.quantize_fp8_rows(t)
     else:
         raise ValueError(f"unknown storage kind {spec.kind!r} for {spec.name}")
-    return [(spec.name, w), (_scale_name(spec.name), s)]
+    return [(spec.name, w), (scale_name(spec.name), s)]
 
 
 def _select_specs(src: Mapping[str, torch.Tensor], cfg: ModelConfig) -> list[TensorSpec]:
@@ -561,10 +562,25 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
         if cfg.is_v41 or any(t.part in ("mtp", "dspark", "vision") for t in specs):
             raise ValueError("fmt='hf' is transformers' DeepSeek-V4 layout: V4 configs only, without MTP tensors")
         quantize = False
+    sizes = [stored_bytes(t, cfg, quantize) for t in specs]
+
+    def stored(spec: TensorSpec) -> list[tuple[str, torch.Tensor]]:
+        pairs = _encode(spec, src[spec.name].detach(), cfg, quantize)
+        return [(released_to_hf_name(k) if fmt == HF else k, t) for k, t in pairs]
+
+    return write_checkpoint(path, _config_json(cfg, fmt), specs, stored, sizes, max_shard_bytes=max_shard_bytes)
+
+
+def write_checkpoint(path: str | Path, config: dict, specs: list[TensorSpec],
+                     stored: Callable[[TensorSpec], list[tuple[str, torch.Tensor]]], sizes: list[int], *,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write a checkpoint folder: ``config.json``, safetensors shards of at most about ``max_shard_bytes`` and
+    their index. ``stored(spec)`` gives the stored tensors of one layout tensor (its weight and scale, by their
+    stored names), asked for one shard at a time, so a checkpoint larger than memory can be written; ``sizes``:
+    each spec's stored bytes. Returns the shard paths."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(_config_json(cfg, fmt), indent=2) + "\n")
-    sizes = [_stored_bytes(t, cfg, quantize) for t in specs]
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     shards = _plan_shards(specs, sizes, max_shard_bytes)
     n = len(shards)
     weight_map: dict[str, str] = {}
@@ -573,11 +589,11 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
         fname = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
         tensors: dict[str, torch.Tensor] = {}
         for spec in group:
-            for key, t in _encode(spec, src[spec.name].detach(), cfg, quantize):
-                key = released_to_hf_name(key) if fmt == HF else key
+            for key, t in stored(spec):
                 tensors[key] = t.contiguous().cpu()
                 weight_map[key] = fname
         save_file(tensors, str(path / fname), metadata={"format": "pt"})
+        del tensors
         written.append(path / fname)
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": dict(sorted(weight_map.items()))}
     (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -585,6 +601,7 @@ def save_checkpoint(src: Mapping[str, torch.Tensor], path: str | Path, cfg: Mode
 
 
 __all__ = [
-    "CheckpointError", "load_checkpoint", "packed_dtypes", "DRAFTERS", "BIAS_VL", "save_checkpoint", "detect_scheme", "hf_to_released_name",
+    "CheckpointError", "load_checkpoint", "packed_dtypes", "DRAFTERS", "BIAS_VL", "save_checkpoint", "write_checkpoint",
+    "stored_bytes", "scale_name", "detect_scheme", "hf_to_released_name",
     "released_to_hf_name", "split_fused_experts", "INDEX_FILE",
 ]

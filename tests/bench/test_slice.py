@@ -1,0 +1,92 @@
+"""Real-size slices (flashserve.bench.slice): which layers a slice keeps, its sizes, and that a slice written with
+narrowed widths is a released-layout checkpoint the engine loads and runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from flashserve.bench import slice as slicing
+from flashserve.config.model_config import config_from_dict
+from flashserve.config.presets import preset_config, preset_json
+
+# tiny widths for the written slices (the layer structure stays the real model's)
+_NARROW = ("vocab_size", "hidden_size", "num_attention_heads", "head_dim", "qk_rope_head_dim", "q_lora_rank",
+           "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+           "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok", "candidate_topk_blocks",
+           "candidate_block_size", "engram_n_heads", "engram_head_dim", "engram_compressed_vocab_size",
+           "quantization_config")
+
+
+def _narrow(tiny: str) -> dict:
+    raw = preset_json(tiny)
+    text = {**raw, **raw.get("text_config", {})}
+    return {k: text[k] for k in _NARROW if k in text}
+
+
+def test_a_v41_slice_keeps_every_role_from_four_layers():
+    """V4.1-Flash: the decoder's KV source (20) first, then a layer re-indexing its entries (24), a reader of that
+    top-k (25), and a ratio-2 KV source with an engram table (14); the slice's config says the same roles."""
+    full = preset_config("deepseek-v41-flash")
+    assert [slicing.slice_layers(full, "deepseek-v41-flash", n) for n in (1, 2, 3, 4)] == [
+        [20], [20, 24], [20, 24, 25], [14, 20, 24, 25]]
+    cfg = config_from_dict(slicing.slice_config("deepseek-v41-flash", [14, 20, 24, 25], 1 << 20))
+    assert [cfg.layer_role(i) for i in range(4)] == ["full", "full", "reindex", "reuse"]
+    assert cfg.compress_ratios == (2, 1, 1, 1) and cfg.decoder_start == 1 and cfg.candidate_source_layer_id == 1
+    assert cfg.engram_layer_ids == (0,) and cfg.num_nextn_predict_layers == 0 and cfg.vision is None
+    assert cfg.hidden_size == 5120 and cfg.n_routed_experts == 384 and cfg.moe_intermediate_size == 2304
+    assert 0.9 * (1 << 20) <= cfg.engram_num_embeddings[0] <= 1.1 * (1 << 20)
+    # more layers than roles: the next ones whose sources are kept
+    assert slicing.slice_layers(full, "deepseek-v41-flash", 6) == [0, 1, 14, 20, 24, 25]
+
+
+def test_a_v4_slice_keeps_a_hash_routed_csa_and_an_hca_layer():
+    full = preset_config("deepseek-v4-flash")
+    assert slicing.slice_layers(full, "deepseek-v4-flash", 2) == [2, 3]
+    cfg = config_from_dict(slicing.slice_config("deepseek-v4-flash", [2, 3], 0))
+    assert [cfg.layer_role(i) for i in range(2)] == ["csa", "hca"] and cfg.hash_layer_ids == (0,)
+    with pytest.raises(ValueError, match="--layers must be 1..43"):
+        slicing.slice_layers(full, "deepseek-v4-flash", 0)
+
+
+def test_sizes_are_printed_and_the_disk_checked_before_anything_is_written(tmp_path, monkeypatch):
+    lines: list[str] = []
+    total = slicing.write_slice(tmp_path / "s", "deepseek-v41-flash", 1, dry_run=True, echo=lines.append)
+    # one real layer's 384 experts: 3 x 2304 x 5120 MXFP4 values (half a byte) + a scale byte per 32, each
+    experts = 384 * 3 * 2304 * 5120 * (1 / 2 + 1 / 32)
+    assert experts < total < experts + 3 * 2**30 and lines[0].startswith("deepseek-v41-flash slice: layers 20 (full)")
+    assert any(line.split()[0] == "routed_expert" for line in lines[1:]) and not (tmp_path / "s").exists()
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=10 << 20))
+    with pytest.raises(OSError, match=r"has 0.01 GiB free; the slice needs 9\.\d\d GiB"):
+        slicing.write_slice(tmp_path / "s", "deepseek-v41-flash", 1, echo=lines.append)
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("model, tiny, layers", [("deepseek-v41-flash", "tiny-v41", 4),
+                                                 ("deepseek-v4-flash", "tiny-v4", 2)])
+def test_a_narrowed_slice_is_a_released_checkpoint_the_engine_runs(tmp_path, model, tiny, layers):
+    """Written with the tiny preset's widths: FP8 dense weights with UE8M0 block scales, MXFP4 experts, bf16
+    embeddings; the engine loads it keeping the stored formats and greedy-decodes finite logits."""
+    from flashserve.model.loader import load_model
+
+    out = tmp_path / "slice"
+    slicing.write_slice(out, model, layers, engram_rows=4000, dims=_narrow(tiny), shard_bytes=64 << 10,
+                        echo=lambda _: None)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    shard = out / index["weight_map"]["layers.0.ffn.experts.0.w1.weight"]
+    with safe_open(shard, framework="pt") as f:
+        assert f.get_slice("layers.0.ffn.experts.0.w1.weight").get_dtype() == "I8"
+        assert f.get_slice("layers.0.ffn.experts.0.w1.scale").get_dtype() == "F8_E8M0"
+    with safe_open(out / index["weight_map"]["layers.0.attn.wq_a.weight"], framework="pt") as f:
+        assert f.get_slice("layers.0.attn.wq_a.weight").get_dtype() == "F8_E4M3"
+    model_ = load_model(out, fake_quant=False, with_mtp=False)
+    with torch.no_grad():
+        logits = model_(torch.arange(3, 40).view(1, -1)).logits
+    assert logits.shape == (1, 37, model_.cfg.vocab_size) and torch.isfinite(logits).all()
+    assert 0.2 < float(logits.std()) < 50  # weights scaled to keep magnitudes: neither vanishing nor exploding
