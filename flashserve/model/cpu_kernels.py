@@ -14,6 +14,9 @@ API when an engine starts (:func:`build`; cached between runs).
   steps use it on CPUs with AVX2 but not AVX-512 (:func:`int8_pairs_preferred`), where inductor's code for
   the same product converts the bytes one at a time (slower than float32 weights there).
   :func:`int8_gate_up` runs a MoE's gate and up projections in one call.
+* :func:`fp8_pairs`: rows times block-FP8 matrices read as stored (E4M3 codes, a UE8M0 scale a block;
+  ``csrc/fp8_pairs.cpp``): the released checkpoints' dense layers (one matrix every row uses) and grouped output
+  projection (a matrix a group), without decoding the matrix into float32 first.
 * :func:`sinkhorn`: mHC's Sinkhorn normalisation of a batch of small matrices, eight matrices a vector
   (``csrc/sinkhorn.cpp``). Compiled CPU steps call it instead of tracing the iterations
   (:func:`flashserve.model.mhc.sinkhorn`): the same values (bit for bit for mHC's 4x4 matrices), and far fewer
@@ -46,7 +49,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("ops.cpp", "mxfp4_pairs.cpp", "dense_rows.cpp", "int8_pairs.cpp", "sinkhorn.cpp", "index_topk.cpp")
+_SOURCES = ("ops.cpp", "mxfp4_pairs.cpp", "dense_rows.cpp", "int8_pairs.cpp", "fp8_pairs.cpp", "sinkhorn.cpp",
+            "index_topk.cpp")
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
 # each path's build: its operator namespace (the model calls the native one) and its flags
 _NAMESPACES = {"native": "flashserve", "avx2": "flashserve_avx2", "scalar": "flashserve_scalar"}
@@ -102,7 +106,7 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
-KERNELS = ("mxfp4_pairs", "dense_rows", "int8_pairs", "sinkhorn", "index_topk")
+KERNELS = ("mxfp4_pairs", "dense_rows", "int8_pairs", "fp8_pairs", "sinkhorn", "index_topk")
 _READY: set[str] = set()  # the paths built or loaded in this process
 
 
@@ -128,6 +132,12 @@ def mxfp4_pairs_available() -> bool:
 @torch.compiler.assume_constant_result
 def dense_rows_available() -> bool:
     """Whether :func:`dense_rows` has its compiled kernel on this machine (compiling it if needed)."""
+    return build() is not None
+
+
+@torch.compiler.assume_constant_result
+def fp8_pairs_available() -> bool:
+    """Whether :func:`fp8_pairs` has its compiled kernel on this machine (building it if needed)."""
     return build() is not None
 
 
@@ -182,6 +192,30 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     flat = x.reshape(-1, x.shape[-1])
     experts = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
     return int8_pairs(flat, experts, q[None], scale[None]).view(*x.shape[:-1], q.shape[0])
+
+
+def fp8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor, row_block: int,
+                    col_block: int, isa: str = "native") -> torch.Tensor:
+    """Pair ``p`` (``experts`` flattened) is a row of ``x`` times expert ``experts[p]``'s block-FP8 matrix: ``q [E,
+    N, K]`` E4M3 codes (uint8 or float8_e4m3fn), ``s [E, ceil(N / row_block), ceil(K / col_block)]`` UE8M0 scales
+    (uint8 or float8_e8m0fnu); [P, N] float32, each weight the value :func:`flashserve.model.packed.decode` gives.
+    ``x [P, K]`` gives each pair its own row, ``x [T, K]`` with ``experts [T, k]`` gives token ``t``'s row to its
+    ``k`` pairs. ``isa`` as in :func:`mxfp4_pairs_eager`."""
+    E, N, K = q.shape if q.dim() == 3 else (0, 0, 0)
+    if (q.dim() != 3 or x.dim() != 2 or x.shape[1] != K or not x.shape[0] or experts.numel() % x.shape[0]
+            or row_block < 1 or col_block < 8 or col_block % 8
+            or s.shape != (E, -(-N // row_block), -(-K // col_block))):
+        raise ValueError(f"fp8_pairs: x {tuple(x.shape)}, experts {tuple(experts.shape)}, q {tuple(q.shape)}, "
+                         f"s {tuple(s.shape)}, blocks {row_block}x{col_block} do not match")
+    return _ops(isa).fp8_pairs(x, experts, q, s, row_block, col_block)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, row_block: int, col_block: int) -> torch.Tensor:
+    """``x [..., K]`` times the block-FP8 matrix ``q [N, K]`` with scales ``s [ceil(N / row_block), ceil(K /
+    col_block)]`` through :func:`fp8_pairs` (one expert that every row uses); [..., N] float32."""
+    flat = x.reshape(-1, x.shape[-1])
+    experts = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
+    return fp8_pairs(flat, experts, q[None], s[None], row_block, col_block).view(*x.shape[:-1], q.shape[0])
 
 
 def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -334,6 +368,10 @@ def _register_fakes_once() -> None:
     def _(x, experts, q1, s1, q3, s3):
         return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
+    @fake("flashserve::fp8_pairs")
+    def _(x, experts, q, s, row_block, col_block):
+        return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
+
     @fake("flashserve::sinkhorn")
     def _(comb, iters, eps):
         return torch.empty_like(comb, memory_format=torch.contiguous_format)
@@ -367,6 +405,12 @@ def int8_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: t
     return torch.ops.flashserve.int8_gate_up(x, experts, q1, s1, q3, s3)
 
 
+def fp8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor, row_block: int,
+              col_block: int) -> torch.Tensor:
+    """:func:`fp8_pairs_eager` with the CPU's own path, as the operator ``flashserve::fp8_pairs``."""
+    return torch.ops.flashserve.fp8_pairs(x, experts, q, s, row_block, col_block)
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`sinkhorn_eager` as the operator ``flashserve::sinkhorn``."""
     return torch.ops.flashserve.sinkhorn(comb, iters, eps)
@@ -383,7 +427,8 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.flashserve.dense_rows(x, panels, n)
 
 
-__all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
+__all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
+           "fp8_pairs_eager", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",
            "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
            "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "sinkhorn",

@@ -421,3 +421,89 @@ print("ok")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
     warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING CPU kernels")]
     assert len(warnings) == 1 and warnings[0].startswith("WARNING CPU kernels (native) unavailable"), warnings
+
+
+def _fp8(N: int, K: int, block: int, seed: int):
+    from flashserve.model.packed import Format
+
+    pw = PackedWeights((N, K), Format("fp8", block, block))
+    g = torch.Generator().manual_seed(seed)
+    pw.set_float(torch.randn(N, K, generator=g) * 0.05)
+    codes = [c for c in range(256) if c & 0x7F != 0x7F]  # every E4M3 code but the NaNs: subnormals and zeros too
+    pw.qweight.view(-1)[:len(codes)] = torch.tensor(codes, dtype=torch.uint8)
+    pw.scale.view(-1)[0] = 0  # the subnormal scale 2^-127
+    return pw
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("N, K, block", [(40, 96, 32), (130, 264, 128)])
+def test_fp8_pair_products_equal_the_decoded_weights_on_every_path(isa, N, K, block):
+    """Block FP8 read as stored, with partial blocks at both edges and every E4M3 code: the float64 product of
+    the weights flashserve.model.packed.decode gives, on every path, one matrix for all rows or one a row."""
+    pw = _fp8(N, K, block, seed=N)
+    w = pw.dequantize(torch.float32).double()
+    g = torch.Generator().manual_seed(K)
+    for rows in (1, 5, 17):
+        x = torch.randn(rows, K, generator=g)
+        got = cpu_kernels.fp8_pairs_eager(x, torch.zeros(rows, dtype=torch.long), pw.qweight[None], pw.scale[None],
+                                          block, block, isa)
+        assert got.shape == (rows, N) and _rel(got, x.double() @ w.T) <= 1e-6
+    # three matrices, each row its own (a grouped projection)
+    three = [_fp8(N, K, block, seed=s) for s in (1, 2, 3)]
+    q, s = torch.stack([p.qweight for p in three]), torch.stack([p.scale for p in three])
+    x, experts = torch.randn(6, K, generator=g), torch.tensor([2, 0, 1, 1, 2, 0])
+    want = torch.stack([x[i].double() @ three[e].dequantize(torch.float32).double().T for i, e in enumerate(experts)])
+    assert _rel(cpu_kernels.fp8_pairs_eager(x, experts, q, s, block, block, isa), want) <= 1e-6
+
+
+def test_fp8_pair_products_do_not_depend_on_threads_or_rows_and_refuse_mismatches():
+    pw = _fp8(300, 256, 128, seed=9)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.fp8_linear(x, pw.qweight, pw.scale, 128, 128)
+        torch.set_num_threads(2)
+        two = cpu_kernels.fp8_linear(x, pw.qweight, pw.scale, 128, 128)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two) and torch.equal(cpu_kernels.fp8_linear(x[3:4], pw.qweight, pw.scale, 128, 128),
+                                                 one[3:4])
+    with pytest.raises(ValueError, match=r"fp8_pairs: x \(9, 128\), .* blocks 128x128 do not match"):
+        cpu_kernels.fp8_pairs_eager(x[:, :128], torch.zeros(9, dtype=torch.long), pw.qweight[None], pw.scale[None],
+                                    128, 128)
+    with pytest.raises(RuntimeError, match="fp8_pairs: x .* do not match"):
+        torch.ops.flashserve.fp8_pairs(x, torch.zeros(9, dtype=torch.long), pw.qweight[None], pw.scale[None], 64, 128)
+
+
+def test_fp8_layers_multiply_decode_rows_as_stored_and_prompts_as_decoded():
+    """A block-FP8 layer's decode-sized products go through the kernel (in the engine's modes alike), a prompt's
+    rows through the decoded matrix; the grouped output projection takes one matrix a group. All agree with the
+    decoded weights' products."""
+    from flashserve.model import packed
+    from flashserve.model.packed import Format, PackedLinear
+
+    lin = PackedLinear(256, 192, Format("fp8", 32, 32))
+    lin.packed.set_float(torch.randn(192, 256, generator=torch.Generator().manual_seed(4)) * 0.05)
+    w = lin.packed.dequantize(torch.float32)
+    calls = []
+    real = cpu_kernels.fp8_pairs
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    wo = PackedLinear(64, 4 * 64, Format("fp8", 32, 32))  # 4 groups of 64 outputs from 64 inputs each
+    wo.packed.set_float(torch.randn(256, 64, generator=torch.Generator().manual_seed(6)) * 0.05)
+    x = torch.randn(70, 256, generator=torch.Generator().manual_seed(5))
+    import unittest.mock as mock
+
+    with mock.patch.object(cpu_kernels, "fp8_pairs", counting):
+        few = lin(x[:packed.FP8_KERNEL_ROWS])
+        many = lin(x)
+        grouped = wo.grouped(x[:3].view(3, 4, 64))
+    assert calls == [packed.FP8_KERNEL_ROWS, 3 * 4]
+    torch.testing.assert_close(few, x[:packed.FP8_KERNEL_ROWS] @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(many, x @ w.T, rtol=1e-5, atol=1e-5)
+    want = torch.einsum("tgk,gnk->tgn", x[:3].view(3, 4, 64), wo.packed.dequantize(torch.float32).view(4, 64, 64))
+    torch.testing.assert_close(grouped, want, rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ FS_LIBRARY_FRAGMENT(m) {
     m.def("dense_rows(Tensor x, Tensor panels, int n) -> Tensor");
     m.def("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor");
     m.def("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
+    m.def("fp8_pairs(Tensor x, Tensor experts, Tensor q, Tensor s, int row_block, int col_block) -> Tensor");
     m.def("sinkhorn(Tensor comb, int iters, float eps) -> Tensor");
     m.def("index_topk(Tensor q, Tensor w, Tensor pages, Tensor table, Tensor limit, Tensor cand, int k, int block, "
           "int n_blocks) -> (Tensor, Tensor, Tensor)");

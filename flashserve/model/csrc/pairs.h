@@ -1,6 +1,6 @@
 #pragma once
-// Shared by the pair kernels (included by mxfp4_pairs.cpp and
-// int8_pairs.cpp): (row, expert) pairs grouped by expert, and the work items over them.
+// Shared by the pair kernels (included by mxfp4_pairs.cpp,
+// int8_pairs.cpp and fp8_pairs.cpp): (row, expert) pairs grouped by expert, and the work items over them.
 #include <stdexcept>
 #include <string>
 #include <vector>

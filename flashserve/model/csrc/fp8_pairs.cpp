@@ -1,0 +1,185 @@
+// FP8 pair products on the CPU (flashserve.model.cpu_kernels): row p of x times the block-FP8 matrix of expert
+// experts[p], read as stored: out[p, n] = sum_k x[p, k] * e4m3(q[e, n, k]) * 2^(s[e, n / rb, k / cb] - 127). A
+// dense layer is one expert (E = 1) that every row uses; a grouped projection is G experts, one a group. The
+// released checkpoints store their dense layers this way, and decoding a whole matrix into float32 before each
+// product (torch's code) moved about 17 bytes a value where this reads one: at V4.1-Flash's sizes it was nine
+// tenths of a decode step. Each 8 codes are decoded by integer arithmetic (normal numbers by moving their bits
+// into a float32's, subnormals as their 3-bit mantissa times 2^-9) and multiplied by their block's power-of-two
+// scale, which is exact, so every weight equals what flashserve.model.packed.decode gives. Pairs are grouped by
+// expert so each matrix row is decoded once for up to ROWS rows of x; four matrix rows at a time. Every output is
+// summed by one thread in a fixed order (8 lanes over k, then the lanes in order): the result does not depend on
+// the number of threads. Layout (contiguous): x [T, K] float32, each row in k = P / T consecutive pairs; experts
+// [P] int64 in [0, E); q [E, N, K] uint8 E4M3 codes; s [E, ceil(N / rb), ceil(K / cb)] uint8 UE8M0; out [P, N]
+// float32. cb % 8 == 0.
+#include "isa.h"
+#include "pairs.h"
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace {
+
+constexpr int64_t ROWS = 4;   // rows of x sharing one decode of the bytes
+constexpr int64_t QUAD = 4;   // matrix rows multiplied at a time
+constexpr int64_t TILE = 64;  // matrix rows per work item
+constexpr int64_t AHEAD = 16;  // matrix rows requested ahead of the four multiplied
+
+// 2^(b - 127) (b = 0: the subnormal 2^-127), as flashserve.model.quant.e8m0_to_float gives it
+inline float e8m0(uint8_t b) {
+    const uint32_t bits = b ? static_cast<uint32_t>(b) << 23 : 0x00400000u;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// one E4M3 code as float32 (0x7F / 0xFF, NaN in E4M3, are not weights: they decode as 480 here)
+inline float e4m3(uint8_t b) {
+    const uint32_t mag = b & 0x7Fu;
+    float f;
+    if (mag & 0x78u) {  // normal: exponent e + 120 in float32's bias, mantissa in place
+        const uint32_t bits = (mag << 20) + (120u << 23);
+        std::memcpy(&f, &bits, sizeof f);
+    } else {
+        f = static_cast<float>(mag) * 0x1p-9f;  // subnormal: m * 2^-9
+    }
+    return (b & 0x80u) ? -f : f;
+}
+
+#if defined(FS_AVX2) || defined(FS_AVX512)
+// eight E4M3 codes as float32, the same values as e4m3()
+inline __m256 e4m3x8(const uint8_t* q) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+    const __m256 normal =
+        _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    const __m256i is_sub = _mm256_cmpeq_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
+    const __m256 f = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(is_sub));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(f, _mm256_castsi256_ps(sign));
+}
+#endif
+
+// Matrix rows q[0 .. J) (row stride K, their scale rows sc[j], one scale a cb columns) against R rows of xs
+template <int64_t J, int64_t R>
+inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t K,
+                         float (*sums)[ROWS]) {
+    int64_t k = 0;
+#if defined(FS_AVX2) || defined(FS_AVX512)
+    __m256 acc[J][R];
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        __m256 w[J];
+        for (int64_t j = 0; j < J; ++j)
+            w[j] = _mm256_mul_ps(e4m3x8(q + j * K + k), _mm256_set1_ps(e8m0(sc[j][k / cb])));  // exact
+        for (int64_t r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(xs[r] + k);
+            for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm256_fmadd_ps(w[j], xv, acc[j][r]);
+        }
+    }
+#endif
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) {
+            float sum = 0.f;
+#if defined(FS_AVX2) || defined(FS_AVX512)
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, acc[j][r]);
+            for (float v : lanes) sum += v;
+#endif
+            for (int64_t t = k; t < K; ++t) sum += e4m3(q[j * K + t]) * e8m0(sc[j][t / cb]) * xs[r][t];
+            sums[j][r] = sum;
+        }
+}
+
+template <int64_t J>
+inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t R,
+                          int64_t K, float (*sums)[ROWS]) {
+    switch (R) {
+        case 1: row_products<J, 1>(q, sc, cb, xs, K, sums); break;
+        case 2: row_products<J, 2>(q, sc, cb, xs, K, sums); break;
+        case 3: row_products<J, 3>(q, sc, cb, xs, K, sums); break;
+        default: row_products<J, 4>(q, sc, cb, xs, K, sums); break;
+    }
+}
+
+// R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row, s at its first scale row)
+inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_t cb, int64_t n0, int64_t n1,
+                          const float* const* xs, int64_t R, int64_t K, float* const* out) {
+    const int64_t sk = (K + cb - 1) / cb;  // scales a row of blocks
+    float sums[QUAD][ROWS];
+    for (int64_t n = n0; n < n1;) {
+        const uint8_t* qn = q + n * K;
+        for (int64_t l = 0; l < QUAD * K; l += 64) __builtin_prefetch(qn + AHEAD * K + l);  // a hint: no fault
+        const int64_t m = n1 - n < QUAD ? 1 : QUAD;
+        const uint8_t* sc[QUAD];
+        for (int64_t j = 0; j < m; ++j) sc[j] = s + ((n + j) / rb) * sk;
+        if (m == QUAD)
+            rows_products<QUAD>(qn, sc, cb, xs, R, K, sums);
+        else
+            rows_products<1>(qn, sc, cb, xs, R, K, sums);
+        for (int64_t j = 0; j < m; ++j)
+            for (int64_t r = 0; r < R; ++r) out[r][n + j] = sums[j][r];
+        n += m;
+    }
+}
+
+}  // namespace
+
+static void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s, float* out, int64_t P,
+                   int64_t k, int64_t E, int64_t N, int64_t K, int64_t rb, int64_t cb, int64_t threads) {
+    const ExpertGroups groups(experts, P, E, "fp8_pairs");
+    const std::vector<int64_t>& first = groups.first;
+    const std::vector<int64_t>& order = groups.order;
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    const std::vector<int64_t> items = groups.items(tiles);
+    const int64_t n_items = static_cast<int64_t>(items.size());
+    const int64_t scale_rows = (N + rb - 1) / rb, scale_cols = (K + cb - 1) / cb;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_items; ++i) {
+        const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
+            const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
+            const float* rows[ROWS];
+            float* outs[ROWS];
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t p = order[c0 + r];
+                rows[r] = x + (p / k) * K;
+                outs[r] = out + p * N;
+            }
+            tile_products(q + e * N * K, s + e * scale_rows * scale_cols, rb, cb, n0, n1, rows, R, K, outs);
+        }
+    }
+}
+
+// flashserve::fp8_pairs(x, experts, q, s, row_block, col_block) for CPU tensors on torch's dispatcher (schema:
+// ops.cpp): a compiled step's C++ reaches it with no Python in between
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+namespace {
+at::Tensor fp8_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s,
+                        int64_t rb, int64_t cb) {
+    const bool shaped = q.dim() == 3 && s.dim() == 3 && x.dim() == 2 && rb >= 1 && cb >= 8 && cb % 8 == 0 &&
+                        x.size(1) == q.size(2) && s.size(0) == q.size(0) && s.size(1) == (q.size(1) + rb - 1) / rb &&
+                        s.size(2) == (q.size(2) + cb - 1) / cb && x.size(0) > 0 && experts.numel() % x.size(0) == 0;
+    TORCH_CHECK(shaped, "fp8_pairs: x ", x.sizes(), ", experts ", experts.sizes(), ", q ", q.sizes(), ", s ",
+                s.sizes(), ", blocks ", rb, "x", cb, " do not match");
+    TORCH_CHECK((q.scalar_type() == at::kByte || q.scalar_type() == at::kFloat8_e4m3fn) &&
+                    (s.scalar_type() == at::kByte || s.scalar_type() == at::kFloat8_e8m0fnu),
+                "fp8_pairs: q must be E4M3 bytes and s UE8M0 bytes");
+    const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
+    const at::Tensor qc = q.contiguous(), sc = s.contiguous();
+    const int64_t P = ex.numel(), N = q.size(1);
+    at::Tensor out = at::empty({P, N}, xs.options());
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), static_cast<const uint8_t*>(qc.data_ptr()),
+           static_cast<const uint8_t*>(sc.data_ptr()), out.data_ptr<float>(), P, P / x.size(0), q.size(0), N,
+           x.size(1), rb, cb, at::get_num_threads());
+    return out;
+}
+}  // namespace
+
+FS_LIBRARY_IMPL(m) { m.impl("fp8_pairs", &fp8_pairs_op); }
