@@ -3,14 +3,14 @@
 // dense layer is one expert (E = 1) that every row uses; a grouped projection is G experts, one a group. The
 // released checkpoints store their dense layers this way, and decoding a whole matrix into float32 before each
 // product (torch's code) moved about 17 bytes a value where this reads one: at V4.1-Flash's sizes it was nine
-// tenths of a decode step. Each 8 codes are decoded by integer arithmetic (normal numbers by moving their bits
-// into a float32's, subnormals as their 3-bit mantissa times 2^-9) and multiplied by their block's power-of-two
-// scale, which is exact, so every weight equals what flashserve.model.packed.decode gives. Pairs are grouped by
-// expert so each matrix row is decoded once for up to ROWS rows of x; four matrix rows at a time. Every output is
-// summed by one thread in a fixed order (8 lanes over k, then the lanes in order): the result does not depend on
-// the number of threads. Layout (contiguous): x [T, K] float32, each row in k = P / T consecutive pairs; experts
-// [P] int64 in [0, E); q [E, N, K] uint8 E4M3 codes; s [E, ceil(N / rb), ceil(K / cb)] uint8 UE8M0; out [P, N]
-// float32. cb % 8 == 0.
+// tenths of a decode step. Each 16 codes (AVX-512; 8 with AVX2) are decoded by integer arithmetic (normal numbers
+// by moving their bits into a float32's, subnormals as their 3-bit mantissa times 2^-9) and multiplied by their
+// block's power-of-two scale, which is exact, so every weight equals what flashserve.model.packed.decode gives.
+// Pairs are grouped by expert so each matrix row is decoded once for up to ROWS rows of x; four matrix rows at a
+// time. Every output is summed by one thread in a fixed order (16 or 8 lanes over k, then the lanes in order):
+// the result does not depend on the number of threads. Layout (contiguous): x [T, K] float32, each row in
+// k = P / T consecutive pairs; experts [P] int64 in [0, E); q [E, N, K] uint8 E4M3 codes; s [E, ceil(N / rb),
+// ceil(K / cb)] uint8 UE8M0; out [P, N] float32. cb % 8 == 0.
 #include "isa.h"
 #include "pairs.h"
 #include <cstdint>
@@ -61,10 +61,56 @@ inline __m256 e4m3x8(const uint8_t* q) {
 }
 #endif
 
+#if defined(FS_AVX512)
+// sixteen E4M3 codes as float32, the same values as e4m3()
+inline __m512 e4m3x16(const uint8_t* q) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
+    const __m512 normal =
+        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+    const __mmask16 is_sub = _mm512_testn_epi32_mask(v, _mm512_set1_epi32(0x78));
+    const __m512 f = _mm512_mask_blend_ps(is_sub, normal, sub);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+
+// row_products (below) with 16 lanes, for blocks of a multiple of 16 columns
+template <int64_t J, int64_t R>
+inline void row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t K,
+                           float (*sums)[ROWS]) {
+    int64_t k = 0;
+    __m512 acc[J][R];
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        __m512 w[J];
+        for (int64_t j = 0; j < J; ++j)
+            w[j] = _mm512_mul_ps(e4m3x16(q + j * K + k), _mm512_set1_ps(e8m0(sc[j][k / cb])));  // exact
+        for (int64_t r = 0; r < R; ++r) {
+            const __m512 xv = _mm512_loadu_ps(xs[r] + k);
+            for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm512_fmadd_ps(w[j], xv, acc[j][r]);
+        }
+    }
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) {
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, acc[j][r]);
+            float sum = 0.f;
+            for (float v : lanes) sum += v;
+            for (int64_t t = k; t < K; ++t) sum += e4m3(q[j * K + t]) * e8m0(sc[j][t / cb]) * xs[r][t];
+            sums[j][r] = sum;
+        }
+}
+#endif
+
 // Matrix rows q[0 .. J) (row stride K, their scale rows sc[j], one scale a cb columns) against R rows of xs
 template <int64_t J, int64_t R>
 inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t K,
                          float (*sums)[ROWS]) {
+#if defined(FS_AVX512)
+    if (cb % 16 == 0) return row_products16<J, R>(q, sc, cb, xs, K, sums);
+#endif
     int64_t k = 0;
 #if defined(FS_AVX2) || defined(FS_AVX512)
     __m256 acc[J][R];

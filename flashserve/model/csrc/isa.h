@@ -1,6 +1,7 @@
 #pragma once
-// Shared by the kernels in this folder (each source includes it): which vector path to build (FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the narrower ones),
-// and aligned_floats for the kernels' copies of x.
+// Shared by the kernels in this folder (each source includes it): which vector path to build
+// (FLASHSERVE_NO_AVX512 / FLASHSERVE_NO_SIMD select the narrower ones), aligned_floats for the kernels' copies of
+// x, and the macros that register operators in this build's namespace.
 #include <cstdint>
 #if !defined(FLASHSERVE_NO_SIMD) && (defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h>
