@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
           f"{args.threads} threads, decode {'eager' if args.enforce_eager else 'compiled'}")
     engine = engine_for(model, str(args.slice), max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
-                        threads=args.threads, speculative_config="off")
+                        threads=args.threads, speculative_config="off", max_model_len=4096)
     rows = []
     for b in args.batches:
         batch = prompts(b, 32, 40 + b)
