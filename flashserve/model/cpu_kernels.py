@@ -42,7 +42,6 @@ import functools
 import logging
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
