@@ -21,6 +21,7 @@ from ..model.weight_layout import column_major_tall_weights, join_int8_rows, pre
 from .engine_config import INT8_KERNELS
 
 log = logging.getLogger("flashserve.engine")
+_MODE_WORDS = {modes.EAGER: "eager", modes.COMPILED: "compiled", modes.COMPILED_CPU: "compiled (inductor's C++ kernels)"}
 
 @dataclass
 class ExecutionPlan:
@@ -44,7 +45,7 @@ class ExecutionPlan:
         if self.int8_aten[0] != self.int8_aten[1]:
             int8 = f"torch's int8 kernel at {'one row' if self.int8_aten[0] else 'several rows'} only"
         lines = [f"execution plan: {self.device}{' ' + self.isa if self.isa else ''}, decode "
-                 f"{self.mode.name.lower().replace('_', ' on the ')}; weights: {formats}"]
+                 f"{_MODE_WORDS[self.mode]}; weights: {formats}"]
         if any(f.split()[0] in packed.INT8_ROWS for f in self.formats):
             lines.append(f"  eager int8 products: {int8} ({self.int8_source})")
         for what, names in self.relayouts.items():
