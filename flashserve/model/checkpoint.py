@@ -205,10 +205,31 @@ def _pickle_message(files: list[Path]) -> str:
             "safe_serialization=True)) on a machine you trust.")
 
 
+def _check_length(f: Path) -> None:
+    """Refuse a safetensors file shorter than its header says, naming both sizes, before anything maps it (a read
+    of a mapped page past a file's end kills the process with SIGBUS)."""
+    size = f.stat().st_size
+    try:
+        with f.open("rb") as handle:
+            n = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(n)) if 8 + n <= size else None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read the header of safetensors file {f} ({size} bytes): {exc}") from None
+    if header is None:
+        raise CheckpointError(f"safetensors file {f} is {size} bytes, shorter than its {n}-byte header (truncated?)")
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    need = 8 + n + max(ends, default=0)
+    if size < need:
+        raise CheckpointError(f"safetensors file {f} is {size} bytes, but its header describes {need} "
+                              f"({need - size} missing: truncated?)")
+
+
 def _read_headers(files: list[Path]) -> dict[str, _Stored]:
     """Every stored tensor's header, without reading any data."""
     headers: dict[str, _Stored] = {}
     for f in files:
+        _check_length(f)
         try:
             with safe_open(f, framework="pt") as handle:
                 for key in handle.keys():

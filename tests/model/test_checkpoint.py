@@ -303,9 +303,15 @@ def test_truncated_file(tiny_v4_float, tmp_path: Path) -> None:
     cfg, src, path = tiny_v4_float
     folder = fresh_copy(path, tmp_path)
     f = folder / "model.safetensors"
-    f.write_bytes(f.read_bytes()[:-1000])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
-        load_checkpoint({k: torch.empty_like(v) for k, v in src.items()}, folder, cfg)
+    whole = f.read_bytes()
+    f.write_bytes(whole[:-1000])
+    dest = {k: torch.empty_like(v) for k, v in src.items()}
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors is {len(whole) - 1000} bytes, but its header "
+                                              rf"describes {len(whole)} \(1000 missing: truncated\?\)"):
+        load_checkpoint(dest, folder, cfg)
+    f.write_bytes(whole[:20])  # not even the whole header
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is 20 bytes, shorter than its \d+-byte header"):
+        load_checkpoint(dest, folder, cfg)
 
 
 def test_pickle_files_are_refused(tmp_path: Path) -> None:
