@@ -338,3 +338,16 @@ def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():
                 assert ("flashserve::dense_rows" in code) == (rows > 1)
         x = torch.randn(3, 64)
         assert _rel(lin(x), F.linear(x, lin.weight, lin.bias)) < 1e-6  # eager: torch's own product
+
+
+def test_one_row_products_of_weights_that_stream_from_memory_take_every_thread(monkeypatch):
+    """OpenBLAS (one thread) makes one-row float32 products of weights up to ``OPENBLAS_MAX_VALUES``; larger ones,
+    which stream from memory, go to torch's product on every thread; the values agree either way."""
+    import torch.nn.functional as F
+
+    small, large, x = torch.randn(16, 32), torch.randn(64, 32), torch.randn(1, 32)
+    monkeypatch.setattr(blas, "OPENBLAS_MAX_VALUES", 1000)
+    with torch.no_grad():
+        assert blas.takes(x, small) == blas.OPENBLAS and not blas.takes(x, large)
+        for w in (small, large):
+            torch.testing.assert_close(blas.linear(x, w), F.linear(x, w), rtol=1e-6, atol=1e-6)
