@@ -142,12 +142,7 @@ inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb,
 template <int64_t J>
 inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t R,
                           int64_t K, float (*sums)[ROWS]) {
-    switch (R) {
-        case 1: row_products<J, 1>(q, sc, cb, xs, K, sums); break;
-        case 2: row_products<J, 2>(q, sc, cb, xs, K, sums); break;
-        case 3: row_products<J, 3>(q, sc, cb, xs, K, sums); break;
-        default: row_products<J, 4>(q, sc, cb, xs, K, sums); break;
-    }
+    with_rows(R, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs, K, sums); });
 }
 
 // R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row, s at its first scale row)
@@ -176,27 +171,13 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
 static void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s, float* out, int64_t P,
                    int64_t k, int64_t E, int64_t N, int64_t K, int64_t rb, int64_t cb, int64_t threads) {
     const ExpertGroups groups(experts, P, E, "fp8_pairs");
-    const std::vector<int64_t>& first = groups.first;
-    const std::vector<int64_t>& order = groups.order;
-    const int64_t tiles = (N + TILE - 1) / TILE;
-    const std::vector<int64_t> items = groups.items(tiles);
-    const int64_t n_items = static_cast<int64_t>(items.size());
     const int64_t scale_rows = (N + rb - 1) / rb, scale_cols = (K + cb - 1) / cb;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n_items; ++i) {
-        const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
-        for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
-            const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
-            const float* rows[ROWS];
-            float* outs[ROWS];
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t p = order[c0 + r];
-                rows[r] = x + (p / k) * K;
-                outs[r] = out + p * N;
-            }
-            tile_products(q + e * N * K, s + e * scale_rows * scale_cols, rb, cb, n0, n1, rows, R, K, outs);
-        }
-    }
+    pair_tiles<ROWS, TILE>(groups, x, out, P, k, N, K, 1, threads,
+                           [&](int64_t, int64_t e, int64_t n0, int64_t n1, const float* const* rows, int64_t R,
+                               float* const* outs) {
+                               tile_products(q + e * N * K, s + e * scale_rows * scale_cols, rb, cb, n0, n1, rows, R,
+                                             K, outs);
+                           });
 }
 
 // flashserve::fp8_pairs(x, experts, q, s, row_block, col_block) for CPU tensors on torch's dispatcher (schema:

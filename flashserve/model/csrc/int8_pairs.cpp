@@ -62,12 +62,7 @@ inline void row_products(const int8_t* q, const float* const* xs, int64_t K, flo
 // J matrix rows at q against R (1 .. ROWS) rows of xs
 template <int64_t J>
 inline void rows_products(const int8_t* q, const float* const* xs, int64_t R, int64_t K, float (*sums)[ROWS]) {
-    switch (R) {
-        case 1: row_products<J, 1>(q, xs, K, sums); break;
-        case 2: row_products<J, 2>(q, xs, K, sums); break;
-        case 3: row_products<J, 3>(q, xs, K, sums); break;
-        default: row_products<J, 4>(q, xs, K, sums); break;
-    }
+    with_rows(R, [&](auto r) { row_products<J, decltype(r)::value>(q, xs, K, sums); });
 }
 
 // R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row), scaled, into out[r][n]:
@@ -95,30 +90,14 @@ static void kernel(const float* x, const int64_t* experts, const int8_t* q, cons
                        const int8_t* q2_or_unused, const float* scale2_or_unused, float* out, int64_t P, int64_t k,
                        int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
     const ExpertGroups groups(experts, P, E, "int8_pairs");
-    const std::vector<int64_t>& first = groups.first;
-    const std::vector<int64_t>& order = groups.order;
-    const int64_t tiles = (N + TILE - 1) / TILE;
-    const std::vector<int64_t> items = groups.items(tiles);
-    const int64_t n_items = static_cast<int64_t>(items.size());
     // matrices: 1 or 2 (the callers' only values)
     const int8_t* qs[2] = {q, matrices == 2 ? q2_or_unused : q};
     const float* scales[2] = {scale, matrices == 2 ? scale2_or_unused : scale};
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n_items * matrices; ++i) {  // the first matrix's items, then the second's
-        const int64_t m = i / n_items, item = items[i % n_items];
-        const int64_t e = item / tiles, n0 = (item % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
-        for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
-            const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
-            const float* rows[ROWS];
-            float* outs[ROWS];
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t p = order[c0 + r];
-                rows[r] = x + (p / k) * K;
-                outs[r] = out + (m * P + p) * N;
-            }
-            tile_products(qs[m] + e * N * K, scales[m] + e * N, n0, n1, rows, R, K, outs);
-        }
-    }
+    pair_tiles<ROWS, TILE>(groups, x, out, P, k, N, K, matrices, threads,
+                           [&](int64_t m, int64_t e, int64_t n0, int64_t n1, const float* const* rows, int64_t R,
+                               float* const* outs) {
+                               tile_products(qs[m] + e * N * K, scales[m] + e * N, n0, n1, rows, R, K, outs);
+                           });
 }
 
 // flashserve::int8_pairs(x, experts, q, scale) for CPU tensors on torch's dispatcher (schema: ops.cpp): a compiled

@@ -1,8 +1,10 @@
 #pragma once
 // Shared by the pair kernels (included by mxfp4_pairs.cpp,
-// int8_pairs.cpp and fp8_pairs.cpp): (row, expert) pairs grouped by expert, and the work items over them.
+// int8_pairs.cpp and fp8_pairs.cpp): (row, expert) pairs grouped by expert, the work items over them, and the
+// loop that runs a kernel's tile function over those items.
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -32,5 +34,44 @@ struct ExpertGroups {
         return out;
     }
 };
+
+// f(std::integral_constant<int64_t, R>{}) for R = 1 .. 4 (R a compile-time constant, so the loops it sizes unroll
+// and their sums stay in registers)
+template <typename F>
+inline void with_rows(int64_t R, F&& f) {
+    switch (R) {
+        case 1: f(std::integral_constant<int64_t, 1>{}); break;
+        case 2: f(std::integral_constant<int64_t, 2>{}); break;
+        case 3: f(std::integral_constant<int64_t, 3>{}); break;
+        default: f(std::integral_constant<int64_t, 4>{}); break;
+    }
+}
+
+// The pair kernels' outer loop, on `threads` threads: every (expert, TILE matrix rows) work item of each of
+// `matrices` matrices, the expert's pairs ROWS at a time: tile(m, e, n0, n1, rows, R, outs) with rows[r] the row
+// of x (x [P / k, K]) and outs[r] the row of out (out [matrices, P, N]) of each of the R pairs.
+template <int64_t ROWS, int64_t TILE, typename Tile>
+inline void pair_tiles(const ExpertGroups& groups, const float* x, float* out, int64_t P, int64_t k, int64_t N,
+                       int64_t K, int64_t matrices, int64_t threads, Tile&& tile) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    const std::vector<int64_t> items = groups.items(tiles);
+    const int64_t n_items = static_cast<int64_t>(items.size());
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n_items * matrices; ++i) {  // the first matrix's items, then the second's
+        const int64_t m = i / n_items, item = items[i % n_items];
+        const int64_t e = item / tiles, n0 = (item % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        for (int64_t c0 = groups.first[e]; c0 < groups.first[e + 1]; c0 += ROWS) {
+            const int64_t R = groups.first[e + 1] - c0 < ROWS ? groups.first[e + 1] - c0 : ROWS;
+            const float* rows[ROWS];
+            float* outs[ROWS];
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t p = groups.order[c0 + r];
+                rows[r] = x + (p / k) * K;
+                outs[r] = out + (m * P + p) * N;
+            }
+            tile(m, e, n0, n1, rows, R, outs);
+        }
+    }
+}
 
 }  // namespace
