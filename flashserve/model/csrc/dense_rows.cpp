@@ -167,24 +167,6 @@ inline const W* pair_ahead(const W* panel, int64_t m, int64_t K) {
     return m == 0 ? panel + AHEAD * LANES : panel + 2 * K * LANES;
 }
 
-// f(std::integral_constant<int64_t, R>{}) for a pass of R rows (1 <= R <= MR): R a compile-time constant, so the
-// loops over rows unroll and the sums stay in registers.
-template <typename F>
-inline void rows_pass(int64_t R, F&& f) {
-    switch (R) {
-        case 1: f(std::integral_constant<int64_t, 1>{}); break;
-        case 2: f(std::integral_constant<int64_t, 2>{}); break;
-        case 3: f(std::integral_constant<int64_t, 3>{}); break;
-        case 4: f(std::integral_constant<int64_t, 4>{}); break;
-        case 5: f(std::integral_constant<int64_t, 5>{}); break;
-#if !defined(FS_AVX2)
-        case 6: f(std::integral_constant<int64_t, 6>{}); break;
-        case 7: f(std::integral_constant<int64_t, 7>{}); break;
-#endif
-        default: f(std::integral_constant<int64_t, MR>{}); break;
-    }
-}
-
 // Rows a pass over a panel: MR, or with AVX2 as many in each pass as the fewest passes allow (8 rows: 4 + 4, not
 // 6 + 2, whose 2-row pass waits on the latency of its 4 sums: the head at 8 rows 0.93x)
 inline int64_t pass_rows(int64_t M) {
@@ -205,7 +187,7 @@ inline void one_panel(const float* x, const W* panels, float* out, int64_t M, in
     for (int64_t m = 0; m < M; m += per) {
         const float* xm = x + m * K;
         float* om = out + m * N + p * LANES;
-        rows_pass(M - m < per ? M - m : per,
+        with_rows<MR>(M - m < per ? M - m : per,
                   [&](auto r) { panel_rows<decltype(r)::value, W>(xm, K, panel, om, N, cols); });
     }
 }
@@ -223,7 +205,7 @@ inline void two_panels(const float* xt, const W* panels, float* out, int64_t M, 
     for (int64_t m = 0; m < M; m += MR) {
         const float* xm = xt + m;
         float* om = out + m * N + p * LANES;
-        rows_pass(M - m < MR ? M - m : MR,
+        with_rows<MR>(M - m < MR ? M - m : MR,
                   [&](auto r) {
                       panel_pair_rows<decltype(r)::value, W>(xm, M, K, panel, pair_ahead(panel, m, K), om, N, cols);
                   });
@@ -345,7 +327,7 @@ inline void stream_block(const float* x, const float* panels, float* out, int64_
     constexpr int64_t C = STREAM_LANES;
     const int64_t P = (N + C - 1) / C;
     if (M <= 4) {
-        rows_pass(M, [&](auto r) {
+        with_rows<MR>(M, [&](auto r) {
             constexpr int R = static_cast<int>(decltype(r)::value);
             if constexpr (R <= 4)
                 over_stream_panels<2>(P, threads, [&](int64_t p, auto g) {

@@ -142,7 +142,7 @@ inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb,
 template <int64_t J>
 inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t R,
                           int64_t K, float (*sums)[ROWS]) {
-    with_rows(R, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs, K, sums); });
+    with_rows<ROWS>(R, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs, K, sums); });
 }
 
 // R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row, s at its first scale row)

@@ -62,7 +62,7 @@ inline void row_products(const int8_t* q, const float* const* xs, int64_t K, flo
 // J matrix rows at q against R (1 .. ROWS) rows of xs
 template <int64_t J>
 inline void rows_products(const int8_t* q, const float* const* xs, int64_t R, int64_t K, float (*sums)[ROWS]) {
-    with_rows(R, [&](auto r) { row_products<J, decltype(r)::value>(q, xs, K, sums); });
+    with_rows<ROWS>(R, [&](auto r) { row_products<J, decltype(r)::value>(q, xs, K, sums); });
 }
 
 // R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row), scaled, into out[r][n]:

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 
 namespace {
 
@@ -28,6 +29,16 @@ inline std::unique_ptr<float, void (*)(void*)> aligned_floats(int64_t n, bool ze
     if (p == nullptr) throw std::bad_alloc();
     if (zeroed) std::memset(p, 0, bytes);
     return {static_cast<float*>(p), &std::free};
+}
+
+// f(std::integral_constant<int64_t, R>{}) for 1 <= R < N, else f(std::integral_constant<int64_t, N>{}): a count of
+// rows as a compile-time constant, so the loops over rows unroll and the sums stay in registers
+template <int64_t N, typename F>
+inline void with_rows(int64_t R, F&& f) {
+    if constexpr (N > 1) {
+        if (R >= 1 && R < N) return with_rows<N - 1>(R, f);
+    }
+    f(std::integral_constant<int64_t, N>{});
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 // loop that runs a kernel's tile function over those items.
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,18 +33,6 @@ struct ExpertGroups {
         return out;
     }
 };
-
-// f(std::integral_constant<int64_t, R>{}) for R = 1 .. 4 (R a compile-time constant, so the loops it sizes unroll
-// and their sums stay in registers)
-template <typename F>
-inline void with_rows(int64_t R, F&& f) {
-    switch (R) {
-        case 1: f(std::integral_constant<int64_t, 1>{}); break;
-        case 2: f(std::integral_constant<int64_t, 2>{}); break;
-        case 3: f(std::integral_constant<int64_t, 3>{}); break;
-        default: f(std::integral_constant<int64_t, 4>{}); break;
-    }
-}
 
 // The pair kernels' outer loop, on `threads` threads: every (expert, TILE matrix rows) work item of each of
 // `matrices` matrices, the expert's pairs ROWS at a time: tile(m, e, n0, n1, rows, R, outs) with rows[r] the row
