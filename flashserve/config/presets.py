@@ -162,3 +162,20 @@ def preset_json(name: str) -> dict[str, Any]:
 def preset_config(name: str) -> ModelConfig:
     """The parsed :class:`ModelConfig` of a named preset."""
     return config_from_dict(preset_json(name))
+
+
+# what says which layer does what (V4.1): the fields :func:`with_layout` copies
+LAYOUT_FIELDS = ("num_hidden_layers", "compress_ratios", "kv_source_layer_ids", "index_source_layer_ids",
+                 "candidate_source_layer_id", "engram_layer_ids")
+
+
+def with_layout(name: str, layout_of: str) -> dict[str, Any]:
+    """Preset ``name``'s config.json dict with the layers of preset ``layout_of`` (how many, and each one's role):
+    ``with_layout("tiny-v41", "deepseek-v41-flash")`` is ``tiny-v41``'s sizes in the real model's 40 layers. Both
+    must be V4.1 presets with as many engram layers (their table sizes stay ``name``'s)."""
+    raw, src = preset_json(name), preset_json(layout_of)
+    text, layout = raw["text_config"], src["text_config"]
+    if len(text["engram_layer_ids"]) != len(layout["engram_layer_ids"]):
+        raise ValueError(f"{name} and {layout_of} have different numbers of engram layers")
+    text.update({k: layout[k] for k in LAYOUT_FIELDS})
+    return raw

@@ -47,15 +47,25 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre_in: torch.Tensor | None, ctx: ForwardContext,
                 engram_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams [B,S,n,D] and the incoming ``pre`` (V4.1) → new streams and the ``pre`` for the next block."""
+        x, attn_pre = self.attend(x, pre_in, ctx, engram_ids)
+        return self.feed_forward(x, attn_pre, ctx.input_ids, ctx.image_mask)
+
+    def attend(self, x: torch.Tensor, pre_in: torch.Tensor | None, ctx: ForwardContext,
+               engram_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The engram and attention half: streams [B,S,n,D] → streams and the attention site's ``pre`` [B,S,n]."""
         if self.engram is not None:
             x = self.engram(x, engram_ids, ctx.image_mask)
         a = self.mix(x, "attn")
         h = collapse(x, pre_in if self.shifted else a.pre)
-        x = expand(self.attn(self.attn_norm(h), ctx), x, a)
+        return expand(self.attn(self.attn_norm(h), ctx), x, a), a.pre
+
+    def feed_forward(self, x: torch.Tensor, attn_pre: torch.Tensor, ids: torch.Tensor,
+                     image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MoE half: streams [B,S,n,D] → streams and the FFN site's ``pre`` (what the next block collapses with
+        in V4.1); ``ids`` [B,S] route hash layers."""
         f = self.mix(x, "ffn")
-        h = collapse(x, a.pre if self.shifted else f.pre)
-        x = expand(self.ffn(self.ffn_norm(h), ctx.input_ids, ctx.image_mask), x, f)
-        return x, f.pre
+        h = collapse(x, attn_pre if self.shifted else f.pre)
+        return expand(self.ffn(self.ffn_norm(h), ids, image_mask), x, f), f.pre
 
     def produce(self, x: torch.Tensor, pre_in: torch.Tensor, ctx: ForwardContext) -> None:
         """V4.1 decoder's global-cache producer: collapse with the previous block's ``pre``, norm, compress."""

@@ -107,10 +107,13 @@ class Transformer(nn.Module):
         for i in layers:
             if i in capture:
                 features[i] = fp32(x).mean(-2)
-            block = self.layers[i]
-            eid = None if block.engram is None else engram[:, :, self._engram_slot[i]]
-            x, pre = block(x, pre, ctx, eid)
+            x, pre = self.layers[i](x, pre, ctx, self.engram_rows(engram, i))
         return x, pre
+
+    def engram_rows(self, engram: torch.Tensor | None, layer: int) -> torch.Tensor | None:
+        """Layer ``layer``'s engram row ids [B,S,lookups] from all engram layers' ``engram`` (None: not an engram layer)."""
+        slot = self._engram_slot.get(layer)
+        return None if slot is None else engram[:, :, slot]
 
     def logits_from_streams(self, x: torch.Tensor, pre: torch.Tensor | None) -> torch.Tensor:
         """Final collapse (V4: ``hc_head``; V4.1: last block's FFN pre), norm and head."""
@@ -118,6 +121,38 @@ class Transformer(nn.Module):
         return self.head(self.norm(h))
 
     # ------------------------------------------------------------------ forward
+    def context(self, input_ids: torch.Tensor, state: SequenceState, start: torch.Tensor | None = None,
+                fake_quant: bool | None = None) -> ForwardContext:
+        """``state`` begun for the rows ``input_ids`` [B,S] at ``start`` [B], and the context the blocks read."""
+        S = input_ids.shape[1]
+        state.begin(S, start)
+        positions = state.start[:, None] + torch.arange(S, device=input_ids.device)
+        return ForwardContext(state=state, positions=positions, input_ids=input_ids, rope=self.rope,
+                              fake_quant=self.fake_quant if fake_quant is None else fake_quant,
+                              image_mask=self.image_mask(input_ids))
+
+    def begin(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
+              start: torch.Tensor | None = None, fake_quant: bool | None = None,
+              image_embeds: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, ForwardContext, torch.Tensor | None]:
+        """What every forward does before its first block: the state begun at ``start``, the embeddings expanded
+        to streams [B,S,n,D], the first block's incoming ``pre`` (V4.1) and the engram rows [B,S,layers,...]."""
+        cfg = self.cfg
+        B, S = input_ids.shape
+        ctx = self.context(input_ids, self.new_state(B) if state is None else state, start, fake_quant)
+        state = ctx.state
+        x = self.embed(input_ids)
+        if image_embeds is not None:
+            if ctx.image_mask is None:
+                raise ValueError(f"{cfg.model_type} has no image positions (no image_token_id)")
+            x = torch.where(ctx.image_mask[..., None], image_embeds.to(x.dtype), x)
+        x = x[..., None, :].expand(B, S, cfg.hc_mult, cfg.hidden_size).contiguous()
+        pre = None
+        if cfg.shifted_collapse:  # the first block's attention collapses onto stream 0
+            pre = torch.zeros(B, S, cfg.hc_mult, device=x.device)
+            pre[..., 0] = 1.0
+        return x, pre, ctx, self._engram_ids(input_ids, state)
+
     def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
                 start: torch.Tensor | None = None, fake_quant: bool | None = None, encoder_only: bool = False,
                 run_decoder: bool = True, logits_rows: int | None = None,
@@ -133,25 +168,8 @@ class Transformer(nn.Module):
         sequence (bounded replay). ``logits_rows``: compute the head only on the last that many rows.
         """
         cfg = self.cfg
-        B, S = input_ids.shape
-        fake_quant = self.fake_quant if fake_quant is None else fake_quant
-        if state is None:
-            state = self.new_state(B)
-        state.begin(S, start)
-        positions = state.start[:, None] + torch.arange(S, device=input_ids.device)
-        ctx = ForwardContext(state=state, positions=positions, input_ids=input_ids, rope=self.rope,
-                             fake_quant=fake_quant, image_mask=self.image_mask(input_ids))
-        x = self.embed(input_ids)
-        if image_embeds is not None:
-            if ctx.image_mask is None:
-                raise ValueError(f"{cfg.model_type} has no image positions (no image_token_id)")
-            x = torch.where(ctx.image_mask[..., None], image_embeds.to(x.dtype), x)
-        x = x[..., None, :].expand(B, S, cfg.hc_mult, cfg.hidden_size).contiguous()
-        pre = None
-        if cfg.shifted_collapse:  # the first block's attention collapses onto stream 0
-            pre = torch.zeros(B, S, cfg.hc_mult, device=x.device)
-            pre[..., 0] = 1.0
-        engram = self._engram_ids(input_ids, state)
+        x, pre, ctx, engram = self.begin(input_ids, state, start=start, fake_quant=fake_quant,
+                                         image_embeds=image_embeds)
         features: dict[int, torch.Tensor] = {}
         L = cfg.num_hidden_layers
         split = cfg.decoder_start if (encoder_only and cfg.encoder_decoder) else L

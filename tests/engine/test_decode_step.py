@@ -22,7 +22,7 @@ from flashserve.config.engram_primes import engram_table_rows
 from flashserve.config.model_config import config_from_dict
 from flashserve.config.presets import preset_json
 from flashserve.engine import SamplingParams
-from flashserve.engine.graphs.graph_call import tensors_within
+from flashserve.engine.graphs.regions import named_tensors
 from flashserve.model import cpu_kernels
 from flashserve.model.init import random_init
 from flashserve.model.packed import pack_model, plan
@@ -199,9 +199,15 @@ def test_a_one_row_int8_step_multiplies_each_inputs_int8_weights_in_one_call(mon
     groups = [getattr(mod, f"{g}_joint_int8_of")[1] for mod in model.modules() for g in ("x", "qr")
               if hasattr(mod, f"{g}_joint_int8_of")]
     assert len(groups) == 5  # each a call where its weights took one each
-    assert len(traced_apart["int8_pairs"]) - len(calls["int8_pairs"]) == sum(len(w) - 1 for w in groups)
+    # each kind of region is traced once, through its first layer: the two layers' MoE halves are one kind
+    traced = [mod for call in joined.runner.decode_step.regions.kinds.values() if call.name[0] in "af"
+              for mod in getattr(call.representative[1][-1], "attn" if call.name[0] == "a" else "ffn").modules()]
+    traced_groups = [getattr(mod, f"{g}_joint_int8_of")[1] for mod in traced for g in ("x", "qr")
+                     if hasattr(mod, f"{g}_joint_int8_of")]
+    assert len(traced_groups) == 4
+    assert len(traced_apart["int8_pairs"]) - len(calls["int8_pairs"]) == sum(len(w) - 1 for w in traced_groups)
     assert {sum(w) for w in groups} <= set(calls["int8_pairs"])
-    assert len(calls["int8_gate_up"]) == len(traced_apart["int8_gate_up"]) == 2  # a MoE layer's gate and up
+    assert len(calls["int8_gate_up"]) == len(traced_apart["int8_gate_up"]) == 1  # the MoE kind's gate and up
     a_logits, b_logits = _recording(apart), _recording(joined)
     prompts = [prompt_of(23, seed=4)]
     got = run_greedy(joined, prompts, 10)
@@ -240,11 +246,10 @@ def test_v4_step_reads_the_pages_its_requests_hold():
 
 def test_inductor_step_equals_eager(caplog):
     """The compiled step as users run it (inductor, its C++ wrapper on the CPU): greedy tokens equal, logits
-    within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph: the
-    batch-2+ graph is the same code with a dynamic batch (checked above through dynamo's ``eager`` backend)
-    and would double the cold compile (163 s with it on 2 cores; ~200 s more with SMALL). The step's C++
-    wrapper does not check its inputs' sizes and strides at every call (dynamo's guards did), and takes the
-    model's weights as one buffer per dtype, not one input each."""
+    within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph per region
+    kind: the batch-2+ graphs are the same code with a dynamic batch (checked above through dynamo's ``eager``
+    backend). The regions' C++ wrappers do not check their inputs' sizes and strides at every call, and every
+    region is called directly: dynamo runs only a kind's first layer, once for each new input shape."""
     from torch._inductor.utils import run_and_get_code
 
     model = compact_v41(torch.float32, layers=TWO)
@@ -258,22 +263,20 @@ def test_inductor_step_equals_eager(caplog):
     assert "inductor_entry_impl" in wrapper and "cpp_fused" in wrapper
     assert "assert_size_stride(" not in wrapper
     step = compiled.runner.decode_step
-    handles = [int(n) for n in re.findall(r"raii_handles\(input_handles, (\d+)\)", wrapper)]
-    storage = step.cache.storage
-    cache_tensors = {id(t) for t in (*storage.tensors(), *tensors_within(storage.layers))}
-    weights = len(list(model.parameters())) + len(list(model.buffers()))
-    # the arenas, the cache's tensors, the step's four inputs and the page table's width (a size, passed as a tensor)
-    assert step.arenas and handles and max(handles) <= len(step.arenas) + len(cache_tensors) + 5 < weights
-    assert step.warmup_s > 0
-    through_dynamo, forward, known = [], step._forward, len(step._direct)
-    step._forward = lambda *a: through_dynamo.append(a[-1].shape[1]) or forward(*a)
+    assert step.warmup_s > 0 and step.regions.planned()
+    # prologue, epilogue, two attention kinds (window-only, compressed) and one MoE kind for the two layers
+    assert len(step.regions.kinds) == 5
+    through_dynamo = []
+    for call in step.regions.kinds.values():
+        call.compiled = lambda *a, call=call, real=call.compiled: through_dynamo.append(call.name) or real(*a)
     a_logits, b_logits = _recording(eager), _recording(compiled)
     assert _staggered(eager) == _staggered(compiled)
     for a, b in zip(a_logits, b_logits, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
-    # the graph is called directly: dynamo only ran the step once for each new table width
-    assert step._plans and all(plan is not None for plan in step._plans.values())
-    assert len(through_dynamo) == len(step._direct) - known == len(set(through_dynamo)) < len(b_logits)
+    # a new table width goes through dynamo once per kind (through its first layer), later steps call directly
+    assert len(through_dynamo) < len(b_logits) * len(step.regions.kinds)
+    assert set(through_dynamo) <= {call.name for call in step.regions.kinds.values()}
+    assert len(through_dynamo) % len(step.regions.kinds) == 0
 
 
 def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(monkeypatch):
@@ -282,16 +285,16 @@ def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(
     from flashserve.engine.graphs import decode_step, graph_call
 
     seen = []
-    monkeypatch.setattr(decode_step.torch, "compile",
-                        lambda fn, **kw: seen.append((kw["backend"], kw["options"])) or fn)
+    monkeypatch.setattr(decode_step.torch, "compile", lambda fn, **kw: seen.append(kw["backend"]) or fn)
     kw = dict(dtype="float32", cache_dtype="packed", max_num_seqs=2, enforce_eager=False)
-    for weights in (None, "mxfp4", "w8a8"):
-        make_engine(compact_v41(torch.float32, weights, TWO), "tiny-v41", **kw)
-    make_engine(compact_v41(torch.float32, None, TWO), "tiny-v41", compile_backend="eager", **kw)
-    # inductor runs behind the step's recording backend, which holds its options
-    named = [("inductor", b.options) if isinstance(b, graph_call.GraphRecorder) else (b, o) for b, o in seen]
-    assert [(b, o.get("cpp_wrapper", False)) for b, o in named] == [
-        ("inductor", True), ("inductor", True), ("inductor", False), ("eager", False)]
+    engines = []
+    for weights, backend in ((None, "inductor"), ("mxfp4", "inductor"), ("w8a8", "inductor"), (None, "eager")):
+        seen.clear()
+        make_engine(compact_v41(torch.float32, weights, TWO), "tiny-v41", compile_backend=backend, **kw)
+        # every region kind of an engine compiles through the step's recording backend, which holds the options
+        assert seen and all(isinstance(b, graph_call.GraphRecorder) and b is seen[0] for b in seen)
+        engines.append((seen[0].backend, seen[0].options.get("cpp_wrapper", False)))
+    assert engines == [("inductor", True), ("inductor", True), ("inductor", False), ("eager", False)]
 
 
 def _random_traffic(engine, steps: int = 200) -> set[int]:
@@ -356,7 +359,7 @@ def test_without_a_one_row_graph_a_lone_request_is_padded_into_the_shared_graph(
     prompts = [prompt_of(9, 1)]
     got = run_greedy(engine, prompts, 6)
     assert padded and set(padded) == {2}
-    assert counters["stats"]["unique_graphs"] - before == 1
+    assert counters["stats"]["unique_graphs"] - before == len(engine.runner.decode_step.regions.kinds)  # one a kind
     assert got == run_greedy(make_engine(model, "tiny-v41", enforce_eager=True, **kw), prompts, 6)
 
 

@@ -1,15 +1,15 @@
-"""The fixed-shape decode step: batches padded to buckets, compiled once.
+"""The fixed-shape decode step: batches padded to buckets, compiled once per kind of layer.
 
 A decode batch of ``B`` requests with ``R`` rows each (1 for plain decode, k+1 to verify k drafted tokens) is
 padded to the next bucket (1, 2, 4, 8, ... up to ``max_num_seqs``). Padding rows name the cache's scratch slot
 and scratch page. The step's inputs are four tensors built on the host from what the scheduler knows (ids,
-start positions, slots, page table), so nothing inside the forward reads a value back. The batch and
-page-table widths are marked dynamic, so one graph serves every bucket from 2 and every context length (plus
-one for batch 1 on the CPU, and one where the MoE switches from gathered experts to all experts). Once dynamo has
-run a graph for a set of input shapes, later steps of those shapes call that graph directly (:mod:`.graph_call`:
-no guards, no argument gathering). On CUDA that direct call is recorded as a CUDA graph per input shape and
-replayed (``cuda_graphs``; :class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls the
-step's kernels, and the graph takes the model's weights as one buffer per dtype (:mod:`.weight_arena`).
+start positions, slots, page table), so nothing inside the forward reads a value back. The step is compiled as
+regions (:mod:`.regions`): the prologue, each layer's attention and MoE halves, the epilogue, each kind of region
+compiled once and its graph called directly for every layer of that kind (no guards, no argument gathering). The
+batch and page-table widths are marked dynamic, so one graph of each region serves every bucket from 2 and every
+context length (plus one for batch 1 on the CPU, and one where the MoE switches from gathered experts to all
+experts). On CUDA the whole step is recorded as a CUDA graph per input shape and replayed (``cuda_graphs``;
+:class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls each region's kernels.
 ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch does.
 """
 
@@ -27,10 +27,10 @@ from ...model import modes
 from ...model.packed import PackedLinear
 from ..cache import KVCache
 from ..fixed_state import FixedBatchState
-from .graph_call import CudaGraphCall, DirectCall, GraphRecorder, tensors_within
+from .graph_call import CudaGraphCall, GraphRecorder
 from .inductor_passes import SinkInputWrites
 from .step_inputs import StepInputs
-from .weight_arena import pack_weights
+from .regions import RegionalStep
 
 log = logging.getLogger("flashserve.engine")
 
@@ -41,16 +41,17 @@ log = logging.getLogger("flashserve.engine")
 GRAPHS_PER_STEP = 8
 
 
-def compile_own_graphs(method: Callable, **kwargs) -> Callable:
-    """``torch.compile(method, **kwargs)`` keeping its own cache of at most ``GRAPHS_PER_STEP`` graphs. Torch 2.13 says
-    so (``isolate_recompiles``, ``recompile_limit``); older versions have neither (torch 2.11), and there the method
-    runs as a copy of its code object, on which dynamo hangs its cache and counts its cap
+def compile_own_graphs(fn: Callable, **kwargs) -> Callable:
+    """``torch.compile(fn, **kwargs)`` keeping its own cache of at most ``GRAPHS_PER_STEP`` graphs (each region kind
+    compiles the same function: their graphs must not count against each other's cap). Torch 2.13 says so
+    (``isolate_recompiles``, ``recompile_limit``); older versions have neither (torch 2.11), and there ``fn`` runs as
+    a copy of its code object, on which dynamo hangs its cache and counts its cap
     (``torch._dynamo.config.recompile_limit``, 8 by default)."""
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
-        return torch.compile(method, recompile_limit=GRAPHS_PER_STEP, isolate_recompiles=True, **kwargs)
-    f = method.__func__
+        return torch.compile(fn, recompile_limit=GRAPHS_PER_STEP, isolate_recompiles=True, **kwargs)
+    f = getattr(fn, "__func__", fn)
     own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-    return torch.compile(types.MethodType(own, method.__self__), **kwargs)
+    return torch.compile(types.MethodType(own, fn.__self__) if hasattr(fn, "__self__") else own, **kwargs)
 
 
 def _python_object_ops(model) -> bool:
@@ -102,23 +103,19 @@ class DecodeStep:
         # CUDA graphs replay a direct call per input shape (table widths rounded up to powers of two, so a
         # growing context records a new graph at each doubling only); the cache keeps its addresses as allocated
         self.cuda_graphs = cuda_graphs and cache.device.type == "cuda" and not enforce_eager
-        self._recorder: GraphRecorder | None = None
-        # steps by input shapes (batch, rows, table width) -> the graph dynamo ran for them, called directly
-        # (None: through dynamo), and those plans by compiled graph; with CUDA graphs, each shape's recording
-        self._direct: dict[tuple, DirectCall | None] = {}
-        self._plans: dict[int, DirectCall | None] = {}
+        # with CUDA graphs, each input shape's recording (made at its second step, once its regions are planned)
         self._graphs: dict[tuple, CudaGraphCall] = {}
+        self._seen: set[tuple] = set()
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self.arenas: list[torch.Tensor] = []  # the model's weights, one buffer per dtype (compiled CPU steps)
-        self._forward = self._eager if enforce_eager else self._compile(backend)
+        self.regions: RegionalStep | None = None if enforce_eager else self._compile(backend)
         self.warmup_s = 0.0
 
-    def _compile(self, backend: str):
-        """``_eager`` compiled with guards on the tensors it is given only. Dynamo would also check every
-        parameter and attribute of the model before each call (1.2 ms of a 20 ms step on the engine
-        benchmark's checkpoint); the engine never changes its model after start-up, so those checks are
-        skipped. Inductor gets one graph pass of ours (:class:`SinkInputWrites`), without which it copied every
-        cache ring a step writes, twice."""
+    def _compile(self, backend: str) -> RegionalStep:
+        """The step's regions (:mod:`.regions`), each kind compiled with guards on the tensors it is given only.
+        Dynamo would also check every parameter and attribute of the model before each call (1.2 ms of a 20 ms
+        step on the engine benchmark's checkpoint); the engine never changes its model after start-up, so those
+        checks are skipped. Inductor gets one graph pass of ours (:class:`SinkInputWrites`), without which it
+        copied every cache ring a step writes, twice."""
         options = {}
         if backend == "inductor" and self.cache.device.type == "cpu" and not _python_object_ops(self.model):
             # inductor's C++ wrapper calls the step's kernels and external matmuls from C++ instead of from a
@@ -126,23 +123,20 @@ class DecodeStep:
             # compile (docs/engine-speed.md#calling-the-compiled-graph)
             options["cpp_wrapper"] = True
         if backend == "inductor":
-            # inductor's wrapper checks every input's sizes and strides at each call (~400 inputs a step:
-            # parameters, cache tensors); in the C++ wrapper ~1.1 us an input (a microbenchmark of 391 inputs: 732
-            # against 302 us a call). The checks are redundant: dynamo's guards checked the step's four inputs, and
-            # direct calls pass the same parameter and cache tensors and inputs of the shapes their plan was made
-            # for. Batch 1 int8, two engines in one process alternating: 7.05 -> 6.51 ms (1.083x), the same tokens.
+            # inductor's wrapper checks every input's sizes and strides at each call; in the C++ wrapper ~1.1 us
+            # an input (a microbenchmark of 391 inputs: 732 against 302 us a call). The checks are redundant:
+            # dynamo's guards checked the representative's inputs, and direct calls pass tensors of the same
+            # shapes (another instance of the kind) and inputs of the shapes their plan was made for
             options["size_asserts"] = False
             options["post_grad_custom_pre_pass"] = SinkInputWrites()  # cache rings written in place
-            if self.cache.device.type == "cpu":
-                # the C++ wrapper makes a tensor handle of each input at every call, and ~390 of a step's ~400
-                # inputs are the model's weights: moved into one buffer per dtype (weight_arena), they are 4.
-                # Batch 1 int8, two engines in one process alternating: 5.31 -> 4.79 ms (1.107x), the same tokens
-                self.arenas = pack_weights(self.model)
-            self._recorder = GraphRecorder(options, self.arenas)
-            backend, options = self._recorder, {}
+        recorder = GraphRecorder(backend, options)
         skip_model_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
-        return compile_own_graphs(self._eager, backend=backend, dynamic=False,
-                                  options={**options, "guard_filter_fn": skip_model_guards})
+
+        def compile_region(fn: Callable) -> Callable:
+            return compile_own_graphs(fn, backend=recorder, dynamic=False, options={"guard_filter_fn": skip_model_guards})
+
+        return RegionalStep(self.model, self.cache, compile_region, recorder, capture=self.capture,
+                            streams=self.streams)
 
     def bucket(self, n: int) -> int:
         """Rows a batch of ``n`` requests is padded to (eager steps are not padded)."""
@@ -181,49 +175,23 @@ class DecodeStep:
     def __call__(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [Bp, R, V] of every row (padding rows included: the caller keeps its own), and the captured
         features [Bp, R, len(capture), D] or final streams [Bp, R, n, D] (None without either)."""
+        if not self.cuda_graphs:
+            return self._forward(inp.ids, inp.start, inp.slots, inp.table)
         key = (*inp.ids.shape, inp.table.shape[1])
-        direct = self._direct.get(key)
-        if direct is None:
-            return self._forward_noting(inp, key)
-        if self.cuda_graphs:
-            if key not in self._graphs:
-                self._graphs[key] = CudaGraphCall(direct, inp, self._pool)
-            return self._graphs[key](inp)
-        return direct(inp)
+        graph = self._graphs.get(key)
+        if graph is None and key in self._seen and self.regions.planned():
+            graph = self._graphs[key] = CudaGraphCall(self._forward, inp, self._pool)
+        if graph is not None:
+            return graph(inp)
+        self._seen.add(key)
+        return self._forward(inp.ids, inp.start, inp.slots, inp.table)
 
-    def _forward_noting(self, inp: StepInputs, key: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step as ``torch.compile`` runs it (compiling when the shapes are new); the first time for ``key``,
-        a plan to call the same graph directly next time (:class:`DirectCall`)."""
-        if not self.enforce_eager:  # one graph for every batch size from 2 and every context length
-            if inp.ids.shape[0] > 1:
-                for t in (inp.ids, inp.start, inp.slots, inp.table):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(inp.table, 1)
-        rec = self._recorder
-        if rec is not None:
-            rec.calls.clear()
+    def _forward(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
+                 table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.regions is None:
+            return self._eager(ids, start, slots, table)
         with modes.running(self.mode):
-            logits, feats = self._forward(inp.ids, inp.start, inp.slots, inp.table)
-        if rec is not None and key not in self._direct:
-            graph = id(rec.calls[0][1]) if len(rec.calls) == 1 else None
-            if graph not in self._plans:
-                self._plans[graph] = DirectCall.plan(rec.calls, inp, logits, feats, self._fixed_tensors())
-            self._direct[key] = self._plans[graph]
-            if self.cuda_graphs and self._direct[key] is None:
-                log.warning("decode steps of shape %s run without CUDA graphs: dynamo's call of them could not "
-                            "be planned as a direct call", key)
-        return logits, feats
-
-    def _fixed_tensors(self) -> set[int]:
-        """Ids of the tensors a step may read that stay the same objects: the model's (parameters, buffers,
-        tensor attributes; the engine never changes its model after start-up) and the cache layers' (allocated
-        at start-up, kept at their addresses for CUDA graphs too, and their codecs' tables)."""
-        out = {id(t) for t in (*self.cache.storage.tensors(), *self.arenas)}
-        out.update(id(t) for t in tensors_within(self.cache.storage.layers))
-        for m in self.model.modules():
-            out.update(id(t) for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
-            out.update(id(t) for t in vars(m).values() if isinstance(t, torch.Tensor))
-        return out
+            return self.regions(ids, start, slots, table)
 
     def _eager(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,100 @@
+"""The compiled decode step as regions: layers of one kind share one compiled graph, called for each with its own
+weights and cache (flashserve/engine/graphs/regions.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_helpers import make_engine, prompt_of, run_greedy
+from flashserve.config.model_config import config_from_dict
+from flashserve.config.presets import preset_json, with_layout
+from flashserve.engine.graphs.regions import RegionPlan, fingerprint, layer_relations, named_tensors
+from flashserve.model.init import random_init
+from flashserve.model.transformer import Transformer
+
+
+def _model(raw: dict) -> Transformer:
+    text = raw["text_config"]
+    text.update(hc_sinkhorn_iters=3, num_nextn_predict_layers=0, dspark_target_layer_ids=[],
+                compress_ratios=text["compress_ratios"][:text["num_hidden_layers"]])  # no MTP layers
+    model = random_init(Transformer(config_from_dict(raw), with_mtp=False, with_vision=False), seed=2).float().eval()
+    model.fake_quant = False
+    return model
+
+
+def _kinds(engine) -> list[str]:
+    return sorted(call.name.split(" of ")[0] for call in engine.runner.decode_step.regions.kinds.values())
+
+
+def test_forty_layers_compile_the_kinds_of_ten():
+    """``tiny-v41``'s ten layers and the real model's forty (the same sizes) have the same kinds of layer: eight
+    attention halves (window-only, with and without an engram; ratio-2 sources with and without one and their
+    readers; the ratio-1 source of the candidate pool, its re-indexing reader and their readers) and one MoE
+    half. Dynamo traces as many graphs for forty layers as for ten, and each engine's greedy tokens equal its
+    eager twin's."""
+    from torch._dynamo.utils import counters
+
+    kw = dict(dtype="float32", cache_dtype="packed", max_num_seqs=2)
+    prompts = [prompt_of(40, seed=1), prompt_of(9, seed=2)]
+    traced, kinds = [], []
+    for raw in (preset_json("tiny-v41"), with_layout("tiny-v41", "deepseek-v41-flash")):
+        model = _model(raw)
+        before = counters["stats"]["unique_graphs"]
+        compiled = make_engine(model, "tiny-v41", enforce_eager=False, compile_backend="eager", **kw)
+        traced.append(counters["stats"]["unique_graphs"] - before)
+        kinds.append(_kinds(compiled))
+        assert compiled.runner.decode_step.regions.planned()
+        eager = make_engine(model, "tiny-v41", enforce_eager=True, **kw)
+        assert run_greedy(compiled, prompts, 8) == run_greedy(eager, prompts, 8)
+    assert kinds[0] == kinds[1] and kinds[0].count("attention") == 8 and kinds[0].count("feed-forward") == 1
+    assert traced[0] == traced[1] > 0
+
+
+def test_a_kind_is_what_its_graph_may_have_taken_as_a_constant():
+    """Layers whose code would trace differently are of different kinds: another compression ratio, another
+    place among the layers sharing caches (a source against its reader), an engram. The same role at another
+    depth is the same kind."""
+    model = _model(preset_json("tiny-v41"))
+    cfg = model.cfg
+    attn = [fingerprint(b.attn) for b in model.layers]
+    assert attn[3] == attn[5] and attn[7] == attn[9]  # ratio-2 readers; ratio-1 readers
+    assert attn[2] != attn[6]  # ratio 2 against ratio 1
+    assert layer_relations(cfg, 2) != layer_relations(cfg, 3)  # the source and its reader
+    assert layer_relations(cfg, 3) == layer_relations(cfg, 5)
+    assert layer_relations(cfg, 7) != layer_relations(cfg, 3)  # a reader of the candidate pool's layers
+    assert fingerprint(model.layers[0]) != fingerprint(model.layers[1])  # layer 1 has an engram
+    model.layers[5].attn.window += 1
+    assert fingerprint(model.layers[5].attn) != attn[3]
+
+
+def test_tensors_are_named_alike_in_objects_alike():
+    """Each instance's tensors get the same names, so a graph's arguments move from one layer to another."""
+    model = _model(preset_json("tiny-v41"))
+    a, b = named_tensors(model.layers[3], "block"), named_tensors(model.layers[5], "block")
+    assert a.keys() == b.keys() and len(a) > 20
+    assert a["block.attn.wq_a.weight"] is model.layers[3].attn.wq_a.weight
+    assert all(a[k].shape == b[k].shape and a[k] is not b[k] for k in a)
+
+
+def test_a_graph_is_shared_only_where_every_argument_has_a_place():
+    """A graph argument that is another layer's tensor (not the instance's, not an input) cannot be moved to
+    another instance: no plan, so each instance runs through dynamo. Shared tensors (owned by no layer) stay."""
+    from flashserve.engine.graphs.graph_call import GraphRecorder
+
+    own, other, shared = torch.ones(3), torch.full((3,), 2.0), torch.full((3,), 3.0)
+    recorder = GraphRecorder("eager", {})
+
+    def region(x):
+        return x * own + shared, x * other
+
+    x = torch.arange(3.0)
+    result = torch.compile(region, backend=recorder)(x)
+    call = recorder.calls[-1]
+    names = {id(own): "own"}
+    plan = RegionPlan.make(call, (x,), ("x",), result, names, foreign=set())
+    bound = plan.bind({"own": torch.full((3,), 5.0)})
+    y = torch.tensor([1.0, 2.0, 4.0])
+    first, second = bound((y,))
+    assert torch.equal(first, y * 5 + 3) and torch.equal(second, y * 2)  # `other` is shared: no layer owns it
+    assert RegionPlan.make(call, (x,), ("x",), result, names, foreign={id(other)}) is None
+    assert plan.bind({}) is None  # an instance without the tensor
