@@ -120,7 +120,7 @@ class DecodeStep:
         if backend == "inductor" and self.cache.device.type == "cpu" and not _python_object_ops(self.model):
             # inductor's C++ wrapper calls the step's kernels and external matmuls from C++ instead of from a
             # Python function: about 1.4x at batch 1 on the benchmark's peers checkpoint, for a longer first
-            # compile (docs/engine-speed.md#calling-the-compiled-graph)
+            # compile (docs/engine-speed.md#regions-one-compiled-graph-per-kind-of-layer)
             options["cpp_wrapper"] = True
         if backend == "inductor":
             # inductor's wrapper checks every input's sizes and strides at each call; in the C++ wrapper ~1.1 us
