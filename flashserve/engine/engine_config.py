@@ -41,6 +41,9 @@ class EngineConfig:
     # as without them); False calls the compiled graph. Ignored on the CPU and with enforce_eager.
     cuda_graphs: bool = True
     compile_backend: str = "inductor"  # torch.compile backend of the decode step (tests also use dynamo's "eager")
+    # Where inductor keeps what it compiled, reused by later starts (its TORCHINDUCTOR_CACHE_DIR, set process-wide
+    # when given). None: $TORCHINDUCTOR_CACHE_DIR, else inductor's own folder under the system's temporary one.
+    compile_cache: str | None = None
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "w8a8" | "fp8" |
     # "mxfp4" pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
     quantization: str | None = None

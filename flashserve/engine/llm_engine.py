@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -83,6 +84,8 @@ class LLMEngine:
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.plan = plan_execution(self.model, device=self.cache.device.type, compiled=not eager, rows=rows,
                                    int8_kernel=c.int8_kernel)
+        if not eager and c.compile_cache is not None:  # inductor reads it when it first compiles
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(c.compile_cache)
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),

@@ -48,6 +48,8 @@ HELP = {
                f"use: {default_threads()} here; a sharded engine divides them among its ranks)",
     "enforce_eager": "decode eagerly, or through a torch.compile'd step with --no-enforce-eager (default: "
                      "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
+    "compile_cache": "folder where the compiled decode step's kernels are kept for later starts (default: "
+                     "$TORCHINDUCTOR_CACHE_DIR, else inductor's folder in the system's temporary one)",
     "cuda_graphs": "on CUDA, replay the compiled decode step as CUDA graphs (no effect on the CPU or with "
                    "--enforce-eager)",
     "tensor_parallel_size": "ranks that split attention heads, the shared expert and the vocabulary (one process "

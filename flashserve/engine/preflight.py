@@ -5,6 +5,7 @@ in a second with its numbers, instead of after minutes of loading (or never, as 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,6 +67,8 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
         raise ConfigError(f"kv_memory: {e}") from None
     if c.tokenizer is not None and not (Path(c.tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(f"tokenizer: {c.tokenizer!r} is not a folder holding a tokenizer.json")
+    if c.compile_cache is not None:
+        _check_cache_folder(Path(c.compile_cache))
     cfg = model_config or load_config(c.model)
     _check_layout(c, cfg)
     limit = cfg.max_position_embeddings
@@ -79,6 +82,17 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
     if c.num_pages is None:  # an explicit page count is a test's deliberately small cache
         _check_fits(pre)
     return pre
+
+
+def _check_cache_folder(path: Path) -> None:
+    """A folder, or a path one can be made at: its nearest existing parent is a writable folder."""
+    if path.exists():
+        if not path.is_dir():
+            raise ConfigError(f"compile_cache: {str(path)!r} is not a folder")
+        return
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"compile_cache: {str(path)!r} does not exist and cannot be made in {str(parent)!r}")
 
 
 def _check_layout(c: EngineConfig, cfg: ModelConfig) -> None:

@@ -98,3 +98,24 @@ def test_a_graph_is_shared_only_where_every_argument_has_a_place():
     assert torch.equal(first, y * 5 + 3) and torch.equal(second, y * 2)  # `other` is shared: no layer owns it
     assert RegionPlan.make(call, (x,), ("x",), result, names, foreign={id(other)}) is None
     assert plan.bind({}) is None  # an instance without the tensor
+
+
+def test_the_compile_cache_is_where_inductor_keeps_the_step(tmp_path, monkeypatch, caplog):
+    """``compile_cache`` points inductor at a folder of the user's (kept for later starts), and the engine's
+    start-up log names what it compiles: the kinds, the layers they serve and that folder."""
+    import logging
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", cache_dir()))
+    model = _model(preset_json("tiny-v41"))
+    with caplog.at_level(logging.INFO, logger="flashserve.engine"):
+        engine = make_engine(model, "tiny-v41", enforce_eager=False, compile_backend="eager", dtype="float32",
+                             max_num_seqs=1, compile_cache=str(tmp_path / "kernels"))
+    assert cache_dir() == str(tmp_path / "kernels") and (tmp_path / "kernels").is_dir()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling the decode step")]
+    assert said == ["compiling the decode step for batches [1]: 9 kinds of layer half for 10 layers, a prologue "
+                    "and an epilogue (eager)"]
+    engine.runner.decode_step.regions.backend = "inductor"
+    assert str(tmp_path / "kernels") in engine.runner.decode_step.regions.describe()

@@ -26,6 +26,7 @@ BAD_FLAGS = [
     (["serve", MODEL, "--shutdown-timeout", "-1"], "--shutdown-timeout: must be >= 0 seconds"),
     (["serve", MODEL, "--port", "70000"], "--port: 70000 is not a port number"),
     (["serve", MODEL, "--tokenizer", "/nonexistent"], "tokenizer: '/nonexistent' is not a folder"),
+    (["serve", MODEL, "--compile-cache", str(REPO / "README.md")], "compile_cache: "),
     (["serve", "no-such-model"], "no-such-model"),
     (["serve", MODEL, "--chat-template", "/nonexistent.jinja"], "--chat-template: '/nonexistent.jinja' is neither"),
     (["serve", MODEL, "--chat-template", str(REPO / "tests/server/data/broken.jinja")],

@@ -30,7 +30,8 @@ from ..fixed_state import FixedBatchState
 from .graph_call import CudaGraphCall, GraphRecorder
 from .inductor_passes import SinkInputWrites
 from .step_inputs import StepInputs
-from .regions import RegionalStep
+from .regions import ATTENTION_PARTS, FFN_PARTS, RegionalStep
+from .weight_arena import pack_weights
 
 log = logging.getLogger("flashserve.engine")
 
@@ -129,7 +130,16 @@ class DecodeStep:
             # shapes (another instance of the kind) and inputs of the shapes their plan was made for
             options["size_asserts"] = False
             options["post_grad_custom_pre_pass"] = SinkInputWrites()  # cache rings written in place
-        recorder = GraphRecorder(backend, options)
+        arenas = []
+        if backend == "inductor" and self.cache.device.type == "cpu":
+            # the C++ wrapper makes a tensor handle of each input at every call, and most of a region's inputs are
+            # its layer's weights: moved into one buffer per dtype and layer half (weight_arena), they are one or two.
+            # Batch 1 int8, the step as one graph, two engines in one process alternating: 5.31 -> 4.79 ms
+            # (1.107x), the same tokens
+            arenas = [a for block in self.model.layers for parts in (ATTENTION_PARTS, FFN_PARTS)
+                      for a in pack_weights(block, parts=parts)]
+            arenas += pack_weights(self.model, skip=tuple(self.model.layers))
+        recorder = GraphRecorder(backend, options, arenas)
         skip_model_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
 
         def compile_region(fn: Callable) -> Callable:
@@ -210,6 +220,8 @@ class DecodeStep:
         engine serves, not during its first request."""
         t0 = time.perf_counter()
         cache = self.cache
+        if self.regions is not None:
+            log.info("compiling the decode step for batches %s: %s", self.buckets, self.regions.describe())
         for b in self.buckets if not self.enforce_eager else sorted({self.buckets[0], self.buckets[-1]}):
             inp = StepInputs(ids=torch.zeros(b, rows, dtype=torch.long, device=cache.device),
                              start=torch.zeros(b, dtype=torch.long, device=cache.device),

@@ -7,30 +7,39 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from .weight_arena import regroup_inputs
+
 if TYPE_CHECKING:
     from .step_inputs import StepInputs
 
 
 class GraphRecorder:
     """A dynamo backend (``backend``: inductor with ``options``, or ``eager``: the graph as traced) that notes each
-    call of a graph it made, so that a step can call that graph again without dynamo (:mod:`.regions`)."""
+    call of a graph it made, so that a step can call that graph again without dynamo (:mod:`.regions`). Each graph
+    takes the ``arenas`` it reads (:func:`.weight_arena.pack_weights`) instead of the weights inside them
+    (:func:`.weight_arena.regroup_inputs`); the noted arguments are the graph's own."""
 
-    def __init__(self, backend: str, options: dict):
-        self.backend, self.options = backend, options
+    def __init__(self, backend: str, options: dict, arenas: list[torch.Tensor] = ()):
+        self.backend, self.options, self.arenas = backend, options, list(arenas)
         self.calls: list[tuple] = []  # (graph module, compiled graph, its arguments, its outputs) since cleared
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        gm.meta["size_sources"] = size_sources(gm)  # dynamo drops its placeholders' sources once compiled
+        sources = size_sources(gm)  # dynamo drops its placeholders' sources once compiled
+        regrouped = regroup_inputs(gm, example_inputs, self.arenas) if self.arenas else None
+        gm, keep, used = regrouped or (gm, range(len(example_inputs)), [])
+        gm.meta["size_sources"] = [None] * len(used) + [sources[i] for i in keep]
+        inputs = [*used, *(example_inputs[i] for i in keep)]
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            compiled = compile_fx(gm, list(example_inputs), config_patches=self.options)
+            compiled = compile_fx(gm, inputs, config_patches=self.options)
         elif self.backend == "eager":
             compiled = gm.forward
         else:
             raise ValueError(f"unknown compile backend {self.backend!r} (inductor or eager)")
 
-        def noted(*args):
+        def noted(*args):  # dynamo's arguments -> the graph's (the arenas in place of the weights inside them)
+            args = (*used, *(args[i] for i in keep))
             out = compiled(*args)
             self.calls.append((gm, compiled, args, out))
             return out

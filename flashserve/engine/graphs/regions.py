@@ -26,6 +26,7 @@ from torch import nn
 
 from ...model.norms import fp32
 from ..fixed_state import FixedBatchState
+from .weight_arena import weight_tensors
 
 log = logging.getLogger("flashserve.engine")
 
@@ -313,18 +314,30 @@ def _part(block: nn.Module, parts: tuple[str, ...]) -> nn.Module:
     return holder
 
 
+def _layout(block: nn.Module, parts: tuple[str, ...]) -> tuple[int, ...]:
+    """Where each weight of a part lies in its storage: in the layer's weight arenas, the same for every layer of
+    a kind (a graph reads each weight at a fixed offset of an arena)."""
+    return tuple(t.storage_offset() for _, _, t in weight_tensors(block, parts=parts))
+
+
 class RegionalStep:
     """A decode step's forward as regions (:mod:`this module <.regions>`): compiled per kind, called per instance."""
 
     def __init__(self, model, cache, compile_fn: Callable, recorder, *, capture: tuple[int, ...] = (),
                  streams: bool = False):
         self.model, self.cache, self.capture, self.streams = model, cache, capture, streams
+        self.backend = recorder.backend
         cfg = model.cfg
         storage = cache.storage.layers
-        owned = [{**named_tensors(block, "block"), **named_tensors(storage[i], "own"),
+        def arenas(block: nn.Module, parts: tuple[str, ...]) -> dict[str, torch.Tensor]:
+            return {f"arena.{a.dtype}": a for a in block.__dict__.get("_weight_arenas", {}).get(parts, ())}
+
+        blocks = [named_tensors(block, "block") for block in model.layers]
+        owned = [{**arenas(block, ATTENTION_PARTS), **blocks[i], **named_tensors(storage[i], "own"),
                   **({} if cfg.kv_source(i) in (None, i) else named_tensors(storage[cfg.kv_source(i)], "source"))}
                  for i, block in enumerate(model.layers)]
         foreign = {id(t) for names in owned for t in names.values()}
+        foreign |= {id(a) for block in model.layers for a in arenas(block, FFN_PARTS).values()}
         self.kinds: dict[tuple, RegionCall] = {}
 
         def region(name: str, fn: Callable, kind: tuple, instance: int, objects: tuple,
@@ -341,10 +354,11 @@ class RegionalStep:
         for i, block in enumerate(model.layers):
             relations = layer_relations(cfg, i)
             attn = region(f"attention of layer {i}", _attention,
-                          ("attention", fingerprint(_part(block, ATTENTION_PARTS)), relations), i,
-                          (model, cache, block), owned[i])
-            ffn = region(f"feed-forward of layer {i}", _feed_forward, ("ffn", fingerprint(_part(block, FFN_PARTS))),
-                         i, (model, block), named_tensors(block, "block"))
+                          ("attention", fingerprint(_part(block, ATTENTION_PARTS)), _layout(block, ATTENTION_PARTS),
+                           relations), i, (model, cache, block), owned[i])
+            ffn = region(f"feed-forward of layer {i}", _feed_forward,
+                         ("ffn", fingerprint(_part(block, FFN_PARTS)), _layout(block, FFN_PARTS)),
+                         i, (model, block), {**arenas(block, FFN_PARTS), **blocks[i]})
             self.layers.append((attn, ffn, (model, cache, block), (model, block)))
 
     def __call__(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
@@ -383,6 +397,17 @@ class RegionalStep:
         if self.capture:
             return logits, torch.stack(feats, dim=2)
         return logits, (x if self.streams else None)
+
+    def describe(self) -> str:
+        """What is compiled, in words: the kinds of region, the layers they serve and where inductor keeps them."""
+        where = ""
+        if self.backend == "inductor":
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+            where = f"; inductor's cache: {cache_dir()}"
+        kinds = len(self.kinds) - 2
+        return (f"{kinds} kinds of layer half for {len(self.layers)} layers, a prologue and an epilogue "
+                f"({self.backend}{where})")
 
     def planned(self) -> bool:
         """Whether every region's graphs are called directly (none runs through dynamo per instance)."""
