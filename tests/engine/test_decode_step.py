@@ -248,8 +248,9 @@ def test_inductor_step_equals_eager(caplog):
     """The compiled step as users run it (inductor, its C++ wrapper on the CPU): greedy tokens equal, logits
     within 1e-5 relative in float32, the compile time logged. One request at a time, so one graph per region
     kind: the batch-2+ graphs are the same code with a dynamic batch (checked above through dynamo's ``eager``
-    backend). The regions' C++ wrappers do not check their inputs' sizes and strides at every call, and every
-    region is called directly: dynamo runs only a kind's first layer, once for each new input shape."""
+    backend). The regions' C++ wrappers do not check their inputs' sizes and strides at every call, take a layer's
+    weights as a buffer per dtype, and every region is called directly: dynamo runs only a kind's first layer,
+    once for each new input shape."""
     from torch._inductor.utils import run_and_get_code
 
     model = compact_v41(torch.float32, layers=TWO)
@@ -264,6 +265,12 @@ def test_inductor_step_equals_eager(caplog):
     assert "assert_size_stride(" not in wrapper
     step = compiled.runner.decode_step
     assert step.warmup_s > 0 and step.regions.planned()
+    # each region takes its layer half's weights as one buffer per dtype: at most a region's 11 inputs, two
+    # buffers and the cache's tensors, fewer inputs than one layer has weights
+    handles = [int(n) for n in re.findall(r"raii_handles\(input_handles, (\d+)\)", wrapper)]
+    cache = len(named_tensors(step.cache.storage, "cache"))
+    assert len(handles) == len(step.regions.kinds) and max(handles) <= 11 + 2 + cache
+    assert 11 + 2 + cache < len(named_tensors(model.layers[1], "layer"))
     # prologue, epilogue, two attention kinds (window-only, compressed) and one MoE kind for the two layers
     assert len(step.regions.kinds) == 5
     through_dynamo = []
