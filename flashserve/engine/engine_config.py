@@ -33,9 +33,9 @@ class EngineConfig:
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": the serving stacks' C−W rule
     threads: int | None = None  # torch intra-op threads, set at start-up (process-wide); None: engine/threads.py
     # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
-    # on CUDA, eager on the CPU, where compiling costs 2-5 minutes per graph on 2 cores the first time (12 s
-    # from inductor's disk cache after) for a 3x faster tiny-v41 step
-    # (docs/engine-speed.md#the-fixed-shape-step).
+    # on CUDA, eager on the CPU, where the first compile takes about 3 minutes on 2 cores (25-35 s from
+    # inductor's disk cache after) for a 3x faster tiny-v41 step
+    # (docs/engine-speed.md#regions-one-compiled-graph-per-kind-of-layer).
     enforce_eager: bool | None = None
     # On CUDA the compiled step is recorded as a CUDA graph per input shape and replayed (the same compiled graph
     # as without them); False calls the compiled graph. Ignored on the CPU and with enforce_eager.

@@ -215,14 +215,14 @@ class RegionCall:
     (the first instance called for a shape), then called directly for each instance with its own tensors."""
 
     def __init__(self, name: str, fn: Callable, compile_fn: Callable, recorder, foreign: set[int]):
-        self.name, self.fn, self.recorder, self.foreign = name, fn, recorder, foreign
+        self.name, self.recorder, self.foreign = name, recorder, foreign
         self.compiled = compile_fn(fn)
         self.input_names = tuple(inspect.signature(fn).parameters)  # objects first, then the inputs
         self.representative: tuple | None = None
         self._names: dict[int, dict[str, torch.Tensor]] = {}  # instance -> its tensors by name
         self._plans: dict[tuple, RegionPlan | None] = {}  # input shapes -> the representative's graph
         self._bound: dict[tuple, BoundCall | None] = {}  # (instance, input shapes) -> its call
-        self.unplanned = False  # a graph could not be planned: instances other than the representative run through dynamo
+        self.unplanned = False  # a graph could not be planned: each instance runs through dynamo
 
     def add(self, instance: int, objects: tuple, tensors: dict[str, torch.Tensor]) -> None:
         if self.representative is None:
@@ -233,7 +233,7 @@ class RegionCall:
         bound = self._bound.get((instance, key))
         if bound is not None:
             return bound(inputs)
-        rep, rep_objects = self.representative
+        rep = self.representative[0]
         if key not in self._plans:
             if instance != rep:  # the step calls each kind's representative (its first layer) first
                 raise RuntimeError(f"region {self.name}: instance {instance} called before its representative "
