@@ -111,15 +111,16 @@ class _Resolved:
 def _resolve(points: Sequence[Measured]) -> list[_Resolved]:
     """Look each model and hardware entry up once, not once per trial."""
     models: dict[tuple[str, str | None], ModelTerms] = {}
-    hws: dict[str, Hardware] = {}
+    hws: dict[tuple[str, tuple[tuple[str, float], ...]], Hardware] = {}
     out = []
     for p in points:
         key = (p.inputs.model, p.inputs.kv_dtype)
         if key not in models:
             models[key] = resolve_model(*key)
-        if p.inputs.hardware not in hws:
-            hws[p.inputs.hardware] = get_hardware(p.inputs.hardware)
-        out.append(_Resolved(p, models[key], hws[p.inputs.hardware]))
+        hw_key = (p.inputs.hardware, tuple(sorted(p.inputs.hardware_overrides.items())))
+        if hw_key not in hws:
+            hws[hw_key] = get_hardware(p.inputs.hardware, overrides=p.inputs.hardware_overrides)
+        out.append(_Resolved(p, models[key], hws[hw_key]))
     return out
 
 
@@ -323,7 +324,9 @@ def calibrate(points: Sequence[Measured], terms: Sequence[str] = DEFAULT_FIT) ->
     train = [p for p, h in zip(ordered, held) if not h]
     if not train:
         raise PlanError("BENCH.json", "needs at least one measured point")
-    eff = get_hardware(ordered[0].inputs.hardware).efficiency.with_overrides(**ordered[0].inputs.overrides)
+    first = ordered[0].inputs
+    hw = get_hardware(first.hardware, overrides=first.hardware_overrides)
+    eff = hw.efficiency.with_overrides(**first.overrides)
     start = {t: getattr(eff, t) for t in terms}
     fitted = fit(train, terms, start)
     rows = []

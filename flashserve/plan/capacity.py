@@ -20,6 +20,7 @@ class Capacity:
     sessions_fit: int  # across the deployment (attention-DP ranks × sessions per rank)
     host_table_bytes: float  # engram tables, one copy (host memory)
     host_fits: bool  # one copy fits in the host memory of one scale-up domain (or all GPUs if fewer)
+    host_table_bytes_in_device: float = 0.0  # per device: tables held in the device's own memory (unified)
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return asdict(self)
@@ -29,7 +30,8 @@ def capacity(dep: Deployment, ctx: float) -> Capacity:
     """Sessions that fit: (usable HBM − workspace − weights) / bytes per sequence, per attention-DP rank.
 
     A sequence's MLA/MQA latent cache is replicated on each TP rank of its attention group, so one rank's
-    budget, not the group's, bounds its sequences.
+    budget, not the group's, bounds its sequences. On a unified-memory machine the engram tables sit in the
+    same memory as the weights and come out of the same budget.
     """
     m, hw, eff = dep.model, dep.hw, dep.eff
     wb_d, wb_e = WEIGHT_BYTES[dep.dense_dtype], WEIGHT_BYTES[dep.expert_dtype]
@@ -38,13 +40,14 @@ def capacity(dep: Deployment, ctx: float) -> Capacity:
     if dep.draft_tokens and d.kind != "none":
         weights += d.dense_params * wb_d / dep.tp + d.layers * d.n_experts * d.expert_params * wb_e / dep.gpus
     workspace = hw.hbm_usable_bytes * eff.workspace_fraction
-    budget = hw.hbm_usable_bytes - workspace - weights
+    host = m.host_params * (1.0 + 1.0 / 32)  # FP8 rows + one UE8M0 scale per 32 values
+    in_device = host / dep.gpus if hw.unified else 0.0
+    budget = hw.hbm_usable_bytes - workspace - weights - in_device
     per_seq = m.sequence_bytes(ctx)
     per_rank = math.floor(budget / per_seq) if budget > 0 and per_seq > 0 else 0
-    host = m.host_params * (1.0 + 1.0 / 32)  # FP8 rows + one UE8M0 scale per 32 values
     host_gpus = min(dep.gpus, hw.scaleup_domain)
     return Capacity(
         weight_bytes_per_gpu=weights, workspace_bytes_per_gpu=workspace, kv_budget_bytes_per_gpu=max(budget, 0.0),
         bytes_per_sequence=per_seq, sessions_fit=per_rank * dep.dp, host_table_bytes=host,
-        host_fits=host <= hw.host_mem_bytes * host_gpus,
+        host_fits=host <= hw.host_mem_bytes * host_gpus, host_table_bytes_in_device=in_device,
     )

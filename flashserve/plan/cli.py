@@ -3,7 +3,8 @@
 ``register(subparsers)`` adds the ``plan`` subcommand to a parent argparse parser (its handler is stored as
 ``func`` and returns an exit code); ``main(argv)`` runs it standalone (``python -m flashserve.plan``).
 Actions: ``run`` (default), ``sweep``, ``published``, ``seed``, ``verdict``. Bad input exits with code 2 and
-one line naming the field.
+one line naming the field. ``--hardware`` takes a preset or a machine JSON file (checked before any work);
+``--gpu-memory``, ``--host-memory`` and the like set a machine's fields over its preset or file.
 """
 
 from __future__ import annotations
@@ -18,10 +19,20 @@ from typing import Sequence
 
 from ..cli_help import HelpFormatter
 from .errors import PlanError
-from .hardware import hardware_name, preset_names
+from .hardware import get_hardware, hardware_name, preset_names
 from .inputs import PlanInputs
+from .machine import OVERRIDE_FIELDS
 
 ACTIONS = ("run", "sweep", "published", "seed", "verdict")
+# the machine flags: flag key -> (metavar, help)
+MACHINE_FLAGS = {
+    "gpu_memory": ("GIB", "memory of each GPU, GiB"),
+    "gpu_bandwidth": ("GB/S", "memory bandwidth of each GPU, GB/s"),
+    "host_memory": ("GIB", "host memory, GiB (the unified memory on a unified machine)"),
+    "host_bandwidth": ("GB/S", "host memory bandwidth, GB/s (replaces channels x MT/s)"),
+    "disk_bandwidth": ("GB/S", "disk read bandwidth, GB/s"),
+}
+assert set(MACHINE_FLAGS) == set(OVERRIDE_FIELDS)
 OVERRIDE_FLAGS = ("eta_mem", "eta_flop", "eta_flop_prefill", "eta_comm", "layer_overhead_us", "pass_overhead_us",
                   "spec_step_overhead_us", "comm_overlap")
 DESCRIPTION = ("Predict per-agent decode speed, throughput per GPU, TTFT, sessions that fit and cost per "
@@ -57,8 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "published points; seed: the V4.1 GB300 headline; verdict: the 1M tok/s and $0.002/M claims")
     p.add_argument("--model", default="deepseek-v41-flash", help="preset or config.json path (deepseek_v3/v4/v41)")
     p.add_argument("--hardware", default="gb300-nvl72",
-                   help=f"hardware preset: {', '.join(preset_names())} (any case, or a unique prefix: gb300, H200)")
-    p.add_argument("--gpus", type=int, default=8, help="decode GPUs (all GPUs when prefill is co-located)")
+                   help=f"hardware preset: {', '.join(preset_names())} (any case, or a unique prefix: gb300, "
+                        "H200), or a machine JSON file (docs/plan.md section 2)")
+    for key, (metavar, text) in MACHINE_FLAGS.items():
+        p.add_argument("--" + key.replace("_", "-"), type=float, default=None, metavar=metavar,
+                       help=f"{text}: set on a machine preset or file (not on a datacenter preset)")
+    p.add_argument("--gpus", type=int, default=8,
+                   help="decode GPUs (all GPUs when prefill is co-located; a machine's own GPU count unless "
+                        "given)")
     p.add_argument("--tp", type=int, default=1, help="attention tensor parallelism")
     p.add_argument("--ep", type=int, default=None, help="expert parallelism (default: --gpus)")
     p.add_argument("--attention-dp", type=int, default=None, help="attention data-parallel ranks (default: gpus/tp)")
@@ -109,7 +126,11 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         concurrency=a.concurrency,
         context=a.context, prompt_len=a.prompt_len, output_len=a.output_len, accept_length=a.accept_length,
         draft_tokens=a.draft_tokens, prefix_hit_rate=a.prefix_hit_rate, cost_per_gpu_hour=a.cost_per_gpu_hour,
-        overrides=overrides, stack=a.stack)
+        overrides=overrides, stack=a.stack, hardware_overrides=_machine_overrides(a))
+
+
+def _machine_overrides(a: argparse.Namespace) -> dict[str, float]:
+    return {k: getattr(a, k) for k in MACHINE_FLAGS if getattr(a, k, None) is not None}
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -123,7 +144,47 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _summary(d: dict[str, object]) -> str:
-    return _summary_core(d) + _speculation_summary(d.get("speculation"))
+    return _machine_text(d.get("machine")) + _summary_core(d) + _speculation_summary(d.get("speculation"))
+
+
+def _num(x: float) -> str:
+    return f"{x:,.1f}".rstrip("0").rstrip(".") if x < 1000 else f"{x:,.0f}"
+
+
+def _machine_text(m: dict[str, object] | None, width: int = 80) -> str:
+    """A machine's description as loaded, and what the plan does and does not do with it."""
+    if not m:
+        return ""
+    gpu, host, link, disk = (m.get(k) or {} for k in ("gpu", "host", "link", "disk"))
+    rows = []
+    if gpu:
+        flops = " / ".join(f"{d.upper()} {_num(v)}" for d, v in gpu.get("tflops", {}).items())
+        parts = [f"{gpu.get('count', 1)} x {gpu.get('model') or 'GPU'}"]
+        parts += [f"{_num(gpu['memory_gib'])} GiB"] if "memory_gib" in gpu else []
+        parts += [f"{_num(gpu['bandwidth_gbs'])} GB/s"] if "bandwidth_gbs" in gpu else []
+        parts += [f"{flops} TFLOP/s dense" if flops else "TFLOP/s not given"]
+        rows.append(("GPU", ", ".join(parts)))
+    host_parts = [host.get("cpu", "")] if host.get("cpu") else []
+    host_parts.append(f"{_num(host['memory_gib'])} GiB" if "memory_gib" in host else "memory size not given")
+    if "bandwidth_gbs" in host:
+        how = f" ({host['channels']} channels x {_num(host['mts'])} MT/s)" if "channels" in host else ""
+        host_parts.append(f"{_num(host['bandwidth_gbs'])} GB/s{how}")
+    host_parts += [f"{host['cpu_cores']} CPU cores"] if "cpu_cores" in host else []
+    host_parts += [f"expert kernels {_num(host['expert_tflops'])} TFLOP/s"] if "expert_tflops" in host else []
+    rows.append(("host" + (" (unified)" if m.get("unified") else ""), ", ".join(host_parts)))
+    if link:
+        pcie = f"PCIe {link['pcie_gen']}.0 x{link['lanes']}, " if "pcie_gen" in link else ""
+        rows.append(("link", f"{pcie}{link['bandwidth_gbs']:,.1f} GB/s per direction"))
+    disk_parts = [f"{_num(disk['read_gbs'])} GB/s read"] if "read_gbs" in disk else []
+    disk_parts += [f"{disk['iops']:,.0f} IOPS"] if "iops" in disk else []
+    rows.append(("disk", ", ".join(disk_parts) or "not given"))
+    rows += [("planned", text) for text in m.get("planned", [])]
+    rows += [("not planned", text) for text in m.get("not_planned", [])]
+    rows += [("not published", f"{k}: {v}") for k, v in (m.get("not_published") or {}).items()]
+    lines = [f"machine {m['name']} ({m['kind']}, from {m['origin']})"]
+    for label, text in rows:
+        lines += textwrap.wrap(text, width, initial_indent=f"  {label:15} ", subsequent_indent=" " * 18)
+    return "\n".join(lines) + "\n"
 
 
 def _speculation_summary(s: dict[str, object] | None) -> str:
@@ -147,7 +208,11 @@ def _summary_core(d: dict[str, object]) -> str:
             f"  step time                 {d['step_time_ms']:.3f} ms ({d['bound']}-bound)\n"
             f"  TTFT (idle)               {d['ttft_ms']:,.1f} ms\n"
             f"  sessions that fit         {d['sessions_fit']:,}\n"
-            f"  $ per million output tok  {d['cost_per_million_output_tokens']:.4g}")
+            f"  $ per million output tok  {_cost(d['cost_per_million_output_tokens'])}")
+
+
+def _cost(x: float | None) -> str:
+    return "not priced (--cost-per-gpu-hour prices it)" if x is None else f"{x:.4g}"
 
 
 def _refuse_misfit(reasons: list[str], allow: bool) -> bool:
@@ -165,9 +230,16 @@ def _refuse_misfit(reasons: list[str], allow: bool) -> bool:
 
 def _run(a: argparse.Namespace) -> int:
     from .explain import explain_rows, print_explain
-    from .planner import plan
+    from .planner import build_deployment, plan, speed_gaps
 
-    res = plan(_inputs(a))
+    inp = _inputs(a)
+    dep = build_deployment(inp)
+    gaps = speed_gaps(dep)
+    if gaps:
+        return _without_speed(a, inp, dep, gaps)
+    res = plan(inp, model=dep.model, hw=dep.hw)
+    if res.misfit() and not a.allow_misfit and dep.hw.machine is not None and not a.json:
+        print(_machine_text(res.as_dict()["machine"]), end="")  # what was loaded, beside the refusal
     if _refuse_misfit(res.misfit(), a.allow_misfit):
         return 1
     if a.json:
@@ -184,10 +256,43 @@ def _run(a: argparse.Namespace) -> int:
     return 0
 
 
+def _without_speed(a: argparse.Namespace, inp: PlanInputs, dep, gaps: list[str]) -> int:
+    """A machine whose speed cannot be predicted: what it is, whether the model fits, and why no speed."""
+    from .capacity import capacity
+    from .planner import machine_summary, misfit_reasons
+
+    ctx = inp.resolved_context()
+    cap = capacity(dep, ctx)
+    reasons = misfit_reasons(dep, cap, inp.concurrency, ctx)
+    d = {"model": dep.model.name, "hardware": dep.hw.name, "gpus": dep.gpus, "concurrency": inp.concurrency,
+         "context": ctx, "weight_dtype": dep.expert_dtype, "dense_dtype": dep.dense_dtype,
+         "speed_predicted": False, "cannot_predict": gaps, "fits": not reasons, "misfit": reasons,
+         "sessions_fit": cap.sessions_fit, "capacity": cap.as_dict(), "machine": machine_summary(dep)}
+    if a.json:
+        print(json.dumps(d, indent=1))
+    else:
+        print(_machine_text(d["machine"]) + f"{d['model']} on {d['gpus']}x {d['hardware']}, concurrency "
+              f"{inp.concurrency}, context {ctx:,.0f}\n"
+              f"  weights per device        {cap.weight_bytes_per_gpu / 1e9:,.1f} GB\n"
+              f"  sessions that fit         {cap.sessions_fit:,}\n"
+              f"  fits                      {'yes' if not reasons else 'NO (reasons on stderr)'}\n"
+              f"  speed and cost            not predicted (reason on stderr)")
+    for reason in reasons:
+        print(textwrap.fill(f"flashserve plan: does not fit: {reason}", 80, subsequent_indent="  "), file=sys.stderr)
+    for gap in gaps:
+        print(textwrap.fill(f"flashserve plan: cannot predict speed: {gap}", 80, subsequent_indent="  "),
+              file=sys.stderr)
+    return 1
+
+
 def _sweep(a: argparse.Namespace) -> int:
+    from .planner import build_deployment, speed_gaps
     from .sweep import DEFAULT_LEVELS, sweep, sweep_points, write_sweep
 
     levels = _int_list(a.levels, "--levels") if a.levels else list(DEFAULT_LEVELS)
+    gaps = speed_gaps(build_deployment(_inputs(a)))
+    if gaps:
+        raise PlanError("--hardware", f"cannot predict speed: {gaps[0]}")
     results = sweep(_inputs(a), levels)
     prefix = Path(a.out)
     if prefix.parent and not prefix.parent.exists():
@@ -335,12 +440,26 @@ def run(a: argparse.Namespace) -> int:
     try:
         _check_action_flags(a)
         a.hardware = hardware_name(a.hardware)  # GB300, gb300 -> gb300-nvl72
+        if a.action in ("run", "sweep") or a.calibrate:
+            _machine_first(a)
         if a.calibrate:
             return _calibrate(a)
         return {"run": _run, "sweep": _sweep, "published": _published, "seed": _seed, "verdict": _verdict}[a.action](a)
     except PlanError as exc:
         print(f"flashserve plan: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _machine_first(a: argparse.Namespace) -> None:
+    """Check the machine flags and a machine file before any work; a machine's GPU count is the default
+    for --gpus."""
+    overrides = _machine_overrides(a)
+    for key, value in overrides.items():
+        if not value > 0 or value == float("inf"):
+            raise PlanError("--" + key.replace("_", "-"), f"must be a positive number, got {value!r}")
+    hw = get_hardware(a.hardware, overrides=overrides)
+    if hw.machine is not None and "gpus" not in getattr(a, "given", {"gpus"}):
+        a.gpus = max(hw.machine.devices - a.prefill_gpus, 1)
 
 
 def register(subparsers: "argparse._SubParsersAction[argparse.ArgumentParser]") -> argparse.ArgumentParser:

@@ -41,7 +41,10 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
         yield "hardware", f"{d} dense peak", _g(v, "FLOP/s"), src.get(p + f"flops.{d}", "")
     yield "hardware", "scale-up link", f"{_g(hw.scaleup_bw, 'B/s')} × {hw.scaleup_domain} GPUs", src.get(p + "scaleup_bw", "")
     yield "hardware", "scale-out link", _g(hw.scaleout_bw, "B/s"), src.get(p + "scaleout_bw", "")
-    yield "hardware", "price", f"${r.price_per_gpu_hour:.2f} / GPU-hour", src.get(p + "cost_per_gpu_hour", "") if r.inputs.cost_per_gpu_hour is None else "--cost-per-gpu-hour"
+    if r.priced:
+        yield "hardware", "price", f"${r.price_per_gpu_hour:.2f} / GPU-hour", src.get(p + "cost_per_gpu_hour", "") if r.inputs.cost_per_gpu_hour is None else "--cost-per-gpu-hour"
+    else:
+        yield "hardware", "price", "not priced", src.get(p + "cost_per_gpu_hour", "")
     eff = r.deployment.eff
     yield _stack_row(r)
     stack_src: dict[str, str] = {}
@@ -60,6 +63,33 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
         note = "override" if "eta_flop_prefill" in r.inputs.overrides else src.get(
             f"efficiency.{eff.name}.eta_flop_prefill", "")
         yield "efficiency", "eta_flop_prefill", f"{eff.prefill_flop_efficiency:.4g}", note
+
+
+def _machine_rows(r: PlanResult) -> Iterator[Row]:
+    """A machine's fields as its description gave them (with their sources) and what the plan covers."""
+    from .planner import machine_not_planned, machine_planned
+
+    m = r.deployment.hw.machine
+    if m is None:
+        return
+    d = m.as_dict()
+    yield "machine", "name / kind", f"{m.name} / {m.kind}", f"{m.description} (from {m.origin})".strip()
+    for section in ("gpu", "host", "link", "disk"):
+        for key, value in (d.get(section) or {}).items():
+            if key == "tflops":
+                for dtype, tf in value.items():
+                    path = f"gpu.tflops.{dtype}"
+                    yield "machine", path, f"{tf:g}", m.sources.get(path, "")
+                continue
+            path = f"{section}.{key}"
+            text = f"{value:,.4g}" if isinstance(value, float) else str(value)
+            yield "machine", path, text, m.sources.get(path, "")
+    for path, why in m.not_published.items():
+        yield "machine", path, "not published", why
+    for text in machine_planned(r.deployment):
+        yield "machine", "planned", "", text
+    for text in machine_not_planned(r.deployment):
+        yield "machine", "not planned", "", text
 
 
 def _stack_row(r: PlanResult) -> Row:
@@ -131,12 +161,16 @@ def _output_rows(r: PlanResult) -> Iterator[Row]:
     yield "output", "TTFT (idle)", f"{r.prefill.ttft_s * 1e3:,.1f} ms", f"prompt {r.inputs.prompt_len:,}, hit rate {r.inputs.prefix_hit_rate:g}"
     fits = r.inputs.concurrency <= r.capacity.sessions_fit
     yield "output", "sessions that fit", f"{r.capacity.sessions_fit:,}", f"at context {r.context:,.0f}; concurrency {r.inputs.concurrency:,} " + ("fits" if fits else "DOES NOT fit")
-    yield "output", "$ per million output tokens", f"{r.cost_per_million_output_tokens:.4g}", "$/GPU-h × GPUs × 1e6 / (3600 × output tokens/s)"
+    if r.priced:
+        yield "output", "$ per million output tokens", f"{r.cost_per_million_output_tokens:.4g}", "$/GPU-h × GPUs × 1e6 / (3600 × output tokens/s)"
+    else:
+        yield "output", "$ per million output tokens", "not priced", "a machine has no price; --cost-per-gpu-hour gives one"
 
 
 def explain_rows(r: PlanResult) -> list[Row]:
     """All rows, inputs first, outputs last."""
-    return [*_model_rows(r), *_hardware_rows(r), *_step_rows(r), *_speculation_rows(r), *_output_rows(r)]
+    return [*_model_rows(r), *_machine_rows(r), *_hardware_rows(r), *_step_rows(r), *_speculation_rows(r),
+            *_output_rows(r)]
 
 
 def explain_lines(r: PlanResult, width: int = 80) -> list[str]:

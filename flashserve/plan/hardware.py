@@ -3,6 +3,11 @@
 A preset holds one GPU's datasheet figures plus the name of an efficiency profile: the fitted or measured
 factors (fraction of peak bandwidth and FLOP/s reached, fixed per-layer and per-pass overheads) that turn
 the roofline into a prediction. Each hardware type has exactly one profile.
+
+Besides the datacenter ``presets``, ``hardware.json`` holds ``machines``: single boxes described as their
+owners describe them (:mod:`flashserve.plan.machine`), as does a JSON file given to ``--hardware``. A machine
+is planned with every weight in the memory of the device that computes (its GPUs, the unified memory, or the
+host memory of a machine without a GPU), as ``cpu-local`` is: :func:`machine_hardware`.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlanError
+from .machine import GB, GIB, TERA, Machine, catalog_machine, read_machine_file
 
 HARDWARE_JSON = Path(__file__).with_name("hardware.json")
+MACHINE_PROFILE = "machine-prior"  # efficiency profile of a machine that names none
 OPTIONAL_TERMS = ("eta_flop_prefill", "spec_step_overhead_us")  # profile terms that may be absent (see Efficiency)
 FRACTIONS = ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction", "eta_flop_prefill")
 
@@ -64,13 +71,19 @@ class Hardware:
     cost_per_gpu_hour: float  # US$
     efficiency: Efficiency
     sources: dict[str, str] = field(default_factory=dict)
+    unified: bool = False  # the engram tables share the device's memory with the weights
+    machine: Machine | None = None  # the description a machine preset or file gave (None: datacenter preset)
 
     def peak(self, dtype: str, order: tuple[str, ...]) -> float:
         """Dense peak for a GEMM in ``dtype``: the first of ``order`` this device has."""
         for d in order:
             if self.flops.get(d, 0.0) > 0:
                 return self.flops[d]
-        raise PlanError("--hardware", f"{self.name} lists no FLOP/s for {dtype}")
+        raise PlanError("--hardware", f"{self.name} lists no FLOP/s for {dtype}"
+                        + (f" (nor {', '.join(order[1:])})" if len(order) > 1 else ""))
+
+    def has_peak(self, order: tuple[str, ...]) -> bool:
+        return any(self.flops.get(d, 0.0) > 0 for d in order)
 
 
 def _number(entry: Any, where: str, sources: dict[str, str]) -> float:
@@ -103,12 +116,17 @@ def _efficiency(name: str, raw: dict[str, Any], sources: dict[str, str]) -> Effi
     return Efficiency(name=name, fitted_on=tuple(raw.get("fitted_on", ())), **vals)
 
 
-def load_catalog(path: Path = HARDWARE_JSON) -> dict[str, Hardware]:
-    """Every preset in ``path``, validated."""
+def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise PlanError("hardware.json", f"cannot read {path}: {exc}") from None
+    return data
+
+
+def load_catalog(path: Path = HARDWARE_JSON) -> dict[str, Hardware]:
+    """Every preset in ``path`` (datacenter presets, then machines), validated."""
+    data = _read(path)
     profiles = data.get("efficiency", {})
     out: dict[str, Hardware] = {}
     for name, raw in data.get("presets", {}).items():
@@ -131,22 +149,79 @@ def load_catalog(path: Path = HARDWARE_JSON) -> dict[str, Hardware]:
             host_link_bw=num.get("host_link_bw", 0.0),
             cost_per_gpu_hour=num["cost_per_gpu_hour"],
             efficiency=_efficiency(prof, profiles[prof], src), sources=src)
+    for name, raw in data.get("machines", {}).items():
+        if name in out:
+            raise PlanError(f"machines.{name}", "has the name of a datacenter preset")
+        out[name] = machine_hardware(catalog_machine(raw, name), profiles)
     return out
 
 
+def machine_hardware(m: Machine, profiles: dict[str, Any] | None = None) -> Hardware:
+    """A machine as the planner's per-device :class:`Hardware`, every weight in the memory of the device that
+    computes: each discrete GPU (host memory shared among them, the link between GPU and host also carrying
+    GPU-to-GPU traffic), the one GPU of a unified memory (its host memory too), or the CPU of a machine
+    without a GPU. Not priced (``cost_per_gpu_hour`` 0: ``--cost-per-gpu-hour`` prices it); memory not given
+    is 0 (the planner refuses to plan without it)."""
+    profiles = _read(HARDWARE_JSON).get("efficiency", {}) if profiles is None else profiles
+    prof = m.efficiency or MACHINE_PROFILE
+    if prof not in profiles:
+        raise PlanError(f"--hardware {m.name}: efficiency", f"unknown profile {prof!r}; known: {', '.join(profiles)}")
+    src: dict[str, str] = {}
+    eff = _efficiency(prof, profiles[prof], src)
+    p, ms = f"presets.{m.name}.", m.sources
+    mem = (m.device_memory_gib or 0.0) * GIB
+    bw = (m.device_bandwidth_gbs or 0.0) * GB
+    flops = {d: v * TERA for d, v in m.device_tflops.items()}
+    mem_key = "gpu.memory_gib" if m.kind == "gpu" or m.gpu_memory_gib is not None else "host.memory_gib"
+    bw_key = "gpu.bandwidth_gbs" if m.kind == "gpu" else "host.bandwidth_gbs"
+    host = (m.host_memory_gib or 0.0) * GIB
+    if m.kind == "gpu":
+        link = (m.link_bandwidth_gbs or 0.0) * GB
+        host_per_gpu, host_link, scaleup = host / m.devices, link, link
+        link_src = ms.get("link.bandwidth_gbs", "")
+        src[p + "scaleup_bw"] = f"GPU to GPU over the host link: {link_src}"
+        src[p + "host_link_bw"] = link_src
+    else:
+        host_per_gpu, host_link, scaleup = host, bw, bw
+        src[p + "scaleup_bw"] = "single device: no interconnect; set to the memory bandwidth"
+        src[p + "host_link_bw"] = f"the same memory: {ms.get(bw_key, '')}"
+    known = {"hbm_bytes": ms.get(mem_key), "hbm_usable_bytes": ms.get(mem_key), "hbm_bw": ms.get(bw_key),
+             "host_mem_bytes": ms.get("host.memory_gib"),
+             **{f"flops.{d}": ms.get("host.expert_tflops" if m.kind == "cpu" else f"gpu.tflops.{d}") for d in flops}}
+    src.update({p + k: v for k, v in known.items() if v})
+    src[p + "cost_per_gpu_hour"] = "none: a machine is not priced (--cost-per-gpu-hour prices it)"
+    src.update({f"machines.{m.name}.{k}": v for k, v in ms.items()})
+    return Hardware(
+        name=m.name, description=m.description, hbm_bytes=mem, hbm_usable_bytes=mem, hbm_bw=bw, flops=flops,
+        scaleup_bw=scaleup, scaleup_domain=m.devices, scaleout_bw=0.0, host_mem_bytes=host_per_gpu,
+        host_link_bw=host_link, cost_per_gpu_hour=0.0, efficiency=eff, sources=src, unified=m.unified,
+        machine=m)
+
+
 def preset_names(path: Path = HARDWARE_JSON) -> list[str]:
-    """The preset names in ``hardware.json``, in its order (unvalidated: for help texts)."""
+    """The preset and machine names in ``hardware.json``, in its order (unvalidated: for help texts)."""
     try:
-        return list(json.loads(Path(path).read_text()).get("presets", {}))
+        data = json.loads(Path(path).read_text())
+        return [*data.get("presets", {}), *data.get("machines", {})]
     except (OSError, ValueError, AttributeError):
         return []
 
 
-def hardware_name(name: str, names: list[str] | None = None) -> str:
-    """The preset ``name`` means: itself, the same name in another case (``H200``), or the one preset it
-    begins (``gb300`` -> ``gb300-nvl72``); an unknown name or a prefix of several is refused, listing them."""
+def is_machine_file(name: str, names: list[str] | None = None) -> bool:
+    """Whether ``--hardware name`` names a machine file rather than a preset: a path with a folder or a
+    ``.json`` ending, or an existing file that no preset is called."""
     names = preset_names() if names is None else names
     if name in names:
+        return False
+    return "/" in name or "\\" in name or name.lower().endswith(".json") or Path(name).is_file()
+
+
+def hardware_name(name: str, names: list[str] | None = None) -> str:
+    """The preset ``name`` means: itself, the same name in another case (``H200``), or the one preset it
+    begins (``gb300`` -> ``gb300-nvl72``); a machine file is returned as given; an unknown name or a prefix
+    of several is refused, listing them."""
+    names = preset_names() if names is None else names
+    if name in names or is_machine_file(name, names):
         return name
     key = name.strip().lower()
     exact = [n for n in names if n.lower() == key]
@@ -157,10 +232,23 @@ def hardware_name(name: str, names: list[str] | None = None) -> str:
         return begun[0]
     if begun:
         raise PlanError("--hardware", f"{name!r} could be any of {', '.join(begun)}; name one")
-    raise PlanError("--hardware", f"unknown hardware {name!r}; known: {', '.join(names)}")
+    raise PlanError("--hardware", f"unknown hardware {name!r}; known: {', '.join(names)}, or a machine JSON file")
 
 
-def get_hardware(name: str, path: Path = HARDWARE_JSON) -> Hardware:
-    """One preset by name (any case, or a unique prefix: :func:`hardware_name`); the error lists the known ones."""
-    catalog = load_catalog(path)
-    return catalog[hardware_name(name, list(catalog))]
+def get_hardware(name: str, path: Path = HARDWARE_JSON, overrides: dict[str, float] | None = None) -> Hardware:
+    """One preset by name (any case, or a unique prefix: :func:`hardware_name`; the error lists the known
+    ones) or a machine file, with the machine flags (``--gpu-memory`` ...) written in; a datacenter preset
+    takes none of them."""
+    data = _read(path)
+    profiles = data.get("efficiency", {})
+    names = [*data.get("presets", {}), *data.get("machines", {})]
+    if is_machine_file(name, names):
+        return machine_hardware(read_machine_file(name, overrides), profiles)
+    name = hardware_name(name, names)
+    if name in data.get("machines", {}):
+        return machine_hardware(catalog_machine(data["machines"][name], name, overrides), profiles)
+    if overrides:
+        flag = "--" + sorted(overrides)[0].replace("_", "-")
+        raise PlanError(flag, f"describes a machine (a machine preset or a JSON file given to --hardware), not "
+                        f"the datacenter preset {name}")
+    return load_catalog(path)[name]

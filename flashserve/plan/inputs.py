@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .dtypes import KV_DTYPES, WEIGHT_BYTES
 from .errors import PlanError
+from .machine import OVERRIDE_FIELDS, flag_of
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class PlanInputs:
     cost_per_gpu_hour: float | None = None  # default: the hardware preset's price
     overrides: dict[str, float] = field(default_factory=dict)  # efficiency terms to replace
     stack: str | None = None  # serving-stack profile over the hardware's; None: the default, "none": off
+    # machine fields set by flags (gpu_memory, gpu_bandwidth, host_memory, host_bandwidth, disk_bandwidth:
+    # GiB and GB/s, see machine.OVERRIDE_FIELDS); only a machine preset or file takes them
+    hardware_overrides: dict[str, float] = field(default_factory=dict)
 
     def resolved_context(self) -> float:
         return float(self.context) if self.context is not None else self.prompt_len + self.output_len / 2
@@ -132,6 +136,11 @@ def validate(inp: PlanInputs) -> None:
     _number(inp.prefix_hit_rate, "--prefix-hit-rate", 0.0, 1.0)
     if inp.cost_per_gpu_hour is not None:
         _number(inp.cost_per_gpu_hour, "--cost-per-gpu-hour", 0.0)
+    for key, value in inp.hardware_overrides.items():
+        if key not in OVERRIDE_FIELDS:
+            raise PlanError(flag_of(key), f"is not a machine field; known: {', '.join(OVERRIDE_FIELDS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise PlanError(flag_of(key), f"must be a positive number, got {value!r}")
     for key, value in inp.overrides.items():
         flag = f"--{key.replace('_', '-')}"
         if key.startswith("eta_"):

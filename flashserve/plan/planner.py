@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .capacity import Capacity, capacity
-from .dtypes import dense_dtype_for
+from .dtypes import PEAK_ORDER, dense_dtype_for
 from .errors import PlanError
 from .hardware import Hardware, get_hardware
 from .inputs import PlanInputs, validate
@@ -172,19 +172,12 @@ class PlanResult:
 
     def misfit(self) -> list[str]:
         """Why the deployment cannot run as planned; empty when it fits (weights, sessions, host tables)."""
-        cap, dep = self.capacity, self.deployment
-        reasons = []
-        if cap.kv_budget_bytes_per_gpu <= 0:
-            usable = dep.hw.hbm_usable_bytes - cap.workspace_bytes_per_gpu
-            reasons.append(f"the weights need {cap.weight_bytes_per_gpu / 1e9:,.1f} GB per GPU; "
-                           f"{usable / 1e9:,.1f} GB is usable after the workspace")
-        elif self.inputs.concurrency > cap.sessions_fit:
-            reasons.append(f"{self.inputs.concurrency:,} sessions at context {self.context:,.0f} need "
-                           f"{cap.bytes_per_sequence / 1e9:,.3g} GB each; {cap.sessions_fit:,} fit in HBM")
-        if not cap.host_fits:
-            reasons.append(f"the host-memory tables ({cap.host_table_bytes / 1e9:,.0f} GB) exceed the host "
-                           "memory of one scale-up domain")
-        return reasons
+        return misfit_reasons(self.deployment, self.capacity, self.inputs.concurrency, self.context)
+
+    @property
+    def priced(self) -> bool:
+        """False for a machine given no price (its cost figures are then None in :meth:`as_dict`)."""
+        return self.deployment.hw.machine is None or self.inputs.cost_per_gpu_hour is not None
 
     def as_dict(self) -> dict[str, object]:
         """Machine-readable summary (the ``--json`` output)."""
@@ -211,20 +204,114 @@ class PlanResult:
             "prefill_limited": self.prefill_limited,
             "sessions_fit": self.capacity.sessions_fit,
             "fits": not self.misfit(), "misfit": self.misfit(),
-            "cost_per_gpu_hour": self.price_per_gpu_hour,
-            "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
-            "cost_per_million_total_tokens": self.cost_per_million_total_tokens,
+            "cost_per_gpu_hour": self.price_per_gpu_hour if self.priced else None,
+            "cost_per_million_output_tokens": self.cost_per_million_output_tokens if self.priced else None,
+            "cost_per_million_total_tokens": self.cost_per_million_total_tokens if self.priced else None,
             "efficiency_profile": dep.eff.name, "stack": dep.stack,
             "speculation": self.speculation.as_dict() if self.speculation else None,
             "step": self.step.as_dict(), "prefill": self.prefill.as_dict(), "capacity": self.capacity.as_dict(),
+            **({"machine": machine_summary(dep)} if dep.hw.machine is not None else {}),
         }
+
+
+def misfit_reasons(dep: Deployment, cap: Capacity, concurrency: int, ctx: float) -> list[str]:
+    """Why ``dep`` cannot hold ``concurrency`` sessions at context ``ctx``: weights beyond the device's memory,
+    more sessions than fit, engram tables beyond host memory (empty when it fits)."""
+    machine = dep.hw.machine
+    reasons = []
+    if cap.kv_budget_bytes_per_gpu <= 0:
+        usable = dep.hw.hbm_usable_bytes - cap.workspace_bytes_per_gpu
+        if cap.host_table_bytes_in_device:
+            reasons.append(f"the weights ({cap.weight_bytes_per_gpu / 1e9:,.1f} GB) and the engram tables "
+                           f"({cap.host_table_bytes_in_device / 1e9:,.1f} GB) share the unified memory; "
+                           f"{usable / 1e9:,.1f} GB is usable after the workspace")
+        else:
+            reasons.append(f"the weights need {cap.weight_bytes_per_gpu / 1e9:,.1f} GB per GPU; "
+                           f"{usable / 1e9:,.1f} GB is usable after the workspace")
+        if machine is not None:
+            reasons[-1] += ("; the planner keeps every weight in the memory of the device that computes and "
+                            "does not yet place experts in host memory or on disk")
+    elif concurrency > cap.sessions_fit:
+        reasons.append(f"{concurrency:,} sessions at context {ctx:,.0f} need "
+                       f"{cap.bytes_per_sequence / 1e9:,.3g} GB each; {cap.sessions_fit:,} fit in HBM")
+    if not cap.host_fits:
+        if machine is not None and machine.host_memory_gib is None:
+            reasons.append(f"the engram tables ({cap.host_table_bytes / 1e9:,.3g} GB) live in host memory and "
+                           f"{machine.name} gives no host memory size: pass --host-memory GIB")
+        else:
+            reasons.append(f"the host-memory tables ({cap.host_table_bytes / 1e9:,.0f} GB) exceed the host "
+                           "memory of one scale-up domain")
+    return reasons
+
+
+def speed_gaps(dep: Deployment) -> list[str]:
+    """Why a machine's speed cannot be predicted: the GEMM dtypes its device has no FLOP/s for (nor one to
+    fall back on), with what its description says was not published. Empty when it can (and for datacenter
+    presets)."""
+    m = dep.hw.machine
+    if m is None:
+        return []
+    attn = "bf16" if dep.model.kv_dtype == "bf16" else "fp8"
+    needed = dict.fromkeys((dep.dense_dtype, dep.expert_dtype, attn))
+    missing = [d for d in needed if not dep.hw.has_peak(PEAK_ORDER[d])]
+    if not missing:
+        return []
+    where = "host.expert_tflops" if m.kind == "cpu" else "gpu.tflops"
+    notes = [f"{k}: {v}" for k, v in m.not_published.items() if k.startswith(where)]
+    have = ", ".join(f"{d} {v:g}" for d, v in m.device_tflops.items()) or "none"
+    device = "CPU" if m.kind == "cpu" else "GPU"
+    return [f"no FLOP/s for the {'/'.join(missing)} GEMMs on the {device} of {m.name} (TFLOP/s given: {have})"
+            + (f"; not published: {'; '.join(notes)}" if notes else "") + f"; give {where} in a machine file"]
+
+
+def machine_summary(dep: Deployment) -> dict[str, object]:
+    """A machine's fields as given, and what the planner does and does not do with them."""
+    assert dep.hw.machine is not None
+    return {**dep.hw.machine.as_dict(), "planned": machine_planned(dep), "not_planned": machine_not_planned(dep)}
+
+
+def machine_planned(dep: Deployment) -> list[str]:
+    """What a plan on a machine covers, in words."""
+    m = dep.hw.machine
+    assert m is not None
+    where = {"gpu": f"in the memory of {dep.gpus} GPU{'s' if dep.gpus > 1 else ''}",
+             "unified": "in the unified memory", "cpu": "in host memory, computed by the CPU (as on cpu-local)"}
+    out = [f"every weight and the KV cache {where[m.kind]}"]
+    if dep.model.host_params:
+        out.append({"gpu": "engram rows read from host memory over the GPU's link",
+                    "unified": "engram tables in the same unified memory, counted against it",
+                    "cpu": "engram tables in the same host memory"}[m.kind])
+    fitted = ", ".join(dep.eff.fitted_on)
+    out.append(f"efficiency terms of profile {dep.eff.name}: " + (
+        f"fitted on {fitted}" if fitted else "priors, fitted on no published point for this machine"))
+    return out
+
+
+def machine_not_planned(dep: Deployment) -> list[str]:
+    """What a plan on a machine leaves out, in words."""
+    m = dep.hw.machine
+    assert m is not None
+    unused = [label for label, given in (
+        ("host bandwidth", m.kind == "gpu" and m.host_bandwidth_gbs is not None),
+        ("CPU cores", m.cpu_cores is not None),
+        ("CPU expert-kernel throughput", m.kind != "cpu" and m.expert_tflops is not None),
+        ("disk read bandwidth", m.disk_read_gbs is not None), ("disk IOPS", m.disk_iops is not None)) if given]
+    out = [{"gpu": "experts or dense layers in host memory or streamed from disk, and CPU expert kernels beside "
+                   "the GPU",
+            "unified": "experts streamed from disk, and CPU expert kernels beside the GPU",
+            "cpu": "experts streamed from disk"}[m.kind] + ": the planner does not place weights across tiers yet"]
+    if unused:
+        out.append(f"{', '.join(unused)}: read from the description, not used by the prediction")
+    return out
 
 
 def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None = None) -> Deployment:
     """Check the inputs and place the model on the hardware."""
     validate(inp)
     model = model or resolve_model(inp.model, inp.kv_dtype)
-    hw = hw or get_hardware(inp.hardware)
+    hw = hw or get_hardware(inp.hardware, overrides=inp.hardware_overrides)
+    if hw.machine is not None:
+        _check_machine(inp, hw)
     draft = inp.resolved_draft_tokens(model.draft.block)
     if draft and model.draft.kind == "none":
         raise PlanError("--accept-length", f"{model.name} has no drafter; speculative decoding needs one")
@@ -232,12 +319,27 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
         raise PlanError("--accept-length", f"{inp.accept_length} exceeds draft tokens + 1 = {draft + 1}")
     if inp.tp > hw.scaleup_domain:
         raise PlanError("--tp", f"TP {inp.tp} spans more than one {hw.scaleup_domain}-GPU scale-up domain")
-    stack = resolve_stack(inp.stack, model.family, hw.name)
+    # a stack is the default only where it was measured: datacenter presets (a machine may share a name)
+    stack = resolve_stack(inp.stack, model.family, hw.name if hw.machine is None else "")
     eff = hw.efficiency.with_overrides(**{**(stack.terms if stack else {}), **inp.overrides})
     return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
                       dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
                       dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
                       stack=stack.name if stack else None)
+
+
+def _check_machine(inp: PlanInputs, hw: Hardware) -> None:
+    """A machine holds as many devices as it has, and needs its memory size to be planned."""
+    m = hw.machine
+    assert m is not None
+    total = inp.gpus + inp.prefill_gpus
+    if total > m.devices:
+        what = f"{m.devices} GPU{'s' if m.devices > 1 else ''}" if m.kind != "cpu" else "no GPU (one CPU device)"
+        flag = "--prefill-gpus" if inp.prefill_gpus and inp.gpus <= m.devices else "--gpus"
+        raise PlanError(flag, f"{m.name} has {what}; the deployment asks for {total}")
+    if m.device_memory_gib is None:
+        raise PlanError("--host-memory", f"{m.name} gives no memory size (a server's depends on the memory "
+                        "fitted): pass --host-memory GIB, or host.memory_gib in a machine file")
 
 
 def prefill_pool(inp: PlanInputs, dep: Deployment) -> Deployment | None:

@@ -22,7 +22,7 @@ DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
 def sweep(base: PlanInputs, levels: Sequence[int] = DEFAULT_LEVELS) -> list[PlanResult]:
     """Plan ``base`` at each concurrency in ``levels`` (the model and hardware are looked up once)."""
     model = resolve_model(base.model, base.kv_dtype)
-    hw = get_hardware(base.hardware)
+    hw = get_hardware(base.hardware, overrides=base.hardware_overrides)
     return [plan(replace(base, concurrency=c), model=model, hw=hw) for c in levels]
 
 
