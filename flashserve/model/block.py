@@ -47,14 +47,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, pre_in: torch.Tensor | None, ctx: ForwardContext,
                 engram_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Streams [B,S,n,D] and the incoming ``pre`` (V4.1) → new streams and the ``pre`` for the next block."""
-        x, attn_pre = self.attend(x, pre_in, ctx, engram_ids)
-        return self.feed_forward(x, attn_pre, ctx.input_ids, ctx.image_mask)
-
-    def attend(self, x: torch.Tensor, pre_in: torch.Tensor | None, ctx: ForwardContext,
-               engram_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The engram and attention half: streams [B,S,n,D] → streams and the attention site's ``pre`` [B,S,n]."""
         if self.engram is not None:
             x = self.engram(x, engram_ids, ctx.image_mask)
+        x, attn_pre = self.attend(x, pre_in, ctx)
+        return self.feed_forward(x, attn_pre, ctx.input_ids, ctx.image_mask)
+
+    def attend(self, x: torch.Tensor, pre_in: torch.Tensor | None,
+               ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half (after the engram): streams [B,S,n,D] → streams and the attention site's ``pre``
+        [B,S,n]."""
         a = self.mix(x, "attn")
         h = collapse(x, pre_in if self.shifted else a.pre)
         return expand(self.attn(self.attn_norm(h), ctx), x, a), a.pre

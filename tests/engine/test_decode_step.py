@@ -265,14 +265,14 @@ def test_inductor_step_equals_eager(caplog):
     assert "assert_size_stride(" not in wrapper
     step = compiled.runner.decode_step
     assert step.warmup_s > 0 and step.regions.planned()
-    # each region takes its layer half's weights as one buffer per dtype: at most a region's 11 inputs, two
+    # each region takes its layer's weights as one buffer per dtype: at most a region's 11 inputs, two
     # buffers and the cache's tensors, fewer inputs than one layer has weights
     handles = [int(n) for n in re.findall(r"raii_handles\(input_handles, (\d+)\)", wrapper)]
     cache = len(named_tensors(step.cache.storage, "cache"))
     assert len(handles) == len(step.regions.kinds) and max(handles) <= 11 + 2 + cache
     assert 11 + 2 + cache < len(named_tensors(model.layers[1], "layer"))
-    # prologue, epilogue, two attention kinds (window-only, compressed) and one MoE kind for the two layers
-    assert len(step.regions.kinds) == 5
+    # prologue, epilogue, two attention kinds (window-only, compressed), layer 1's engram, one MoE kind for both
+    assert len(step.regions.kinds) == 6
     through_dynamo = []
     for call in step.regions.kinds.values():
         call.compiled = lambda *a, call=call, real=call.compiled: through_dynamo.append(call.name) or real(*a)

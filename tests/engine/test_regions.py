@@ -27,11 +27,11 @@ def _kinds(engine) -> list[str]:
 
 
 def test_forty_layers_compile_the_kinds_of_ten():
-    """``tiny-v41``'s ten layers and the real model's forty (the same sizes) have the same kinds of layer: eight
-    attention halves (window-only, with and without an engram; ratio-2 sources with and without one and their
-    readers; the ratio-1 source of the candidate pool, its re-indexing reader and their readers) and one MoE
-    half. Dynamo traces as many graphs for forty layers as for ten, and each engine's greedy tokens equal its
-    eager twin's."""
+    """``tiny-v41``'s ten layers and the real model's forty (the same sizes) have the same kinds of layer region:
+    six attention halves (window-only; ratio-2 sources and their readers; the ratio-1 source of the candidate
+    pool, its re-indexing reader and their readers), two engrams (their tables differ in size) and one MoE half.
+    Dynamo traces as many graphs
+    for forty layers as for ten, and each engine's greedy tokens equal its eager twin's."""
     from torch._dynamo.utils import counters
 
     kw = dict(dtype="float32", cache_dtype="packed", max_num_seqs=2)
@@ -46,7 +46,8 @@ def test_forty_layers_compile_the_kinds_of_ten():
         assert compiled.runner.decode_step.regions.planned()
         eager = make_engine(model, "tiny-v41", enforce_eager=True, **kw)
         assert run_greedy(compiled, prompts, 8) == run_greedy(eager, prompts, 8)
-    assert kinds[0] == kinds[1] and kinds[0].count("attention") == 8 and kinds[0].count("feed-forward") == 1
+    assert kinds[0] == kinds[1] and kinds[0].count("attention") == 6
+    assert kinds[0].count("engram") == 2 and kinds[0].count("feed-forward") == 1
     assert traced[0] == traced[1] > 0
 
 
@@ -62,7 +63,7 @@ def test_a_kind_is_what_its_graph_may_have_taken_as_a_constant():
     assert layer_relations(cfg, 2) != layer_relations(cfg, 3)  # the source and its reader
     assert layer_relations(cfg, 3) == layer_relations(cfg, 5)
     assert layer_relations(cfg, 7) != layer_relations(cfg, 3)  # a reader of the candidate pool's layers
-    assert fingerprint(model.layers[0]) != fingerprint(model.layers[1])  # layer 1 has an engram
+    assert fingerprint(model.layers[0]) != fingerprint(model.layers[1])  # layer 1 has an engram (a region of its own)
     model.layers[5].attn.window += 1
     assert fingerprint(model.layers[5].attn) != attn[3]
 
@@ -115,7 +116,7 @@ def test_the_compile_cache_is_where_inductor_keeps_the_step(tmp_path, monkeypatc
                              max_num_seqs=1, compile_cache=str(tmp_path / "kernels"))
     assert cache_dir() == str(tmp_path / "kernels") and (tmp_path / "kernels").is_dir()
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("compiling the decode step")]
-    assert said == ["compiling the decode step for batches [1]: 9 kinds of layer half for 10 layers, a prologue "
-                    "and an epilogue (eager)"]
+    assert said == ["compiling the decode step for batches [1]: 9 kinds of layer region (engram, attention, MoE) "
+                    "for 10 layers, a prologue and an epilogue (eager)"]
     engine.runner.decode_step.regions.backend = "inductor"
     assert str(tmp_path / "kernels") in engine.runner.decode_step.regions.describe()

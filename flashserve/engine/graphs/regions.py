@@ -270,15 +270,19 @@ def _prologue(model, cache, ids, start, slots, table):
     return x, pre, engram
 
 
-def _attention(model, cache, block, x, pre, engram, ids, start, slots, table, sel_idx, sel_valid, cand, cand_blocks):
-    """A layer's engram and attention half; what it publishes for later layers (its index selection, the candidate
-    pool) comes back as outputs, what earlier layers published comes in as inputs."""
+def _engram(model, block, x, rows, ids):
+    return (block.engram(x, rows, model.image_mask(ids)),)
+
+
+def _attention(model, cache, block, x, pre, ids, start, slots, table, sel_idx, sel_valid, cand, cand_blocks):
+    """A layer's attention half; what it publishes for later layers (its index selection, the candidate pool)
+    comes back as outputs, what earlier layers published comes in as inputs."""
     ctx = model.context(ids, FixedBatchState(cache, slots, table), start)
     cfg = model.cfg
     if sel_idx is not None:
         ctx.topk[cfg.index_source(block.layer)] = (sel_idx, sel_valid)
     ctx.candidates, ctx.candidate_blocks = cand, cand_blocks
-    x, attn_pre = block.attend(x, pre, ctx, engram)
+    x, attn_pre = block.attend(x, pre, ctx)
     made = block.layer == cfg.candidate_source_layer_id
     sel_idx, sel_valid = ctx.topk.get(block.layer, (None, None))
     return (x, attn_pre, sel_idx, sel_valid, ctx.candidates if made else None,
@@ -293,8 +297,10 @@ def _epilogue(model, x, pre):
     return (model.logits_from_streams(x, pre),)
 
 
-ATTENTION_PARTS = ("engram", "attn_norm", "attn", "hc_attn")
+ENGRAM_PARTS = ("engram",)
+ATTENTION_PARTS = ("attn_norm", "attn", "hc_attn")
 FFN_PARTS = ("ffn_norm", "ffn", "hc_ffn")
+HALVES = (ENGRAM_PARTS, ATTENTION_PARTS, FFN_PARTS)  # a layer's regions, each with weight arenas of its own
 
 
 def _part(block: nn.Module, parts: tuple[str, ...]) -> nn.Module:
@@ -329,42 +335,52 @@ class RegionalStep:
         self.backend = recorder.backend
         cfg = model.cfg
         storage = cache.storage.layers
+
         def arenas(block: nn.Module, parts: tuple[str, ...]) -> dict[str, torch.Tensor]:
             return {f"arena.{a.dtype}": a for a in block.__dict__.get("_weight_arenas", {}).get(parts, ())}
 
-        blocks = [named_tensors(block, "block") for block in model.layers]
-        owned = [{**arenas(block, ATTENTION_PARTS), **blocks[i], **named_tensors(storage[i], "own"),
-                  **({} if cfg.kv_source(i) in (None, i) else named_tensors(storage[cfg.kv_source(i)], "source"))}
-                 for i, block in enumerate(model.layers)]
-        foreign = {id(t) for names in owned for t in names.values()}
-        foreign |= {id(a) for block in model.layers for a in arenas(block, FFN_PARTS).values()}
+        def tensors(i: int, parts: tuple[str, ...]) -> dict[str, torch.Tensor]:
+            """Layer ``i``'s tensors a region of ``parts`` may read, by name: its arenas first, then each weight,
+            then (attention) its cache and its source's."""
+            block = model.layers[i]
+            out = {**arenas(block, parts), **named_tensors(block, "block")}
+            if parts == ATTENTION_PARTS:
+                out.update(named_tensors(storage[i], "own"))
+                if cfg.kv_source(i) not in (None, i):
+                    out.update(named_tensors(storage[cfg.kv_source(i)], "source"))
+            return out
+
+        owned = [[tensors(i, parts) for parts in HALVES] for i in range(len(model.layers))]
+        foreign = {id(t) for halves in owned for names in halves for t in names.values()}
         self.kinds: dict[tuple, RegionCall] = {}
 
         def region(name: str, fn: Callable, kind: tuple, instance: int, objects: tuple,
-                   tensors: dict[str, torch.Tensor]) -> RegionCall:
+                   names: dict[str, torch.Tensor]) -> RegionCall:
             call = self.kinds.get(kind)
             if call is None:
                 call = self.kinds[kind] = RegionCall(name, fn, compile_fn, recorder, foreign)
-            call.add(instance, objects, tensors)
+            call.add(instance, objects, names)
             return call
+
+        def kind(block: nn.Module, parts: tuple[str, ...], *more) -> tuple:
+            return (parts, fingerprint(_part(block, parts)), _layout(block, parts), *more)
 
         self.prologue = region("prologue", _prologue, ("prologue",), 0, (model, cache), {})
         self.epilogue = region("epilogue", _epilogue, ("epilogue",), 0, (model,), {})
-        self.layers = []
+        self.layers = []  # per layer: (engram region or None, attention region, MoE region)
         for i, block in enumerate(model.layers):
-            relations = layer_relations(cfg, i)
-            attn = region(f"attention of layer {i}", _attention,
-                          ("attention", fingerprint(_part(block, ATTENTION_PARTS)), _layout(block, ATTENTION_PARTS),
-                           relations), i, (model, cache, block), owned[i])
-            ffn = region(f"feed-forward of layer {i}", _feed_forward,
-                         ("ffn", fingerprint(_part(block, FFN_PARTS)), _layout(block, FFN_PARTS)),
-                         i, (model, block), {**arenas(block, FFN_PARTS), **blocks[i]})
-            self.layers.append((attn, ffn, (model, cache, block), (model, block)))
+            engram = None if block.engram is None else region(
+                f"engram of layer {i}", _engram, kind(block, ENGRAM_PARTS), i, (model, block), owned[i][0])
+            attn = region(f"attention of layer {i}", _attention, kind(block, ATTENTION_PARTS, layer_relations(cfg, i)),
+                          i, (model, cache, block), owned[i][1])
+            ffn = region(f"feed-forward of layer {i}", _feed_forward, kind(block, FFN_PARTS), i, (model, block),
+                         owned[i][2])
+            self.layers.append((engram, attn, ffn))
 
     def __call__(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                  table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [B,R,V] and the captured features [B,R,len(capture),D] or final streams (None without either)."""
-        cfg, model = self.model.cfg, self.model
+        cfg, model, cache = self.model.cfg, self.model, self.cache
         key = (*ids.shape, table.shape[1])  # each region's graph and plan for these input shapes
 
         def dynamic(inputs: tuple) -> None:  # one graph for every batch size from 2 and every context length
@@ -374,25 +390,26 @@ class RegionalStep:
                         torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(table, 1)
 
-        x, pre, engram = self.prologue(0, (model, self.cache), (ids, start, slots, table), key, dynamic)
+        x, pre, engram = self.prologue(0, (model, cache), (ids, start, slots, table), key, dynamic)
         shifted = cfg.shifted_collapse
         sel: dict[int, tuple] = {}
         cand = (None, None)
         feats = []
-        for i, (attn, ffn, attn_objects, ffn_objects) in enumerate(self.layers):
+        for i, (eng, attn, ffn) in enumerate(self.layers):
+            block = model.layers[i]
             if i in self.capture:
                 feats.append(fp32(x).mean(-2))
+            if eng is not None:  # its rows contiguous: a view's strides would be sizes of their own
+                x, = eng(i, (model, block), (x, model.engram_rows(engram, i).contiguous(), ids), key, dynamic)
             src = cfg.index_source(i)
             s = sel.get(src, (None, None)) if src is not None and src != i else (None, None)
-            rows = model.engram_rows(engram, i)  # contiguous: a view's strides would be sizes of their own
-            inputs = (x, pre if shifted else None, None if rows is None else rows.contiguous(), ids, start, slots,
-                      table, *s, *cand)
-            x, attn_pre, si, sv, c, cb = attn(i, attn_objects, inputs, key, dynamic)
+            inputs = (x, pre if shifted else None, ids, start, slots, table, *s, *cand)
+            x, attn_pre, si, sv, c, cb = attn(i, (model, cache, block), inputs, key, dynamic)
             if si is not None:
                 sel[i] = (si, sv)
             if c is not None or cb is not None:
                 cand = (c, cb)
-            x, pre = ffn(i, ffn_objects, (x, attn_pre, ids), key, dynamic)
+            x, pre = ffn(i, (model, block), (x, attn_pre, ids), key, dynamic)
         logits, = self.epilogue(0, (model,), (x, pre if shifted else None), key, dynamic)
         if self.capture:
             return logits, torch.stack(feats, dim=2)
@@ -406,8 +423,8 @@ class RegionalStep:
 
             where = f"; inductor's cache: {cache_dir()}"
         kinds = len(self.kinds) - 2
-        return (f"{kinds} kinds of layer half for {len(self.layers)} layers, a prologue and an epilogue "
-                f"({self.backend}{where})")
+        return (f"{kinds} kinds of layer region (engram, attention, MoE) for {len(self.layers)} layers, a prologue "
+                f"and an epilogue ({self.backend}{where})")
 
     def planned(self) -> bool:
         """Whether every region's graphs are called directly (none runs through dynamo per instance)."""
