@@ -33,7 +33,7 @@ class EngineConfig:
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": the serving stacks' C−W rule
     threads: int | None = None  # torch intra-op threads, set at start-up (process-wide); None: engine/threads.py
     # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compile
-    # on CUDA, eager on the CPU, where the first compile takes about 3 minutes on 2 cores (25-35 s from
+    # on CUDA, eager on the CPU, where the first compile takes about 2.5 minutes on 2 cores (20 s from
     # inductor's disk cache after) for a 3x faster tiny-v41 step
     # (docs/engine-speed.md#regions-one-compiled-graph-per-kind-of-layer).
     enforce_eager: bool | None = None
