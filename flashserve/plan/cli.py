@@ -4,7 +4,9 @@
 ``func`` and returns an exit code); ``main(argv)`` runs it standalone (``python -m flashserve.plan``).
 Actions: ``run`` (default), ``sweep``, ``published``, ``seed``, ``verdict``. Bad input exits with code 2 and
 one line naming the field. ``--hardware`` takes a preset or a machine JSON file (checked before any work);
-``--gpu-memory``, ``--host-memory`` and the like set a machine's fields over its preset or file.
+``--gpu-memory``, ``--host-memory`` and the like set a machine's fields over its preset or file;
+``--resident-experts``, ``--host-experts`` and ``--host-expert-compute`` place a machine's routed experts across
+device memory, host memory and disk (:mod:`flashserve.plan.tiers`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for key, (metavar, text) in MACHINE_FLAGS.items():
         p.add_argument("--" + key.replace("_", "-"), type=float, default=None, metavar=metavar,
                        help=f"{text}: set on a machine preset or file (not on a datacenter preset)")
+    p.add_argument("--resident-experts", type=int, default=None, metavar="N",
+                   help="routed experts per MoE layer kept in the memory of the device that computes, on a machine "
+                        "(default: all); beside a discrete GPU the rest go to host memory unless --host-experts "
+                        "is given, on a unified or GPU-less machine to disk")
+    p.add_argument("--host-experts", type=int, default=None, metavar="N",
+                   help="routed experts per MoE layer in host memory beside a discrete GPU; with "
+                        "--resident-experts, the rest are read from disk")
+    p.add_argument("--host-expert-compute", default=None, choices=("cpu", "gpu"),
+                   help="who computes the host-memory experts: cpu (default: CPU expert kernels at host "
+                        "bandwidth) or gpu (moved over the GPU link)")
     p.add_argument("--gpus", type=int, default=8,
                    help="decode GPUs (all GPUs when prefill is co-located; a machine's own GPU count unless "
                         "given)")
@@ -126,7 +138,9 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         concurrency=a.concurrency,
         context=a.context, prompt_len=a.prompt_len, output_len=a.output_len, accept_length=a.accept_length,
         draft_tokens=a.draft_tokens, prefix_hit_rate=a.prefix_hit_rate, cost_per_gpu_hour=a.cost_per_gpu_hour,
-        overrides=overrides, stack=a.stack, hardware_overrides=_machine_overrides(a))
+        overrides=overrides, stack=a.stack, hardware_overrides=_machine_overrides(a),
+        resident_experts=getattr(a, "resident_experts", None), host_experts=getattr(a, "host_experts", None),
+        host_expert_compute=getattr(a, "host_expert_compute", None))
 
 
 def _machine_overrides(a: argparse.Namespace) -> dict[str, float]:
@@ -144,7 +158,19 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def _summary(d: dict[str, object]) -> str:
-    return _machine_text(d.get("machine")) + _summary_core(d) + _speculation_summary(d.get("speculation"))
+    return (_machine_text(d.get("machine")) + _summary_core(d) + _tiers_text(d.get("decode_tiers"))
+            + _speculation_summary(d.get("speculation")))
+
+
+def _tiers_text(t: dict[str, object] | None) -> str:
+    """A machine's decode step by tier: bytes per token and time, and the bottleneck."""
+    if not t:
+        return ""
+    lines = [f"\n  decode tiers (summed; bottleneck {t['bottleneck']})"]
+    for row in t["tiers"]:
+        bytes_ = f"{row['bytes_per_token'] / 1e9:8.3f} GB/token" if row["bytes_per_step"] else " " * 17
+        lines.append(f"    {row['tier']:22} {bytes_}  {row['time_ms']:9.3f} ms")
+    return "\n".join(lines)
 
 
 def _num(x: float) -> str:

@@ -92,6 +92,25 @@ def _machine_rows(r: PlanResult) -> Iterator[Row]:
         yield "machine", "not planned", "", text
 
 
+def _tier_rows(r: PlanResult) -> Iterator[Row]:
+    """A machine's decode step by tier: what each holds, bytes per output token, bandwidth, time; the
+    bottleneck."""
+    from .planner import tier_summary
+
+    if r.deployment.hw.machine is None:
+        return
+    t = tier_summary(r)
+    for row in t["tiers"]:
+        if row["tier"] == "fixed":
+            yield "tiers", "fixed time", f"{row['time_ms']:.3f} ms", row["work"]
+            continue
+        bw = f"at {row['bandwidth_gbs']:,.4g} GB/s x {row['efficiency']:.3g}: " if row["bandwidth_gbs"] else ""
+        yield "tiers", f"{row['tier']}: bytes per token", _g(row["bytes_per_token"], "B"), row["holds"]
+        yield "tiers", f"{row['tier']}: time", f"{row['time_ms']:.3f} ms", f"{bw}{row['work']}"
+    yield ("tiers", "step time (tiers summed)", f"{t['step_time_ms']:.3f} ms",
+           f"bottleneck: {t['bottleneck']}; a single decode stream waits for each tier in turn")
+
+
 def _stack_row(r: PlanResult) -> Row:
     """Which serving-stack profile the efficiency terms come from, and how far to trust it."""
     name = r.deployment.stack
@@ -120,7 +139,8 @@ def _step_rows(r: PlanResult) -> Iterator[Row]:
     yield "step", "sequences per attention rank", f"{s.sequences_per_rank:.4g}", f"{s.rows_per_sequence} rows each (1 + drafted)"
     yield "step", "distinct experts per layer", f"{s.distinct_experts_per_layer:.4g}", "E·(1−(1−k/E)^B), all rows of the step"
     yield "step", "bytes: dense weights", _g(s.bytes_dense, "B"), "per GPU: dense / TP"
-    yield "step", "bytes: routed experts", _g(s.bytes_experts, "B"), "distinct experts × expert bytes / GPUs"
+    yield "step", "bytes: routed experts", _g(s.bytes_experts, "B"), "distinct experts × expert bytes / GPUs" + (
+        " × resident fraction (the rest: [tiers])" if dep.placement is not None else "")
     yield "step", "bytes: KV read", _g(s.bytes_kv, "B"), "per local sequence: index scan once, window + selected entries per query row"
     yield "step", "bytes: drafter", _g(s.bytes_draft, "B"), ""
     yield "step", "FLOPs dense / experts / attention / drafter", " / ".join(_g(x) for x in (s.flops_dense, s.flops_experts, s.flops_attention, s.flops_draft)), "per GPU"
@@ -169,8 +189,8 @@ def _output_rows(r: PlanResult) -> Iterator[Row]:
 
 def explain_rows(r: PlanResult) -> list[Row]:
     """All rows, inputs first, outputs last."""
-    return [*_model_rows(r), *_machine_rows(r), *_hardware_rows(r), *_step_rows(r), *_speculation_rows(r),
-            *_output_rows(r)]
+    return [*_model_rows(r), *_machine_rows(r), *_hardware_rows(r), *_step_rows(r), *_tier_rows(r),
+            *_speculation_rows(r), *_output_rows(r)]
 
 
 def explain_lines(r: PlanResult, width: int = 80) -> list[str]:

@@ -6,8 +6,9 @@ the roofline into a prediction. Each hardware type has exactly one profile.
 
 Besides the datacenter ``presets``, ``hardware.json`` holds ``machines``: single boxes described as their
 owners describe them (:mod:`flashserve.plan.machine`), as does a JSON file given to ``--hardware``. A machine
-is planned with every weight in the memory of the device that computes (its GPUs, the unified memory, or the
-host memory of a machine without a GPU), as ``cpu-local`` is: :func:`machine_hardware`.
+is planned with its weights in the memory of the device that computes (its GPUs, the unified memory, or the
+host memory of a machine without a GPU), as ``cpu-local`` is: :func:`machine_hardware`; its routed experts may
+be placed in host memory or on disk instead (:mod:`flashserve.plan.tiers`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from .dtypes import KV_DTYPES, WEIGHT_BYTES
 from .errors import PlanError
 from .machine import OVERRIDE_FIELDS, flag_of
+from .tiers import HOST_COMPUTE
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,10 @@ class PlanInputs:
     # machine fields set by flags (gpu_memory, gpu_bandwidth, host_memory, host_bandwidth, disk_bandwidth:
     # GiB and GB/s, see machine.OVERRIDE_FIELDS); only a machine preset or file takes them
     hardware_overrides: dict[str, float] = field(default_factory=dict)
+    # routed experts per MoE layer by tier on a machine (flashserve.plan.tiers); None, None: all on the device
+    resident_experts: int | None = None  # in the memory of the device that computes
+    host_experts: int | None = None  # in host memory beside a discrete GPU
+    host_expert_compute: str | None = None  # "cpu" (default: CPU expert kernels) or "gpu" (over the link)
 
     def resolved_context(self) -> float:
         return float(self.context) if self.context is not None else self.prompt_len + self.output_len / 2
@@ -136,6 +141,12 @@ def validate(inp: PlanInputs) -> None:
     _number(inp.prefix_hit_rate, "--prefix-hit-rate", 0.0, 1.0)
     if inp.cost_per_gpu_hour is not None:
         _number(inp.cost_per_gpu_hour, "--cost-per-gpu-hour", 0.0)
+    for flag, count in (("--resident-experts", inp.resident_experts), ("--host-experts", inp.host_experts)):
+        if count is not None:
+            _positive_int(count, flag, 0)
+    if inp.host_expert_compute is not None and inp.host_expert_compute not in HOST_COMPUTE:
+        raise PlanError("--host-expert-compute", f"unknown {inp.host_expert_compute!r}; choose one of "
+                        f"{', '.join(HOST_COMPUTE)}")
     for key, value in inp.hardware_overrides.items():
         if key not in OVERRIDE_FIELDS:
             raise PlanError(flag_of(key), f"is not a machine field; known: {', '.join(OVERRIDE_FIELDS)}")

@@ -8,6 +8,7 @@ prompts and caps the output rate when it cannot keep up. Throughput per GPU alwa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from .capacity import Capacity, capacity
@@ -20,6 +21,7 @@ from .models import resolve_model
 from .prefill import Prefill, prefill_terms
 from .roofline import DecodeStep, Deployment, decode_step
 from .stacks import resolve_stack
+from .tiers import ExpertPlacement, resolve_placement
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,8 @@ class PlanResult:
             "efficiency_profile": dep.eff.name, "stack": dep.stack,
             "speculation": self.speculation.as_dict() if self.speculation else None,
             "step": self.step.as_dict(), "prefill": self.prefill.as_dict(), "capacity": self.capacity.as_dict(),
-            **({"machine": machine_summary(dep)} if dep.hw.machine is not None else {}),
+            **({"machine": machine_summary(dep), "decode_tiers": tier_summary(self)}
+               if dep.hw.machine is not None else {}),
         }
 
 
@@ -229,19 +232,102 @@ def misfit_reasons(dep: Deployment, cap: Capacity, concurrency: int, ctx: float)
             reasons.append(f"the weights need {cap.weight_bytes_per_gpu / 1e9:,.1f} GB per GPU; "
                            f"{usable / 1e9:,.1f} GB is usable after the workspace")
         if machine is not None:
-            reasons[-1] += ("; the planner keeps every weight in the memory of the device that computes and "
-                            "does not yet place experts in host memory or on disk")
+            reasons[-1] += "; " + expert_advice(dep, cap, concurrency, ctx)
     elif concurrency > cap.sessions_fit:
         reasons.append(f"{concurrency:,} sessions at context {ctx:,.0f} need "
                        f"{cap.bytes_per_sequence / 1e9:,.3g} GB each; {cap.sessions_fit:,} fit in HBM")
+        if machine is not None:
+            reasons[-1] += _room_for_sessions(dep, cap, concurrency)
     if not cap.host_fits:
-        if machine is not None and machine.host_memory_gib is None:
+        if machine is not None and machine.host_memory_gib is None and cap.host_expert_bytes:
+            reasons.append(f"{dep.placement.host} experts per layer ({cap.host_expert_bytes / 1e9:,.1f} GB) are "
+                           f"placed in host memory and {machine.name} gives no host memory size: pass "
+                           "--host-memory GIB")
+        elif machine is not None and cap.host_expert_bytes:
+            reasons.append(host_advice(dep, cap))
+        elif machine is not None and machine.host_memory_gib is None:
             reasons.append(f"the engram tables ({cap.host_table_bytes / 1e9:,.3g} GB) live in host memory and "
                            f"{machine.name} gives no host memory size: pass --host-memory GIB")
         else:
             reasons.append(f"the host-memory tables ({cap.host_table_bytes / 1e9:,.0f} GB) exceed the host "
                            "memory of one scale-up domain")
     return reasons
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f} GB"
+
+
+def expert_advice(dep: Deployment, cap: Capacity, concurrency: int, ctx: float) -> str:
+    """What to move where when a machine's device memory cannot hold the weights: how many routed experts per
+    layer the device holds beside everything else (and ``concurrency`` sessions at ``ctx``), and where the
+    rest can go."""
+    m, hw, machine = dep.model, dep.hw, dep.hw.machine
+    assert machine is not None
+    e = m.n_experts
+    others = cap.weight_bytes_per_gpu - cap.routed_bytes_per_gpu
+    sessions = math.ceil(concurrency / dep.dp) * cap.bytes_per_sequence
+    room = hw.hbm_usable_bytes - cap.workspace_bytes_per_gpu - cap.host_table_bytes_in_device - others - sessions
+    per = cap.routed_bytes_per_expert_per_gpu
+    device = {"gpu": "each GPU", "unified": "the unified memory", "cpu": "host memory"}[machine.kind]
+    if room < per:
+        tables = cap.host_table_bytes_in_device
+        return (f"the weights other than the routed experts ({_gb(others)}), "
+                + (f"the engram tables ({_gb(tables)}, not placed on disk by the planner), " if tables else "")
+                + f"and {concurrency:,} session(s) at context {ctx:,.0f} ({sessions / 1e9:,.3g} GB) leave {device} "
+                "no room for even one routed expert per layer: fewer sessions, a shorter context, more memory or "
+                "a smaller model")
+    fit = min(int(room // per), e)
+    rest = e - fit
+    resident = dep.placement.resident if dep.placement else e
+    head = (f"{resident} routed experts per layer are {_gb(cap.routed_bytes_per_gpu)} of it and {device} holds "
+            f"{fit} of the {e} per layer ({_gb(fit * per)}) beside the other weights and {concurrency:,} session(s)")
+    rest_bytes = rest * per * dep.gpus
+    if machine.kind != "gpu":
+        return (f"{head}: keep {fit} per layer with --resident-experts {fit}; the other {rest} per layer "
+                f"({_gb(rest_bytes)}) are then read from disk" + _disk_note(machine))
+    if machine.host_memory_gib is None:
+        return (f"{head}: keep {fit} per layer on the GPU with --resident-experts {fit} and put the other {rest} "
+                f"({_gb(rest_bytes)}) in host memory (give its size with --host-memory GIB)")
+    host_room = hw.host_mem_bytes * min(dep.gpus, hw.scaleup_domain) - cap.host_table_bytes
+    in_host = max(min(int(host_room // (per * dep.gpus)), rest), 0)
+    if in_host >= rest:
+        return (f"{head}: keep {fit} per layer on the GPU with --resident-experts {fit}; the other {rest} per "
+                f"layer ({_gb(rest_bytes)}) then go to host memory")
+    return (f"{head}, and host memory holds {in_host} more per layer beside the engram tables: "
+            f"--resident-experts {fit} --host-experts {in_host} reads the other {rest - in_host} per layer "
+            f"({_gb((rest - in_host) * per * dep.gpus)}) from disk" + _disk_note(machine))
+
+
+def _room_for_sessions(dep: Deployment, cap: Capacity, concurrency: int) -> str:
+    """On a machine: how many resident experts per layer to move off the device to make room for the sessions."""
+    per = cap.routed_bytes_per_expert_per_gpu
+    resident = dep.placement.resident if dep.placement else dep.model.n_experts
+    need = math.ceil(concurrency / dep.dp) * cap.bytes_per_sequence - cap.kv_budget_bytes_per_gpu
+    move = math.ceil(need / per) if per > 0 else resident + 1
+    if move > resident:
+        return ""
+    where = "host memory" if dep.hw.machine.kind == "gpu" else "disk"
+    return (f"; moving {move} routed experts per layer off the device (--resident-experts {resident - move}, "
+            f"the others to {where}) makes room for them")
+
+
+def _disk_note(machine) -> str:
+    return "" if machine.disk_read_gbs is not None else " (give the disk's read bandwidth with --disk-bandwidth GB/S)"
+
+
+def host_advice(dep: Deployment, cap: Capacity) -> str:
+    """Why the host memory of a machine cannot hold the experts placed in it, and how many it holds."""
+    hw, pl, machine = dep.hw, dep.placement, dep.hw.machine
+    assert pl is not None and machine is not None
+    total = hw.host_mem_bytes * min(dep.gpus, hw.scaleup_domain)
+    per = cap.host_expert_bytes / pl.host
+    room = total - cap.host_table_bytes
+    fit = max(min(int(room // per), pl.host), 0)
+    tables = f" beside the engram tables ({_gb(cap.host_table_bytes)})" if cap.host_table_bytes else ""
+    return (f"{pl.host} experts per layer in host memory need {_gb(cap.host_expert_bytes)}; host memory "
+            f"({_gb(total)}) holds {fit} per layer{tables}: --resident-experts {pl.resident} --host-experts {fit} reads the other "
+            f"{pl.disk + pl.host - fit} per layer from disk" + _disk_note(machine))
 
 
 def speed_gaps(dep: Deployment) -> list[str]:
@@ -267,16 +353,31 @@ def speed_gaps(dep: Deployment) -> list[str]:
 def machine_summary(dep: Deployment) -> dict[str, object]:
     """A machine's fields as given, and what the planner does and does not do with them."""
     assert dep.hw.machine is not None
-    return {**dep.hw.machine.as_dict(), "planned": machine_planned(dep), "not_planned": machine_not_planned(dep)}
+    return {**dep.hw.machine.as_dict(), "planned": machine_planned(dep), "not_planned": machine_not_planned(dep),
+            "placement": dep.placement.as_dict() if dep.placement else None}
 
 
 def machine_planned(dep: Deployment) -> list[str]:
     """What a plan on a machine covers, in words."""
-    m = dep.hw.machine
+    m, pl = dep.hw.machine, dep.placement
     assert m is not None
     where = {"gpu": f"in the memory of {dep.gpus} GPU{'s' if dep.gpus > 1 else ''}",
              "unified": "in the unified memory", "cpu": "in host memory, computed by the CPU (as on cpu-local)"}
-    out = [f"every weight and the KV cache {where[m.kind]}"]
+    if pl is None:
+        out = [f"every weight and the KV cache {where[m.kind]}"]
+    else:
+        out = [(f"attention, dense and shared weights, the drafter, the KV cache and {pl.resident} of the "
+                f"{pl.n_experts} routed experts of each layer {where[m.kind]}")]
+        if pl.host:
+            out.append(f"{pl.host} routed experts per layer in host memory, " + (
+                "computed by CPU expert kernels at host bandwidth" if pl.host_compute == "cpu"
+                else "moved over the GPU link when selected and computed on the GPU"))
+        if pl.disk:
+            out.append(f"{pl.disk} routed experts per layer read from disk when selected (no cache credited), "
+                       "then computed as " + ("the host-memory experts are" if m.kind == "gpu"
+                                              else "the resident experts are"))
+        out.append("a selected expert is in a tier with probability (its experts per layer) / "
+                   f"{pl.n_experts} (uniform routing); the tiers' times are summed")
     if dep.model.host_params:
         out.append({"gpu": "engram rows read from host memory over the GPU's link",
                     "unified": "engram tables in the same unified memory, counted against it",
@@ -289,20 +390,66 @@ def machine_planned(dep: Deployment) -> list[str]:
 
 def machine_not_planned(dep: Deployment) -> list[str]:
     """What a plan on a machine leaves out, in words."""
-    m = dep.hw.machine
+    m, pl = dep.hw.machine, dep.placement
     assert m is not None
+    cpu_used = pl is not None and m.kind == "gpu" and pl.host + pl.disk > 0 and pl.host_compute == "cpu"
     unused = [label for label, given in (
-        ("host bandwidth", m.kind == "gpu" and m.host_bandwidth_gbs is not None),
+        ("host bandwidth", m.kind == "gpu" and m.host_bandwidth_gbs is not None and not cpu_used),
         ("CPU cores", m.cpu_cores is not None),
-        ("CPU expert-kernel throughput", m.kind != "cpu" and m.expert_tflops is not None),
-        ("disk read bandwidth", m.disk_read_gbs is not None), ("disk IOPS", m.disk_iops is not None)) if given]
-    out = [{"gpu": "experts or dense layers in host memory or streamed from disk, and CPU expert kernels beside "
-                   "the GPU",
-            "unified": "experts streamed from disk, and CPU expert kernels beside the GPU",
-            "cpu": "experts streamed from disk"}[m.kind] + ": the planner does not place weights across tiers yet"]
+        ("CPU expert-kernel throughput", m.kind != "cpu" and m.expert_tflops is not None and not cpu_used),
+        ("disk read bandwidth", m.disk_read_gbs is not None and not (pl and pl.disk)),
+        ("disk IOPS", m.disk_iops is not None)) if given]
+    out = []
+    if pl is None:
+        out.append("experts in host memory or on disk: none placed there (--resident-experts, --host-experts "
+                   "place them; docs/plan.md section 2)")
+    else:
+        out.append("prefill and TTFT: computed as if every expert were on the device")
+        out.append("a measured hit rate of an engine's expert cache, and prefetching that overlaps the tiers")
+    out.append("dense layers or the KV cache in host memory")
     if unused:
         out.append(f"{', '.join(unused)}: read from the description, not used by the prediction")
     return out
+
+
+def tier_summary(r: PlanResult) -> dict[str, object]:
+    """Per decode step on a machine: each tier's contents, bytes read, bandwidth and time, and the bottleneck.
+    The device tier's time is its whole roofline body (memory, compute and links combined); the fixed
+    per-layer and per-pass time is its own row."""
+    dep, s = r.deployment, r.step
+    m, pl = dep.hw.machine, dep.placement
+    assert m is not None
+    tokens = r.inputs.concurrency * r.accept_length  # output tokens per step, the whole machine
+    t_body = s.t_step - s.t_host - s.t_disk - s.t_overhead
+    resident = pl.resident if pl else dep.model.n_experts
+    name = {"gpu": "GPU memory", "unified": "unified memory", "cpu": "host memory"}[m.kind]
+    rows = [{"tier": name, "holds": f"attention, dense and shared weights, KV cache, {resident} of "
+             f"{dep.model.n_experts} routed experts per layer", "bytes_per_step": s.bytes_total * dep.gpus,
+             "bandwidth_gbs": dep.hw.hbm_bw / 1e9, "efficiency": dep.eff.eta_mem, "time_ms": t_body * 1e3,
+             "work": f"reads at bandwidth x eta_mem, with compute and links (step {s.bound}-bound overall)"}]
+    if pl is not None and m.kind == "gpu" and (pl.host or pl.disk):
+        cpu = pl.host_compute == "cpu"
+        rows.append({"tier": "host memory", "holds": f"{pl.host} routed experts per layer"
+                     + (f" (and the {pl.disk} per layer paged in from disk)" if pl.disk else ""),
+                     "bytes_per_step": s.bytes_host_experts,
+                     "bandwidth_gbs": (m.host_bandwidth_gbs if cpu else dep.hw.host_link_bw / 1e9),
+                     "efficiency": dep.eff.eta_mem if cpu else dep.eff.eta_comm, "time_ms": s.t_host * 1e3,
+                     "work": ("CPU expert kernels at host bandwidth x eta_mem" + (
+                         " (FLOPs at host.expert_tflops x eta_flop, the slower of the two)" if m.expert_tflops
+                         else "; host.expert_tflops not given: the CPU's FLOPs are not timed")) if cpu
+                     else "moved over the GPU link at link bandwidth x eta_comm"})
+    if pl is not None and pl.disk:
+        rows.append({"tier": "disk", "holds": f"{pl.disk} routed experts per layer",
+                     "bytes_per_step": s.bytes_disk_experts, "bandwidth_gbs": m.disk_read_gbs, "efficiency": 1.0,
+                     "time_ms": s.t_disk * 1e3, "work": "read at the disk's stated bandwidth"})
+    rows.append({"tier": "fixed", "holds": "", "bytes_per_step": 0.0, "bandwidth_gbs": None, "efficiency": None,
+                 "time_ms": s.t_overhead * 1e3, "work": "layers x layer overhead + passes x pass overhead"})
+    for row in rows:
+        row["bytes_per_token"] = row["bytes_per_step"] / tokens
+    top = max(rows, key=lambda row: row["time_ms"])
+    return {"tiers": rows, "combined": "summed", "step_time_ms": s.t_step * 1e3, "bottleneck": top["tier"],
+            "decode_tokens_per_s_per_agent": r.accept_length / s.t_step,
+            "placement": pl.as_dict() if pl else None}
 
 
 def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardware | None = None) -> Deployment:
@@ -322,10 +469,27 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
     # a stack is the default only where it was measured: datacenter presets (a machine may share a name)
     stack = resolve_stack(inp.stack, model.family, hw.name if hw.machine is None else "")
     eff = hw.efficiency.with_overrides(**{**(stack.terms if stack else {}), **inp.overrides})
+    placement = resolve_placement(inp.resident_experts, inp.host_experts, inp.host_expert_compute,
+                                  model.n_experts, hw.machine.kind if hw.machine else None, hw.name)
+    if placement is not None:
+        _check_tiers(placement, hw)
     return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
                       dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
                       dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
-                      stack=stack.name if stack else None)
+                      stack=stack.name if stack else None, placement=placement)
+
+
+def _check_tiers(pl: ExpertPlacement, hw: Hardware) -> None:
+    """A tier that holds experts needs the bandwidth it is read at."""
+    m = hw.machine
+    assert m is not None
+    if pl.disk and m.disk_read_gbs is None:
+        raise PlanError("--disk-bandwidth", f"{pl.disk} experts per layer are read from disk and {m.name} gives no "
+                        "disk read bandwidth: pass --disk-bandwidth GB/S, or disk.read_gbs in a machine file")
+    if m.kind == "gpu" and pl.host + pl.disk and pl.host_compute == "cpu" and m.host_bandwidth_gbs is None:
+        raise PlanError("--host-bandwidth", f"the CPU computes {pl.host + pl.disk} experts per layer from host "
+                        f"memory and {m.name} gives no host bandwidth: pass --host-bandwidth GB/S, or host.channels "
+                        "and host.mts in a machine file")
 
 
 def _check_machine(inp: PlanInputs, hw: Hardware) -> None:

@@ -1,6 +1,7 @@
 """One decode step on one GPU: bytes moved, FLOPs, link traffic, overheads, and the step time.
 
 step time = max(t_mem, t_flop) combined with t_comm (a fraction ``comm_overlap`` hidden, the rest added)
+            + t_host + t_disk (routed experts placed off the device of a machine: :mod:`flashserve.plan.tiers`)
             + layers × layer overhead + passes × pass overhead (+ one fixed speculative-step cost when drafting).
 All terms are per GPU of the busiest attention-DP rank (sequences are dealt round-robin; every MoE layer
 synchronises all ranks); experts are spread evenly over EP ranks.
@@ -14,7 +15,9 @@ from dataclasses import asdict, dataclass
 from .dispatch import COMBINE_BYTES, DISPATCH_BYTES
 from .dtypes import PEAK_ORDER, WEIGHT_BYTES
 from .hardware import Efficiency, Hardware
+from .machine import GB, TERA
 from .model_terms import ModelTerms, expected_distinct_experts
+from .tiers import ExpertPlacement
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Deployment:
     dense_dtype: str
     draft_tokens: int = 0
     stack: str | None = None  # serving-stack profile laid over the hardware's efficiency terms
+    placement: ExpertPlacement | None = None  # routed experts by tier on a machine (None: all on the device)
 
     @property
     def ep_link(self) -> tuple[str, float]:
@@ -68,6 +72,13 @@ class DecodeStep:
     bound: str
     t_spec_fixed: float = 0.0  # the speculative step's fixed cost (part of t_overhead)
     bytes_kv_rows: float = 0.0  # of bytes_kv: what the verification rows beyond the first gather on their own
+    # routed experts off the device (a machine's placement, flashserve.plan.tiers); whole machine, not per GPU
+    bytes_host_experts: float = 0.0  # read from host memory by the CPU kernels, or moved over the link
+    bytes_disk_experts: float = 0.0  # read from disk
+    flops_host_experts: float = 0.0  # computed by the CPU expert kernels
+    t_host: float = 0.0  # host-memory expert work: CPU kernels, or the transfer over the link
+    t_disk: float = 0.0
+    host_path: str = ""  # "cpu" or "link": who does the host tier's work ("" without one)
 
     @property
     def bytes_total(self) -> float:
@@ -91,13 +102,17 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     distinct = expected_distinct_experts(m.n_experts, m.top_k, tokens)
 
     bytes_dense = m.dense_params_decode * wb_d / dep.tp
-    bytes_experts = m.n_moe_layers * distinct * m.expert_params * wb_e / dep.gpus
+    experts_all = m.n_moe_layers * distinct * m.expert_params * wb_e  # every tier, the whole deployment
+    bytes_experts = experts_all / dep.gpus
     # an MQA/MLA latent is read by every TP rank of its sequence; sparse layers gather window and selected
     # entries per query row, so verification rows multiply them (model_terms.LayerAttention.row_bytes)
     bytes_kv = b * m.kv_read_bytes(ctx, rows)
     bytes_kv_rows = b * (rows - 1) * sum(layer.row_bytes(ctx) for layer in m.attention)
     flops_dense = 2.0 * m.dense_params_decode * b * rows / dep.tp
     flops_experts = 2.0 * m.n_moe_layers * m.top_k * m.expert_params * tokens / dep.gpus
+    tier = _tiers(dep, experts_all, flops_experts * dep.gpus)
+    if tier is not None:
+        bytes_experts, flops_experts = tier["bytes_device"], tier["flops_device"]
     flops_attn = b * rows * m.attention_flops(ctx) / dep.tp
 
     d = m.draft
@@ -144,12 +159,55 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     t_spec = eff.spec_step_overhead_us * 1e-6 if passes else 0.0  # fixed cost of a speculative step
     t_over = (layers * eff.layer_overhead_us + (1 + passes) * eff.pass_overhead_us) * 1e-6 + t_spec
     terms = {"memory": t_mem, "compute": t_flop, "communication": t_comm, "overhead": t_over}
+    t_host = t_disk = 0.0
+    if tier is not None:  # summed after the device's work: a decode stream waits for its experts
+        t_host, t_disk = tier["t_host"], tier["t_disk"]
+        terms["disk"] = t_disk
+        if tier["host_path"]:
+            terms["host" if tier["host_path"] == "cpu" else "link"] = t_host
     return DecodeStep(
         sequences_per_rank=b, rows_per_sequence=rows, distinct_experts_per_layer=distinct,
         bytes_dense=bytes_dense, bytes_experts=bytes_experts, bytes_kv=bytes_kv, bytes_draft=bytes_draft,
         flops_dense=flops_dense, flops_experts=flops_experts, flops_attention=flops_attn,
         flops_draft=flops_draft_dense + flops_draft_exp + flops_draft_attn,
         comm_bytes_ep=comm_ep, comm_bytes_tp=comm_tp, comm_bytes_host=comm_host, comm_link=link,
-        t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_body + t_over,
+        t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_body + t_host + t_disk + t_over,
         bound=max(terms, key=terms.get), t_spec_fixed=t_spec, bytes_kv_rows=bytes_kv_rows,
+        **({k: tier[k] for k in ("bytes_host_experts", "bytes_disk_experts", "flops_host_experts", "t_host",
+                                 "t_disk", "host_path")} if tier is not None else {}),
     )
+
+
+def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict | None:
+    """Split one step's routed-expert bytes and FLOPs (``experts_bytes``/``experts_flops``: every tier, the
+    whole deployment) over a machine's tiers and time the work off the device (None: no placement).
+
+    Under uniform routing a fraction resident/E of the bytes is read from device memory, host/E from host
+    memory and disk/E from disk; an expert read from disk is then computed as one in memory (host memory beside
+    a discrete GPU, the device memory otherwise). Host-memory experts are read by the CPU expert kernels at
+    host bandwidth x eta_mem (their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the
+    two), or under ``gpu`` moved over each GPU's link (its share) at link bandwidth x eta_comm and read again
+    from GPU memory. The disk is read at its stated bandwidth (no efficiency term)."""
+    pl, m, eff = dep.placement, dep.hw.machine, dep.eff
+    if pl is None or m is None:
+        return None
+    f_res, f_host, f_disk = pl.fraction("resident"), pl.fraction("host"), pl.fraction("disk")
+    disk = experts_bytes * f_disk
+    t_disk = disk / ((m.disk_read_gbs or 0.0) * GB) if disk else 0.0
+    out = {"bytes_disk_experts": disk, "t_disk": t_disk, "bytes_host_experts": 0.0, "flops_host_experts": 0.0,
+           "t_host": 0.0, "host_path": ""}
+    if m.kind != "gpu":  # pages from disk land in the memory that computes and are read there
+        out.update(bytes_device=experts_bytes * (f_res + f_disk) / dep.gpus, flops_device=experts_flops / dep.gpus)
+        return out
+    off = experts_bytes * (f_host + f_disk)
+    if pl.host_compute == "cpu":
+        t_read = off / ((m.host_bandwidth_gbs or 0.0) * GB * eff.eta_mem) if off else 0.0
+        flops_cpu = experts_flops * (f_host + f_disk)
+        t_cpu = flops_cpu / (m.expert_tflops * TERA * eff.eta_flop) if m.expert_tflops and flops_cpu else 0.0
+        out.update(bytes_device=experts_bytes * f_res / dep.gpus, flops_device=experts_flops * f_res / dep.gpus,
+                   bytes_host_experts=off, flops_host_experts=flops_cpu, t_host=max(t_read, t_cpu), host_path="cpu")
+    else:
+        t_link = off / dep.gpus / (dep.hw.host_link_bw * eff.eta_comm) if off else 0.0  # each GPU's own link
+        out.update(bytes_device=experts_bytes / dep.gpus, flops_device=experts_flops / dep.gpus,
+                   bytes_host_experts=off, t_host=t_link, host_path="link")
+    return out

@@ -232,7 +232,7 @@ def test_a_model_too_big_for_the_gpu_does_not_fit(capsys) -> None:
     out, err = capsys.readouterr()
     assert out.startswith("machine rtx-5090 (gpu, from hardware.json)")  # what was loaded, beside the refusal
     text = " ".join(err.split())
-    assert "does not fit: the weights need" in text and "does not yet place experts in host memory" in text
+    assert "does not fit: the weights need" in text and "--resident-experts" in text
     assert "tokens/s" not in out
 
 

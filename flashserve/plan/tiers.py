@@ -1,0 +1,96 @@
+"""Where a machine's routed experts live (device memory, host memory, disk) and what one decode step reads
+from each tier.
+
+Placement is per MoE layer, as the engines name it: ``resident`` experts of each layer in the memory of the
+device that computes (each GPU of a discrete machine, shared among its GPUs as EP shares them; the unified
+memory; the host memory of a machine without a GPU), ``host`` experts in host memory beside a discrete GPU,
+the remaining ``disk`` experts read from the disk when a token selects them (memory-mapped checkpoint, no
+cache credited). Attention, dense and shared weights, the drafter and the KV cache stay on the device.
+
+Routing is taken as uniform (the prior): a selected expert is in a tier with probability (experts of the layer
+in that tier) / (experts of the layer), so the distinct experts a step touches split over the tiers in those
+proportions.
+
+Host-memory experts are computed either by CPU expert kernels reading host memory (``cpu``, the default, as
+ktransformers and llama.cpp ``-ot``/``--n-cpu-moe`` do) or moved over the GPU link and computed on the GPU
+(``gpu``). An expert read from disk lands in memory first and is then computed as one held there: its bytes
+count once in the disk tier and once more in the tier that computes it (host memory under ``cpu``, the link
+under ``gpu``, the device memory on a unified or GPU-less machine).
+
+The tiers' times are summed, not overlapped: a single decode stream waits for its experts layer by layer, and
+the engines modelled here do not prefetch the next layer's routed experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+HOST_COMPUTE = ("cpu", "gpu")
+DEFAULT_HOST_COMPUTE = "cpu"
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Routed experts per MoE layer in each tier (``resident + host + disk`` = the layer's experts)."""
+
+    resident: int
+    host: int
+    disk: int
+    host_compute: str = DEFAULT_HOST_COMPUTE  # "cpu": CPU kernels at host bandwidth; "gpu": over the link
+
+    @property
+    def n_experts(self) -> int:
+        return self.resident + self.host + self.disk
+
+    def fraction(self, tier: str) -> float:
+        """Probability under uniform routing that a selected expert sits in ``tier``."""
+        return getattr(self, tier) / self.n_experts
+
+    def as_dict(self) -> dict[str, object]:
+        return {"resident_experts_per_layer": self.resident, "host_experts_per_layer": self.host,
+                "disk_experts_per_layer": self.disk, "experts_per_layer": self.n_experts,
+                "host_expert_compute": self.host_compute, "routing": "uniform prior: hit fraction = experts in "
+                "the tier / experts per layer", "tiers_combined": "summed"}
+
+
+def resolve_placement(resident: int | None, host: int | None, compute: str | None, n_experts: int,
+                      machine_kind: str | None, machine_name: str) -> ExpertPlacement | None:
+    """The placement the flags ask for (None: every expert on the device, as without the flags).
+
+    On a discrete-GPU machine ``--resident-experts N`` alone puts the rest in host memory, ``--host-experts M``
+    alone keeps the rest on the GPU, both put what is left on disk. On a unified or GPU-less machine there is
+    no separate host memory: the experts not resident are on disk."""
+    if resident is None and host is None:
+        if compute is not None:
+            raise PlanError("--host-expert-compute", "needs --resident-experts or --host-experts (with neither, "
+                            "every expert is on the device)")
+        return None
+    flag = "--resident-experts" if resident is not None else "--host-experts"
+    if machine_kind is None:
+        raise PlanError(flag, f"places experts on a machine (a machine preset or a JSON file given to --hardware); "
+                        f"on the datacenter preset {machine_name} every expert is in GPU memory")
+    for name, value in (("--resident-experts", resident), ("--host-experts", host)):
+        if value is not None and value > n_experts:
+            raise PlanError(name, f"{value} exceeds the {n_experts} routed experts of each layer")
+    if machine_kind != "gpu":
+        if host is not None:
+            raise PlanError("--host-experts", f"{machine_name} is a {machine_kind} machine: its host memory is the "
+                            "memory that computes; use --resident-experts N (the other experts are read from disk)")
+        if compute is not None:
+            raise PlanError("--host-expert-compute", f"{machine_name} has no discrete GPU: there is no host tier "
+                            "beside the device")
+        return ExpertPlacement(resident=resident or 0, host=0, disk=n_experts - (resident or 0))
+    if resident is not None and host is not None:
+        if resident + host > n_experts:
+            raise PlanError("--host-experts", f"--resident-experts {resident} + --host-experts {host} exceed the "
+                            f"{n_experts} routed experts of each layer")
+        res, hst = resident, host
+    elif resident is not None:
+        res, hst = resident, n_experts - resident
+    else:
+        assert host is not None
+        res, hst = n_experts - host, host
+    return ExpertPlacement(resident=res, host=hst, disk=n_experts - res - hst,
+                           host_compute=compute or DEFAULT_HOST_COMPUTE)
