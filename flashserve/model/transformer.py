@@ -111,7 +111,8 @@ class Transformer(nn.Module):
         return x, pre
 
     def engram_rows(self, engram: torch.Tensor | None, layer: int) -> torch.Tensor | None:
-        """Layer ``layer``'s engram row ids [B,S,lookups] from all engram layers' ``engram`` (None: not an engram layer)."""
+        """Layer ``layer``'s engram row ids [B,S,lookups] from all engram layers' ``engram`` (None: not an engram
+        layer)."""
         slot = self._engram_slot.get(layer)
         return None if slot is None else engram[:, :, slot]
 
