@@ -8,8 +8,9 @@ regions (:mod:`.regions`): the prologue, each layer's engram, attention and MoE 
 of region compiled once and its graph called directly for every layer of that kind (no guards, no argument
 gathering). The batch and page-table widths are marked dynamic, so one graph of each region serves every bucket
 from 2 and every context length (plus one for batch 1 on the CPU, and one where the MoE switches from gathered
-experts to all experts). On CUDA the whole step is recorded as a CUDA graph per input shape and replayed (``cuda_graphs``;
-:class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls each region's kernels.
+experts to all experts). On CUDA the whole step is recorded as a CUDA graph per input shape and replayed
+(``cuda_graphs``; :class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls each region's
+kernels.
 ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch does.
 """
 
