@@ -363,14 +363,22 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 
 def _published(a: argparse.Namespace) -> int:
-    from .validation import (compare_published, compare_published_prefill, compare_published_speedups,
-                             compare_switch_off)
+    from .validation import (
+        compare_published,
+        compare_published_local,
+        compare_published_prefill,
+        compare_published_speedups,
+        compare_switch_off,
+        local_bar,
+    )
 
     rows, prefill, speedups = compare_published(), compare_published_prefill(), compare_published_speedups()
     switch_off = compare_switch_off()
+    local = compare_published_local()
+    bar = local_bar(local)
     if a.json:
         print(json.dumps({"decode": rows, "prefill": prefill, "speculation": speedups,
-                          "switch_off": switch_off}, indent=1))
+                          "switch_off": switch_off, "local": local, "local_bar": bar}, indent=1))
         return 0
     for r in rows:
         gpu = f" | per GPU {r['predicted_gpu']:,.0f} vs {r['published_gpu']:,.0f} ({r['gpu_error']:+.0%})" if r["published_gpu"] else ""
@@ -386,6 +394,17 @@ def _published(a: argparse.Namespace) -> int:
         c = f"{r['predicted_crossover']:,}" if r["predicted_crossover"] else f"none up to {r['checked_up_to']:,}"
         print(f"{r['name']:32} [{r['role']:8}] drafting stops paying from {c} vs published between "
               f"{r['pays_at']:,} and {r['loses_at']:,}")
+    print("local machines (decode tokens/s over the concurrent streams):")
+    for r in local:
+        if r["predicted_decode"] is None:
+            print(f"{r['name']:36} [{r['role']:8}] published {r['published_decode']:6.1f} at C{r['concurrency']}: "
+                  f"not predicted: {r['assumptions']}")
+        else:
+            print(f"{r['name']:36} [{r['role']:8}] decode {r['predicted_decode']:6.1f} vs {r['published_decode']:6.1f} "
+                  f"at C{r['concurrency']} ({r['error']:+.0%})")
+    worst = "none" if bar["worst_held_out_error"] is None else f"{bar['worst_held_out_error']:.0%}"
+    print(f"local bar ({bar['bar']}): {'met' if bar['met'] else 'not met'}; {bar['held_out']} held out "
+          f"(worst error {worst}), {bar['fitted']} fitted, {bar['not_predicted']} not predicted")
     return 0
 
 

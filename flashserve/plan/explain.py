@@ -55,6 +55,8 @@ def _hardware_rows(r: PlanResult) -> Iterator[Row]:
              "workspace_fraction"]
     if r.speculation is not None or eff.spec_step_overhead_us:
         terms.insert(5, "spec_step_overhead_us")
+    if eff.eta_host_mem is not None:
+        terms.insert(1, "eta_host_mem")
     for term in terms:
         note = "override" if term in r.inputs.overrides else stack_src.get(
             term, src.get(f"efficiency.{eff.name}.{term}", "not measured for this stack: 0 (prior)"))

@@ -23,8 +23,9 @@ from .machine import GB, GIB, TERA, Machine, catalog_machine, read_machine_file
 
 HARDWARE_JSON = Path(__file__).with_name("hardware.json")
 MACHINE_PROFILE = "machine-prior"  # efficiency profile of a machine that names none
-OPTIONAL_TERMS = ("eta_flop_prefill", "spec_step_overhead_us")  # profile terms that may be absent (see Efficiency)
-FRACTIONS = ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction", "eta_flop_prefill")
+OPTIONAL_TERMS = ("eta_flop_prefill", "spec_step_overhead_us", "eta_host_mem")  # profile terms that may be absent (see Efficiency)
+FRACTIONS = ("eta_mem", "eta_flop", "eta_comm", "comm_overlap", "workspace_fraction", "eta_flop_prefill",
+             "eta_host_mem")
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,15 @@ class Efficiency:
     # fixed time of one speculative step beyond its layers (rejection sampling, draft/verify metadata, the
     # drafter's heads and the draft-to-verify hand-off): paid once per step whatever the batch; 0 = not known
     spec_step_overhead_us: float = 0.0
+    # host memory bandwidth reached by CPU expert kernels reading routed experts beside a discrete GPU (None:
+    # eta_mem); a machine term, absent from every datacenter profile
+    eta_host_mem: float | None = None
     name: str = ""
     fitted_on: tuple[str, ...] = ()
+
+    @property
+    def host_mem_efficiency(self) -> float:
+        return self.eta_mem if self.eta_host_mem is None else self.eta_host_mem
 
     @property
     def prefill_flop_efficiency(self) -> float:

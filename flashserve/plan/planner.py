@@ -433,8 +433,8 @@ def tier_summary(r: PlanResult) -> dict[str, object]:
                      + (f" (and the {pl.disk} per layer paged in from disk)" if pl.disk else ""),
                      "bytes_per_step": s.bytes_host_experts,
                      "bandwidth_gbs": (m.host_bandwidth_gbs if cpu else dep.hw.host_link_bw / 1e9),
-                     "efficiency": dep.eff.eta_mem if cpu else dep.eff.eta_comm, "time_ms": s.t_host * 1e3,
-                     "work": ("CPU expert kernels at host bandwidth x eta_mem" + (
+                     "efficiency": dep.eff.host_mem_efficiency if cpu else dep.eff.eta_comm, "time_ms": s.t_host * 1e3,
+                     "work": ("CPU expert kernels at host bandwidth x eta_host_mem (eta_mem without one)" + (
                          " (FLOPs at host.expert_tflops x eta_flop, the slower of the two)" if m.expert_tflops
                          else "; host.expert_tflops not given: the CPU's FLOPs are not timed")) if cpu
                      else "moved over the GPU link at link bandwidth x eta_comm"})

@@ -185,7 +185,7 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
     Under uniform routing a fraction resident/E of the bytes is read from device memory, host/E from host
     memory and disk/E from disk; an expert read from disk is then computed as one in memory (host memory beside
     a discrete GPU, the device memory otherwise). Host-memory experts are read by the CPU expert kernels at
-    host bandwidth x eta_mem (their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the
+    host bandwidth x eta_host_mem (eta_mem where the profile has none; their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the
     two), or under ``gpu`` moved over each GPU's link (its share) at link bandwidth x eta_comm and read again
     from GPU memory. The disk is read at its stated bandwidth (no efficiency term)."""
     pl, m, eff = dep.placement, dep.hw.machine, dep.eff
@@ -201,7 +201,7 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
         return out
     off = experts_bytes * (f_host + f_disk)
     if pl.host_compute == "cpu":
-        t_read = off / ((m.host_bandwidth_gbs or 0.0) * GB * eff.eta_mem) if off else 0.0
+        t_read = off / ((m.host_bandwidth_gbs or 0.0) * GB * eff.host_mem_efficiency) if off else 0.0
         flops_cpu = experts_flops * (f_host + f_disk)
         t_cpu = flops_cpu / (m.expert_tflops * TERA * eff.eta_flop) if m.expert_tflops and flops_cpu else 0.0
         out.update(bytes_device=experts_bytes * f_res / dep.gpus, flops_device=experts_flops * f_res / dep.gpus,

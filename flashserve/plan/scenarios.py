@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .inputs import PlanInputs
 
@@ -265,4 +266,90 @@ PUBLISHED_SWITCH_OFF: tuple[PublishedSwitchOff, ...] = (
         "the GB300 GPU; 2,048-token prompts assumed (speed-bench prompts, max_model_len 8,192); at 256 the "
         "1,536 verified tokens exceed the run's CUDA-graph capture size (1,024), so the upper end is partly "
         "software"),
+)
+
+
+# --------------------------------------------------------------------------- local machines (reference figures §7)
+RF7 = "docs/reference-figures.md §7"
+LOCAL_MACHINES = Path(__file__).with_name("local_machines")
+FREETOKEN_444 = "https://github.com/FlashML-org/FreeToken/issues/444"
+FREETOKEN_RESIDENT = 30  # experts per layer kept on the GPU: the issue does not state its hybrid split
+
+
+@dataclass(frozen=True)
+class PublishedLocal:
+    """A published decode speed of V4/V4.1-Flash on one local machine and the deployment the planner assumes
+    for it. ``decode`` is tokens/s summed over the ``concurrency`` streams (decode timed apart from TTFT, as the
+    reports time it). ``inputs`` is None when the planner cannot express the point; ``reason`` says why.
+    ``role``: ``fit`` (set the machine profile's host-tier term), ``held_out``, or ``not_predicted``."""
+
+    name: str
+    source: str
+    setup: str
+    decode: float
+    concurrency: int
+    role: str
+    inputs: PlanInputs | None
+    assumptions: str
+
+
+def _local_machine(name: str) -> str:
+    return str(LOCAL_MACHINES / f"{name}.json")
+
+
+def _freetoken(concurrency: int, decode: float, role: str, row: str) -> PublishedLocal:
+    return PublishedLocal(
+        f"freetoken-5090-rome-v4flash-c{concurrency}",
+        f"{RF7}: {FREETOKEN_444} (FreeToken hybrid backend, measured: {row})",
+        "V4-Flash, RTX 5090 + EPYC Rome (8-ch DDR4-3200, 251 GiB), hybrid CPU/GPU experts", decode, concurrency,
+        role,
+        PlanInputs(model="deepseek-v4-flash", hardware=_local_machine("rtx5090-epyc-rome-8ch-ddr4"), gpus=1,
+                   weight_dtype="fp4", concurrency=concurrency, resident_experts=FREETOKEN_RESIDENT),
+        f"released MXFP4 experts and FP8 dense weights; {FREETOKEN_RESIDENT} of 256 experts per layer on the GPU, "
+        "the rest computed by CPU expert kernels (the split is not published; the prediction moves under 10% "
+        "between 0 and 36 resident); prompt 1,024 and output 1,024 tokens assumed (not published)")
+
+
+def _not_predicted(name: str, setup: str, decode: float, concurrency: int, source: str, reason: str) -> PublishedLocal:
+    return PublishedLocal(name, f"{RF7}: {source}", setup, decode, concurrency, "not_predicted", None, reason)
+
+
+Q2_REASON = ("Q2 experts: the planner's expert dtypes are fp4 (MXFP4), fp8, bf16 and fp32; it has no 2-bit "
+             "expert width, and the report does not state the bits per weight of its Q2 mix")
+PUBLISHED_LOCAL: tuple[PublishedLocal, ...] = (
+    _freetoken(1, 25.7, "fit", "24.5-26.9 tok/s single stream; midpoint 25.7"),
+    _freetoken(8, 65.6, "held_out", "65.6 tok/s aggregate at 8 concurrent"),
+    _not_predicted("vllm-3090-7443p-v41-c1", "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4) + NVMe, 3.0 bpw", 19.3, 1,
+                   "0xSero/dsv41-flash-offload",
+                   "3.0 bpw experts: the planner has no 3-bit expert width; the experts' placement (GPU / host / "
+                   "NVMe) and V4.1's engram rows on NVMe are not stated per tier"),
+    _not_predicted("vllm-3090-7443p-v41-c4", "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4) + NVMe, 3.0 bpw", 26.6, 4,
+                   "0xSero/dsv41-flash-offload", "as at concurrency 1"),
+    _not_predicted("llamacpp-5975wx-2gpu-v41", "V4.1, Threadripper 5975WX + 2 GPUs, experts on CPU", 17.7, 1,
+                   "ggml-org/llama.cpp issue 28696",
+                   "the two GPUs, the memory fitted and the quantization are not stated"),
+    _not_predicted("llamacpp-dgx-spark-v41-q2k", "V4.1, one DGX Spark, Q2_K over mmap", 2.8, 1,
+                   "ggml-org/llama.cpp issue 28696", "Q2_K experts: " + Q2_REASON.split(": ", 1)[1]),
+    _not_predicted("ds4-m3-ultra-v41-q2", "V4.1, M3 Ultra 256 GB, Q2", 37.1, 1, "antirez/ds4 issue 1073", Q2_REASON),
+    _not_predicted("ds4-strix-halo-v41-q2-ssd", "V4.1, Strix Halo 128 GB, Q2, SSD streaming", 9.5, 1,
+                   "antirez/ds4 issue 1036", Q2_REASON + "; the SSD's read bandwidth is not stated either"),
+    _not_predicted("sglang-4x-dgx-spark-v41-tp4", "V4.1, 4x DGX Spark, TP4, DSpark, engram on NVMe", 39.4, 1,
+                   "0xSero/local-ai-registry issue 55",
+                   "four machines in TP4: the planner's machines are one box (no link between machines)"),
+    _not_predicted("ktransformers-5090-2x6138-v4flash", "V4-Flash, RTX 5090 + 2x Xeon Gold 6138, ktransformers", 28.0,
+                   1, "kvcache-ai/ktransformers issue 2088",
+                   "the host memory fitted and the hot experts kept on the GPU are not stated (the machine is "
+                   "described in local_machines/rtx5090-2x-xeon-gold-6138.json; the planner refuses it without "
+                   "host memory)"),
+    _not_predicted("ik-llamacpp-epyc-9v45-v4flash", "V4-Flash, EPYC 9V45, CPU only", 9.7, 1,
+                   "ikawrakow/ik_llama.cpp issue 1752",
+                   "the EPYC 9V45 is not in AMD's public product specifications: its memory channels, speed and "
+                   "cores would be invented; the quantization is not stated"),
+    _not_predicted("llamacpp-pro6000-half-cpu-v4flash",
+                   "V4-Flash, RTX PRO 6000 + 768 GB RAM, about half the expert layers on CPU", 42.4, 1,
+                   "ggml-org/llama.cpp issue 25784",
+                   "the host CPU and its memory channels are not stated: no host bandwidth for the CPU tier"),
+    _not_predicted("sglang-4x-h200-v4flash-dspark", "V4-Flash, 4x H200, DSpark, C1", 1000.0 / 1.72, 1,
+                   "sgl-project/sglang issue 33109",
+                   "the planner has no V4-Flash DSpark drafter (V4.1's stands in only for speed-up ratios)"),
 )

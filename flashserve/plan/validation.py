@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from .planner import PlanResult, plan
-from .scenarios import (PUBLISHED, PUBLISHED_PREFILL, PUBLISHED_SPEEDUP, PUBLISHED_SWITCH_OFF, PublishedPoint,
-                        PublishedPrefill, PublishedSpeedup, PublishedSwitchOff)
+from .scenarios import (
+    PUBLISHED,
+    PUBLISHED_LOCAL,
+    PUBLISHED_PREFILL,
+    PUBLISHED_SPEEDUP,
+    PUBLISHED_SWITCH_OFF,
+    PublishedLocal,
+    PublishedPoint,
+    PublishedPrefill,
+    PublishedSpeedup,
+    PublishedSwitchOff,
+)
 
 
 def predicted_per_gpu(point: PublishedPoint, res: PlanResult) -> float | None:
@@ -80,3 +90,36 @@ def compare_switch_off(points: tuple[PublishedSwitchOff, ...] = PUBLISHED_SWITCH
             "ratio_to_bracket": (c / p.loses_at if c and c > p.loses_at else (c / p.pays_at if c else None)),
         })
     return rows
+
+
+LOCAL_BAR = 0.30  # the local bar: every held-out local point within 30%, at least four of them held out
+LOCAL_MIN_HELD_OUT = 4
+
+
+def compare_published_local(points: tuple[PublishedLocal, ...] = PUBLISHED_LOCAL) -> list[dict[str, object]]:
+    """One row per local point: predicted and published decode tokens/s over the point's concurrent streams
+    (concurrency x accept length / decode step; prefill excluded, as the reports time decode apart from TTFT)
+    and the error; a point the planner cannot express has no prediction and says why."""
+    rows: list[dict[str, object]] = []
+    for p in points:
+        row: dict[str, object] = {"name": p.name, "role": p.role, "source": p.source, "setup": p.setup,
+                                  "assumptions": p.assumptions, "concurrency": p.concurrency,
+                                  "published_decode": p.decode, "predicted_decode": None, "error": None,
+                                  "hardware": None, "profile": None, "bound": None}
+        if p.inputs is not None:
+            res = plan(p.inputs)
+            pred = p.concurrency * res.accept_length / res.step.t_step
+            row.update(predicted_decode=pred, error=pred / p.decode - 1.0, hardware=p.inputs.hardware,
+                       profile=res.deployment.eff.name, bound=res.step.bound)
+        rows.append(row)
+    return rows
+
+
+def local_bar(rows: list[dict[str, object]]) -> dict[str, object]:
+    """Issue 53's bar on the local points: held-out count, worst held-out error, and whether it is met."""
+    held = [r for r in rows if r["role"] == "held_out"]
+    worst = max((abs(float(r["error"])) for r in held), default=None)  # type: ignore[arg-type]
+    met = len(held) >= LOCAL_MIN_HELD_OUT and worst is not None and worst <= LOCAL_BAR
+    return {"held_out": len(held), "fitted": sum(r["role"] == "fit" for r in rows),
+            "not_predicted": sum(r["role"] == "not_predicted" for r in rows), "worst_held_out_error": worst,
+            "bar": f"every held-out point within {LOCAL_BAR:.0%}, at least {LOCAL_MIN_HELD_OUT} held out", "met": met}

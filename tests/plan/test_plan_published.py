@@ -8,7 +8,7 @@ import pytest
 
 from flashserve.plan.calibrate import Measured, fit
 from flashserve.plan.hardware import HARDWARE_JSON, load_catalog
-from flashserve.plan.scenarios import PUBLISHED
+from flashserve.plan.scenarios import PUBLISHED, PUBLISHED_LOCAL
 from flashserve.plan.validation import compare_published
 
 ROWS = {r["name"]: r for r in compare_published()}
@@ -36,7 +36,7 @@ def test_required_points_are_all_checked() -> None:
 
 def test_profiles_document_their_fit_and_held_out_points() -> None:
     data = json.loads(HARDWARE_JSON.read_text())
-    names = {p.name: p for p in PUBLISHED}
+    names = {p.name: p for p in (*PUBLISHED, *PUBLISHED_LOCAL)}
     for profile, entry in data["efficiency"].items():
         for name in entry["fitted_on"]:
             assert names[name].role == "fit"
