@@ -367,7 +367,9 @@ class RegionalStep:
 
         self.prologue = region("prologue", _prologue, ("prologue",), 0, (model, cache), {})
         self.epilogue = region("epilogue", _epilogue, ("epilogue",), 0, (model,), {})
-        self.layers = []  # per layer: (engram region or None, attention region, MoE region)
+        # per layer: (its block, the layer whose selection it reuses or None, engram region or None, attention
+        # region, MoE region), made once: a step only looks them up
+        self.layers = []
         for i, block in enumerate(model.layers):
             engram = None if block.engram is None else region(
                 f"engram of layer {i}", _engram, kind(block, ENGRAM_PARTS), i, (model, block), owned[i][0])
@@ -375,7 +377,8 @@ class RegionalStep:
                           i, (model, cache, block), owned[i][1])
             ffn = region(f"feed-forward of layer {i}", _feed_forward, kind(block, FFN_PARTS), i, (model, block),
                          owned[i][2])
-            self.layers.append((engram, attn, ffn))
+            src = cfg.index_source(i)
+            self.layers.append((block, src if src != i else None, engram, attn, ffn))
 
     def __call__(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                  table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -395,14 +398,12 @@ class RegionalStep:
         sel: dict[int, tuple] = {}
         cand = (None, None)
         feats = []
-        for i, (eng, attn, ffn) in enumerate(self.layers):
-            block = model.layers[i]
+        for i, (block, src, eng, attn, ffn) in enumerate(self.layers):
             if i in self.capture:
                 feats.append(fp32(x).mean(-2))
             if eng is not None:  # its rows contiguous: a view's strides would be sizes of their own
                 x, = eng(i, (model, block), (x, model.engram_rows(engram, i).contiguous(), ids), key, dynamic)
-            src = cfg.index_source(i)
-            s = sel.get(src, (None, None)) if src is not None and src != i else (None, None)
+            s = sel.get(src, (None, None))
             inputs = (x, pre if shifted else None, ids, start, slots, table, *s, *cand)
             x, attn_pre, si, sv, c, cb = attn(i, (model, cache, block), inputs, key, dynamic)
             if si is not None:
