@@ -6,10 +6,11 @@ tensors. Regions of the same kind (:func:`kinds`: the same module structure, att
 and the same place among the layers that share caches and index selections) share one compiled graph. Dynamo
 traces a kind once, through its first instance (the *representative*); every other instance calls that graph with
 its own tensors in place of the representative's (:class:`RegionCall`), matched by their names within the
-instance. Cold compile time then follows the number of kinds, not of layers (docs/engine-speed.md#regions).
+instance. Cold compile time then follows the number of kinds, not of layers
+(docs/engine-speed.md#regions-one-compiled-graph-per-kind-of-layer).
 
-Every call of a planned region skips dynamo (no guards, no argument gathering): the step's regions are called as
-:class:`~.graph_call.DirectCall` calls its one graph. A region dynamo could not plan (an argument that is neither
+Every call of a planned region skips dynamo (no guards, no argument gathering): :class:`BoundCall` calls the
+compiled graph with the instance's tensors and the step's inputs. A region dynamo could not plan (an argument that is neither
 an input, a tensor of the instance, nor a tensor shared by all instances) runs through dynamo for every instance,
 which is correct but compiles each instance.
 """
