@@ -2,13 +2,15 @@
 process (pytest-xdist runs one worker per core, and two busy workers with two threads each spin-wait).
 
 Every test must leave the process as it found it, so that the suite passes in any order and in any worker:
-``torch_and_env_unchanged`` checks torch's global settings, torch's compiler configs and ``os.environ`` after
-each test. ``--reverse`` and ``--shuffle SEED`` run the collected tests in another order to show it
-(``python -m pytest tests -n 0 --shuffle 7``); every xdist worker collects the same order from the same seed."""
+``torch_and_env_unchanged`` checks torch's global settings, torch's compiler configs, ``os.environ`` and that no
+decode step still compiles in the background after each test. ``--reverse`` and ``--shuffle SEED`` run the
+collected tests in another order to show it (``python -m pytest tests -n 0 --shuffle 7``); every xdist worker
+collects the same order from the same seed."""
 
 import os
 import random
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -90,6 +92,12 @@ def torch_and_env_unchanged():
         changed.append(f"os.environ: {keys}")
     now = _torch_globals()
     changed += [f"torch {k}: {settings[k]!r} -> {now[k]!r}" for k in settings if settings[k] != now[k]]
+    # a decode step compiling in the background would go on using the CPU (and dynamo) after its test
+    compiling = [t for t in threading.enumerate() if t.name == "flashserve-compile"]
+    for t in compiling:
+        t.join(10)
+    if any(t.is_alive() for t in compiling):
+        changed.append("a decode step still compiling in the background (wait_compiled, or enforce_eager=True)")
     after = _compiler_configs()
     for name, before in configs.items():
         for k, was in before.items():

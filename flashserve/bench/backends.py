@@ -166,7 +166,10 @@ class EngineBackend:
         from ..server.engine_loop import EngineLoop
 
         # LLMEngine, or rank 0 of a sharded engine (--tensor-parallel-size, --enable-expert-parallel, ...)
-        self.loop = EngineLoop(create_engine(EngineConfig(model=self.model, **self.options)))
+        engine = create_engine(EngineConfig(model=self.model, **self.options))
+        if hasattr(engine, "wait_compiled"):  # measure the step the engine settles on, not its compile
+            await asyncio.to_thread(engine.wait_compiled)
+        self.loop = EngineLoop(engine)
         self.loop.start()
 
     @staticmethod

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, metavar="PATH", help="also write every row as JSON")
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                     help="flashserve's decode step eager, or compiled with --no-enforce-eager (default: the "
-                         "engine's, eager on the CPU)")
+                         "engine's, compiled; measured once the compile is done)")
     ap.add_argument("--contexts", type=int, nargs=2, default=[1024, 32 * 1024], metavar=("SHORT", "LONG"),
                     help="decode step time at LONG against SHORT context on tiny-v41 (default 1K and 32K)")
     ap.add_argument("--llama-cpp", action=argparse.BooleanOptionalAction, default=True,

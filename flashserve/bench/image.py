@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
 
     w, h = (int(x) for x in args.size.split("x"))
     engine = LLMEngine(EngineConfig(model="tiny-v41", kv_memory="256MiB", enable_prefix_caching=False,
-                                    max_num_batched_tokens=2048, threads=args.threads))
+                                    max_num_batched_tokens=2048, threads=args.threads,
+                                    enforce_eager=True))  # images are prefill's work, which is eager
     cfg, model = engine.model_config, engine.model
     data = _image_bytes(w, h)
     inp = load_images([data], cfg.vision, engine.image_limits)[0]

@@ -70,7 +70,8 @@ def run_once(engine, prompts: list[str], batch: int, max_tokens: int) -> dict:
     return res
 
 
-def make_engine(model: str | None, method: str, k: int, batch: int, threads: int, confidence: float = 0.0):
+def make_engine(model: str | None, method: str, k: int, batch: int, threads: int, confidence: float = 0.0,
+                enforce_eager: bool | None = None):
     from ..engine import EngineConfig, LLMEngine
     from ..models import resolve_model
 
@@ -78,9 +79,11 @@ def make_engine(model: str | None, method: str, k: int, batch: int, threads: int
                                           "disable_by_batch_size": None}
     if method == "dspark":
         spec["confidence_threshold"] = confidence
-    return LLMEngine(EngineConfig(model=resolve_model(model), max_num_seqs=max(batch, 1), threads=threads,
-                                  kv_memory="256MiB", speculative_config=spec,
-                                  max_num_batched_tokens=max(2048, batch * (k + 1))))
+    engine = LLMEngine(EngineConfig(model=resolve_model(model), max_num_seqs=max(batch, 1), threads=threads,
+                                    kv_memory="256MiB", speculative_config=spec, enforce_eager=enforce_eager,
+                                    max_num_batched_tokens=max(2048, batch * (k + 1))))
+    engine.wait_compiled()  # measured compiled where it compiles, not while it compiles in the background
+    return engine
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode eagerly (default: the engine's, compiled; measured once the compile is done)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
@@ -113,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for B in sizes:
         prompts = prompts_all[:max(B, a.num_prompts) // B * B]  # whole groups of B
-        engines = {m: make_engine(a.model, m, a.num_speculative_tokens, B, a.threads, a.confidence_threshold)
+        engines = {m: make_engine(a.model, m, a.num_speculative_tokens, B, a.threads, a.confidence_threshold,
+                                 a.enforce_eager)
                    for m in methods}
         for eng in engines.values():  # warm-up: first-call allocations out of the timing
             run_once(eng, prompts[:B], B, 4)

@@ -80,7 +80,9 @@ class LLMEngine:
                                    enable_prefix_caching=c.enable_prefix_caching,
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
-        eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
+        eager = bool(c.enforce_eager)
+        background = (c.background_compile if c.background_compile is not None
+                      else self.cache.device.type == "cpu") and not eager
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.plan = plan_execution(self.model, device=self.cache.device.type, compiled=not eager, rows=rows,
                                    int8_kernel=c.int8_kernel)
@@ -89,7 +91,7 @@ class LLMEngine:
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),
-                          streams=bool(getattr(self.drafter, "streams", False)))
+                          streams=bool(getattr(self.drafter, "streams", False)), background=background)
         if warm_up:  # a sharded engine's ranks warm up together once all are ready (their steps' collectives)
             step.warm_up()
             self.plan.finish()
@@ -318,6 +320,11 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = reason, stop_reason
             self.scheduler.finish(seq)
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the decode step's background compile, at most ``timeout`` seconds (benchmarks that measure the
+        compiled step); whether decode steps are compiled now or from the next step on."""
+        return self.runner.decode_step.wait_compiled(timeout)
+
     def shutdown(self) -> None:
         """Nothing to release beyond this process's memory (the :class:`~.interface.Engine` interface)."""
 
@@ -338,4 +345,5 @@ class LLMEngine:
             "num_preemptions": s.num_preemptions,
             "num_steps": self.num_steps,
             "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None,
+            "decode_step": self.runner.decode_step.state(),
         }

@@ -17,6 +17,7 @@ a traced forward resolves it while tracing, so a compiled step pays nothing for 
 from __future__ import annotations
 
 import functools
+import threading
 from contextlib import contextmanager
 from enum import IntEnum
 from typing import Callable, Iterator, TypeVar
@@ -33,24 +34,33 @@ EAGER, COMPILED, COMPILED_CPU = Mode.EAGER, Mode.COMPILED, Mode.COMPILED_CPU
 FALLBACK: dict[Mode, tuple[Mode, ...]] = {EAGER: (EAGER,), COMPILED: (COMPILED, EAGER),
                                           COMPILED_CPU: (COMPILED_CPU, COMPILED, EAGER)}
 
-# the mode forwards run in now, as a plain int (dynamo reads it as a guarded constant; an IntEnum index it cannot)
-_ACTIVE = [int(EAGER)]
+
+
+class _Active(threading.local):
+    """The mode forwards run in now, per thread (a decode step may compile in the background while requests are
+    served eagerly), as a plain int: dynamo reads it as a constant while tracing, without a guard, so a compiled
+    region is only ever called under the mode it was traced in (the decode step sees to that)."""
+
+    mode = int(EAGER)
+
+
+_ACTIVE = _Active()
 
 
 def active() -> Mode:
     """The mode forwards run in now (:func:`running` sets it; eager otherwise)."""
-    return Mode(_ACTIVE[0])
+    return Mode(_ACTIVE.mode)
 
 
 @contextmanager
 def running(mode: Mode) -> Iterator[None]:
-    """Run the forwards inside this block in ``mode`` (and the mode before it afterwards)."""
-    before = _ACTIVE[0]
-    _ACTIVE[0] = int(Mode(mode))
+    """Run this thread's forwards inside this block in ``mode`` (and the mode before it afterwards)."""
+    before = _ACTIVE.mode
+    _ACTIVE.mode = int(Mode(mode))
     try:
         yield
     finally:
-        _ACTIVE[0] = before
+        _ACTIVE.mode = before
 
 
 def for_step(device_type: str, compiled: bool) -> Mode:
@@ -71,7 +81,7 @@ def per_mode(eager: F) -> F:
 
     @functools.wraps(eager)
     def dispatch(*args, **kwargs):
-        return table[_ACTIVE[0]](*args, **kwargs)
+        return table[_ACTIVE.mode](*args, **kwargs)
 
     def variant(*modes: Mode) -> Callable[[F], F]:
         def register(fn: F) -> F:

@@ -42,6 +42,9 @@ class ServerMetrics:
                                           "Prompt tokens the engine has processed", labels, registry=r)
         self.engine_generation_tokens = Gauge("flashserve_engine_generation_tokens_total",
                                               "Tokens the engine has generated", labels, registry=r)
+        self.decode_compiled = Gauge("flashserve_decode_step_compiled", "1 when decode steps run the compiled step "
+                                     "(0: eager, or eager while it compiles in the background)", labels,
+                                     registry=r)
         # speculative decoding, under vLLM's counter names (engine totals, mirrored)
         self.spec = {key: Gauge(f"flashserve_spec_decode_{name}_total", help_, labels, registry=r)
                      for key, name, help_ in (
@@ -63,6 +66,7 @@ class ServerMetrics:
         self.prefix_hit.labels(m).set(g("prefix_cache_hit_rate", 0.0) or 0.0)
         self.engine_prompt_tokens.labels(m).set(g("prompt_tokens_total", 0) or 0)
         self.engine_generation_tokens.labels(m).set(g("generation_tokens_total", 0) or 0)
+        self.decode_compiled.labels(m).set(1 if g("decode_step") == "compiled" else 0)
         spec = g("spec_decode")
         if spec:
             for key, gauge in self.spec.items():

@@ -32,7 +32,8 @@ class StatsLogger:
         line = (f"engine: prompt {(prompt - self.last_prompt) / dt:.1f} tok/s, generation "
                 f"{(gen - self.last_gen) / dt:.1f} tok/s, running {stats.get('num_running', 0)}, waiting "
                 f"{stats.get('num_waiting', 0)}, kv cache {100 * (stats.get('kv_pages_used', 0) / total if total else 0):.1f}%"
-                f" used, prefix hit rate {100 * stats.get('prefix_cache_hit_rate', 0.0):.1f}%")
+                f" used, prefix hit rate {100 * stats.get('prefix_cache_hit_rate', 0.0):.1f}%"
+                + (f", decode step {stats['decode_step']}" if stats.get("decode_step") else ""))
         self.last_t, self.last_prompt, self.last_gen, self.was_busy = now, prompt, gen, busy
         log.info(line)
         return line

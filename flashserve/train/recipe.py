@@ -410,6 +410,7 @@ def engine_nll(model_dir: str | Path, chunks: list[list[int]], **engine_options)
     from ..entrypoints.llm import LLM
     from ..engine.sampling_params import SamplingParams
 
+    engine_options.setdefault("enforce_eager", True)  # prompts only: the decode step is never run
     llm = LLM(str(model_dir), **engine_options)
     outs = llm.generate([{"prompt_token_ids": c} for c in chunks],
                         SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0))

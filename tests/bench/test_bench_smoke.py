@@ -12,7 +12,8 @@ from flashserve.bench import llamacpp
 def test_bench_script_reports_medians_and_ratios(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert bench.main(["--shape", "tiny", "--quick", "--repeats", "1", "--prefill-len", "96",
-                       "--concurrency", "4", "--contexts", "64", "256", "--no-llama-cpp", "--json", str(out)]) == 0
+                       "--concurrency", "4", "--contexts", "64", "256", "--no-llama-cpp", "--enforce-eager",
+                       "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["logits_rel_diff"] < 1e-4  # the two engines run the same checkpoint to float precision
     names = [r["name"] for r in report["rows"]]

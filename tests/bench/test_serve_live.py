@@ -8,12 +8,13 @@ import pytest
 from flashserve.cli import main
 from serverproc import start_server, stop_server
 
+EAGER = ["--kv-memory", "64MiB", "--enforce-eager"]  # an in-process engine, not compiled
 SMALL = ["--num-prompts", "4", "--input-len", "24", "--output-len", "6", "--ignore-eos", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server("--max-num-seqs", "8", "--kv-memory", "64MiB")
+    srv = start_server("--max-num-seqs", "8", *EAGER)
     yield srv
     stop_server(srv)
 
@@ -88,7 +89,7 @@ def test_bad_targets_are_refused(capsys):
 
 def test_in_process_engine_sweep(tmp_path):
     sweep = tmp_path / "sweep"
-    assert main(["bench", "sweep", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--concurrency", "1,2",
+    assert main(["bench", "sweep", "--model", "tiny-v41", *SMALL, *EAGER, "--concurrency", "1,2",
                  "--out", str(sweep)]) == 0
     r = json.loads((sweep / "tiny-v41-c2.json").read_text())
     assert r["backend"] == "flashserve-engine" and r["completed"] == 4 and r["output_lens"] == [6] * 4
@@ -127,7 +128,7 @@ def test_serve_in_process_engine_starts_and_closes_it(tmp_path, capsys):
     out = tmp_path / "inproc.json"
     # prompt lookup from one token: any token seen before in the prompt or the answer gives a draft
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
-    assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--max-concurrency", "2",
+    assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, *EAGER, "--max-concurrency", "2",
                  "--speculative-config", spec, "--result-file", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["backend"] == "flashserve-engine" and r["completed"] == 4 and r["failed"] == 0
@@ -142,7 +143,7 @@ def test_serve_in_process_engine_starts_and_closes_it(tmp_path, capsys):
 def test_in_process_engine_takes_extra_body_sampling_fields(tmp_path, capsys):
     def texts(*flags: str) -> list[str]:
         out = tmp_path / "r.json"
-        assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, "--kv-memory", "64MiB", "--max-concurrency",
+        assert main(["bench", "serve", "--model", "tiny-v41", *SMALL, *EAGER, "--max-concurrency",
                      "1", "--save-detailed", "--result-file", str(out), *flags]) == 0
         r = json.loads(out.read_text())
         assert r["completed"] == 4

@@ -19,7 +19,8 @@ def test_reports_each_method_and_batch_size_over_several_prompts(tmp_path, monke
     monkeypatch.setattr(spec, "run_once", counting)
     out = tmp_path / "spec.json"
     assert spec.main(["--model", "tiny-v41", "--methods", "none,ngram", "--batch-sizes", "1,2", "--num-prompts", "3",
-                      "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+                      "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--enforce-eager",
+                      "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
     rows = {(r["batch"], r["method"]): r for r in summary["results"]}
     assert set(rows) == {(1, "none"), (1, "ngram"), (2, "none"), (2, "ngram")}

@@ -18,6 +18,8 @@ def make_engine(model, name: str, **kw):
     from flashserve.engine import EngineConfig, LLMEngine
 
     kw.setdefault("dtype", "float64")
+    kw.setdefault("enforce_eager", True)  # the compiled step only where a test asks for it, compiled at start-up
+    kw.setdefault("background_compile", False)
     kw.setdefault("kv_memory", "64MiB")  # ~900 (V4) to ~9900 (V4.1) pages: plenty, and 15x faster to set up than 1GiB
     cfg = EngineConfig(model=name, **kw)
     return LLMEngine(cfg, model=model)

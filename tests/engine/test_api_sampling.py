@@ -11,7 +11,7 @@ from flashserve.engine.tokenizer import load_tokenizer
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-v41", max_num_seqs=8)
+    return LLM("tiny-v41", max_num_seqs=8, enforce_eager=True)
 
 
 def test_generate_text_and_ids(llm):

@@ -14,7 +14,7 @@ from flashserve.config import ConfigError
 from flashserve.engine.engine_config import EngineConfig
 from flashserve.model import packed
 
-OPTS = dict(model="tiny-v41", kv_memory="8MiB", max_num_seqs=2)
+OPTS = dict(model="tiny-v41", kv_memory="8MiB", max_num_seqs=2, enforce_eager=True)
 
 
 def test_importing_the_model_times_nothing():

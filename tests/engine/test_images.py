@@ -144,7 +144,7 @@ def test_a_model_without_a_vision_tower_serves_text_and_refuses_images(models, t
 def test_offline_llm_takes_vllm_style_multimodal_prompts():
     from flashserve import LLM
 
-    llm = LLM(NAME, dtype="float64", kv_memory="16MiB", exact_prefill=True)
+    llm = LLM(NAME, dtype="float64", kv_memory="16MiB", exact_prefill=True, enforce_eager=True)
     img = Image.open(io.BytesIO(photo(9)))
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     text = f"see {PLACEHOLDER} now"

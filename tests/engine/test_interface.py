@@ -43,7 +43,8 @@ def test_one_process_engine_satisfies_the_interface():
     from flashserve.engine.engine_config import EngineConfig
     from flashserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model="tiny-v41", dtype="float32", kv_memory="8MiB", max_num_seqs=2))
+    engine = LLMEngine(EngineConfig(model="tiny-v41", dtype="float32", kv_memory="8MiB", max_num_seqs=2,
+                                    enforce_eager=True))
     assert isinstance(engine, Engine)
     assert engine.failure is None and not engine.exit_on_failure
     assert engine.reads_images == (engine.model_config.vision is not None)

@@ -63,7 +63,7 @@ def test_budget_smaller_than_batch_is_refused(models):
 
 
 def test_rejected_batch_leaves_nothing_queued():
-    llm = LLM(V41, max_model_len=64)
+    llm = LLM(V41, max_model_len=64, enforce_eager=True)
     with pytest.raises(RequestError):
         llm.generate([[5, 6, 7], [], [8, 9]], SamplingParams(max_tokens=2))
     assert not llm.engine.has_unfinished_requests()
@@ -71,7 +71,7 @@ def test_rejected_batch_leaves_nothing_queued():
 
 
 def test_bf16_engine_keeps_encoder_only_prefill():
-    llm = LLM(V41, dtype="bfloat16")
+    llm = LLM(V41, dtype="bfloat16", enforce_eager=True)
     assert llm.engine.encoder_only
     outs = llm.generate(["The quick brown fox", "jumps"], SamplingParams(max_tokens=6, temperature=0.0,
                                                                          ignore_eos=True))

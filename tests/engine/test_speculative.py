@@ -399,7 +399,7 @@ def test_a_checkpoint_that_ships_its_drafter_speculates_by_default(tmp_path, cap
     from flashserve.engine.llm_engine import LLMEngine
     from flashserve.models import default_model
 
-    kw = dict(kv_memory="16MiB", max_num_seqs=2, dtype="float32")
+    kw = dict(kv_memory="16MiB", max_num_seqs=2, dtype="float32", enforce_eager=True)
     with caplog.at_level(logging.INFO, logger="flashserve"):
         on = LLMEngine(EngineConfig(model=default_model(), **kw))
     assert (on.spec.method, on.spec.num_speculative_tokens) == ("dspark", on.model_config.dspark_block_size)

@@ -46,7 +46,7 @@ def long_ids(n: int, vocab: int) -> list[int]:
 def engine_at(model, position: int) -> LLMEngine:
     """Two running sequences ("delta" and "final_only" outputs, penalties, logprobs, a stop string) whose
     outputs reach ``position`` tokens."""
-    engine = LLMEngine(EngineConfig(model="tiny-v41", num_pages=2048, max_num_seqs=4), model=model)
+    engine = LLMEngine(EngineConfig(model="tiny-v41", num_pages=2048, max_num_seqs=4, enforce_eager=True), model=model)
     engine.runner.model = engine.runner.decode_step.model = FixedForward(model.cfg.vocab_size)
     engine.max_model_len = 10 ** 9  # the fixed forward has no position limit
     for kind in ("delta", "final_only"):
@@ -137,7 +137,7 @@ def test_kept_penalty_counts_follow_the_definition(models):
     logit / r (or * r when negative) for ids seen in the prompt or output, then minus frequency * count and
     presence * [count > 0]."""
     model = models("tiny-v41", torch.float32)
-    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=2, num_pages=16), model=model)
+    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=2, num_pages=16, enforce_eager=True), model=model)
     fixed = engine.runner.model = engine.runner.decode_step.model = FixedForward(model.cfg.vocab_size)
     prompt = [int(i) for i in fixed.logits[0, 0].topk(3).indices]  # the prompt holds the 3 likeliest ids
     freq, pres, rep, n = 0.4, 0.3, 1.5, 40

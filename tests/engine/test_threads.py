@@ -41,7 +41,7 @@ def no_loading(monkeypatch):
 
 def test_llm_threads_reach_torch():
     torch.set_num_threads(1)
-    LLM("tiny-v41", threads=2, kv_memory="16MiB")
+    LLM("tiny-v41", threads=2, kv_memory="16MiB", enforce_eager=True)
     assert torch.get_num_threads() == 2
 
 
@@ -50,14 +50,14 @@ def test_default_is_omp_num_threads_when_set(models, monkeypatch):
     the process had more."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     torch.set_num_threads(2)
-    LLMEngine(EngineConfig(model="tiny-v41", num_pages=16), model=models("tiny-v41"))
+    LLMEngine(EngineConfig(model="tiny-v41", num_pages=16, enforce_eager=True), model=models("tiny-v41"))
     assert torch.get_num_threads() == 1
 
 
 def _default_in_subprocess(prefix: list[str]) -> tuple[int, int]:
     """(the default, the threads an engine set) in a fresh process without $OMP_NUM_THREADS."""
     code = ("from flashserve.engine.threads import default_threads; import torch; from flashserve import LLM; "
-            "d = default_threads(); LLM('tiny-v41', kv_memory='8MiB', max_num_seqs=2); "
+            "d = default_threads(); LLM('tiny-v41', kv_memory='8MiB', max_num_seqs=2, enforce_eager=True); "
             "print(d, torch.get_num_threads())")
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     out = subprocess.run(prefix + [sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -123,7 +123,7 @@ def test_checkpoint_with_its_tokenizer_loads_the_map(tmp_path):
     table = model.engram_hasher.token_map.tolist()
     pad_class = expected[model.cfg.engram_pad_token_id]
     assert table == expected + [pad_class] * (model.cfg.vocab_size - len(expected))  # no class past the tokenizer
-    llm = LLM(str(path))
+    llm = LLM(str(path), enforce_eager=True)
     assert llm.engine.model.engram_hasher.token_map.tolist() == table
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
@@ -133,7 +133,7 @@ def test_class_count_mismatch_refuses_to_load(tmp_path):
     tok = byte_level_tokenizer()
     _, n = reference_map(tok)
     path = _v41_folder(tmp_path, tok, n + 1)
-    for load in (lambda: load_model(path), lambda: LLM(str(path))):
+    for load in (lambda: load_model(path), lambda: LLM(str(path), enforce_eager=True)):
         with pytest.raises(EngramMapError, match=f"gives {n} engram token classes.*is {n + 1}"):
             load()
 
@@ -186,7 +186,8 @@ def test_transformers_saved_v4_folder_loads_and_serves(tmp_path, caplog):
     ids = torch.tensor([[5, 17, 42, 99]])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
-    out = LLM(str(tmp_path)).generate(["fox"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    out = LLM(str(tmp_path), enforce_eager=True).generate(
+        ["fox"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -221,7 +222,8 @@ def test_v41_folder_without_bias_vl_and_drafters_loads_and_serves(v41_full, capl
     model.fake_quant = False
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
-    out = LLM(str(path)).generate(["fox"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    out = LLM(str(path), enforce_eager=True).generate(
+        ["fox"], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
 
 
@@ -240,7 +242,7 @@ def test_any_other_gap_still_fails_with_the_list(v41_full, dropped):
 @pytest.mark.parametrize("preset", ["tiny-v41", "tiny-v4"])
 def test_preset_is_one_model_with_or_without_drafters(preset):
     reference = dict(load_model(preset).named_parameters())
-    engine = dict(LLM(preset).engine.model.named_parameters())
+    engine = dict(LLM(preset, enforce_eager=True).engine.model.named_parameters())
     assert set(engine) < set(reference)  # the engine builds no drafters
     for name, p in engine.items():
         assert torch.equal(p, reference[name]), name

@@ -14,7 +14,7 @@ from flashserve.engine.interface import Engine
 from flashserve.engine.sampling_params import SamplingParams
 from flashserve.parallel.executor import WorkerFailure
 
-OPTS = dict(dtype="float64", kv_memory="16MiB", max_num_seqs=8, block_size=16, threads=1)
+OPTS = dict(dtype="float64", kv_memory="16MiB", max_num_seqs=8, block_size=16, threads=1, enforce_eager=True)
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SEEDED = [SamplingParams(max_tokens=4, temperature=1.0, top_k=50, seed=7 + i, ignore_eos=True) for i in range(2)]
 PREFIX = {"tiny-v4": list(range(3, 133)), "tiny-v41": list(range(3, 43))}  # a whole page to share (128, 16 tokens)

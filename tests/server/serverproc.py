@@ -52,8 +52,10 @@ def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0
     """``flashserve serve MODEL`` (``model`` None: no MODEL, the embedded default as a user starts it)."""
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="flashserve-server-", suffix=".log")
+    # the eager step unless a test asks for the compiled one (a compile is minutes of CPU on a cold cache)
+    eager = [] if any(f.endswith(("enforce-eager", "background-compile")) for f in extra) else ["--enforce-eager"]
     cmd = [sys.executable, "-m", "flashserve", "serve", *([model] if model else []), "--port", str(port),
-           "--log-level", "warning", *extra]
+           "--log-level", "warning", *eager, *extra]
     if api_key:
         cmd += ["--api-key", api_key]
     env = {**os.environ, **(env or {})}

@@ -13,7 +13,8 @@ from flashserve.server.engine_loop import EngineLoop
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=4, max_waiting=2, max_model_len=2048))
+    return LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=4, max_waiting=2, max_model_len=2048,
+                                  enforce_eager=True))
 
 
 def test_outputs_and_abort_within_one_step(engine):

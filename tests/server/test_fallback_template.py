@@ -13,7 +13,7 @@ from flashserve.server.chat_encoding import BOS, encode_plain, encode_v41
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(model="tiny-v4", max_num_seqs=4, max_model_len=1024))
+    return LLMEngine(EngineConfig(model="tiny-v4", max_num_seqs=4, max_model_len=1024, enforce_eager=True))
 
 
 def test_v4_uses_plain_template(engine):

@@ -91,7 +91,7 @@ def test_lm_eval_scores_every_doc(lm_eval_run):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(MODEL, max_model_len=1024)
+    return LLM(MODEL, max_model_len=1024, enforce_eager=True)
 
 
 def test_lm_eval_loglikelihoods_are_the_models(lm_eval_run, llm, tokenizer):

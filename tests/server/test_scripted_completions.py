@@ -34,7 +34,8 @@ _SCRIPT: dict = {}  # the token script the sampler follows (a test may swap it),
 
 @pytest.fixture(scope="module")
 def client():
-    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=8, max_num_batched_tokens=256))
+    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=8, max_num_batched_tokens=256,
+                                    enforce_eager=True))
     _SCRIPT.update(tok=engine.tokenizer, ids=engine.tokenizer.encode(SCRIPT))
 
     def scripted(logits, rows, generator=None):

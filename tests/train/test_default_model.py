@@ -47,7 +47,7 @@ def test_engine_perplexity_is_the_reported_one(report, monkeypatch):
 def test_llm_without_a_model_is_the_default():
     from flashserve import LLM, SamplingParams
 
-    llm = LLM()
+    llm = LLM(enforce_eager=True)
     assert llm.engine.config.model == default_model()
     out = llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
     assert len(out.token_ids) == 12 or out.finish_reason == "stop"
@@ -81,10 +81,10 @@ def test_shipped_drafter_is_trained_on_the_models_own_text():
 
     prompts = heldout_prompts(4)
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    spec = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 5}, threads=1)
+    spec = LLM(speculative_config={"method": "dspark", "num_speculative_tokens": 5}, threads=1, enforce_eager=True)
     outs = spec.generate(prompts, params)
     drafts = sum(o.outputs[0].spec_decode["num_drafts"] for o in outs)
     accepted = sum(o.outputs[0].spec_decode["num_accepted_tokens"] for o in outs)
     assert 1 + accepted / drafts >= 2.75
-    plain = LLM(threads=1).generate(prompts, params)
+    plain = LLM(threads=1, enforce_eager=True).generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

@@ -12,12 +12,24 @@ experts to all experts). On CUDA the whole step is recorded as a CUDA graph per 
 (``cuda_graphs``; :class:`.graph_call.CudaGraphCall`); on the CPU inductor's C++ wrapper calls each region's
 kernels.
 ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch does.
+
+A compiled step can also be compiled in the background (``background``, the CPU's default): the thread that
+serves never enters dynamo. A thread of its own runs the compiled regions once for each step *key* (bucket, rows a
+request computes, page-table width) on the cache's scratch slot and page: every bucket of one row first, then
+each key a step asks for that it has not run yet (rows to verify drafted tokens, a wider table as contexts grow;
+a new batch or rows shape compiles graphs, a new width only passes dynamo's guards). A step whose key has run
+there calls the compiled regions directly; any other runs eagerly (unpadded) and asks for its key. The forward
+mode is per thread (:mod:`flashserve.model.modes`), so the compiling thread traces the compiled implementations
+while the serving thread runs the eager ones; the thread ends when nothing is left to compile.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
+import queue
+import threading
 import time
 import types
 from typing import Callable
@@ -35,6 +47,10 @@ from .regions import HALVES, RegionalStep
 from .weight_arena import pack_weights
 
 log = logging.getLogger("flashserve.engine")
+
+# One compiling thread at a time in a process (several engines' steps may compile in the background at once; dynamo
+# compiles on one thread at a time, and two at once crashed the interpreter)
+_COMPILING = threading.Lock()
 
 # Graphs one step may compile: batch 1, every batch from 2, the MoE's switch to all experts, and again with
 # verification rows. Each step's compile keeps its own graphs (``isolate_recompiles``): by default every
@@ -82,9 +98,10 @@ class DecodeStep:
 
     def __init__(self, model, cache: KVCache, *, max_num_seqs: int, enforce_eager: bool,
                  backend: str = "inductor", cuda_graphs: bool = True, capture: tuple[int, ...] = (),
-                 streams: bool = False):
+                 streams: bool = False, background: bool = False):
         """``capture``: layers whose input features (mean over streams) the step also returns (DSpark);
-        ``streams``: return the final streams instead (V4 MTP)."""
+        ``streams``: return the final streams instead (V4 MTP); ``background``: compile on a thread of its own
+        (:meth:`warm_up` starts it), each step eager until its shape is compiled."""
         self.model, self.cache = model, cache
         self.capture, self.streams = capture, streams
         self.buckets = decode_buckets(max_num_seqs, one_row_graph=cache.device.type == "cpu")
@@ -111,6 +128,18 @@ class DecodeStep:
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
         self.regions: RegionalStep | None = None if enforce_eager else self._compile(backend)
         self.warmup_s = 0.0
+        self._started = 0.0
+        self.background = background and self.regions is not None and not self.cuda_graphs
+        # with ``background``: the step keys (bucket, rows, table width) the compiled regions serve directly,
+        # those asked for, the compiling thread's queue of keys (its unfinished tasks: not run yet), and the shapes
+        # (one request?, rows) with graphs; a failed compile leaves every key not run yet eager
+        self._ready: set[tuple[int, int, int]] = set()
+        self._asked: set[tuple[int, int, int]] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self.compiled_shapes: set[tuple[bool, int]] = set()
+        self.compile_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the queue's consumer: started by whoever queues while there is none
 
     def _compile(self, backend: str) -> RegionalStep:
         """The step's regions (:mod:`.regions`), each kind compiled with guards on the tensors it is given only.
@@ -150,8 +179,8 @@ class DecodeStep:
                             streams=self.streams)
 
     def bucket(self, n: int) -> int:
-        """Rows a batch of ``n`` requests is padded to (eager steps are not padded)."""
-        if self.enforce_eager:
+        """Rows a batch of ``n`` requests is padded to when compiled (eager steps are not padded)."""
+        if self.regions is None:
             return n
         for b in self.buckets:
             if b >= n:
@@ -163,9 +192,11 @@ class DecodeStep:
         """Pad one step's rows to their bucket; ``pages``: how many pages each request holds (table columns
         past them name the scratch page, so padding rows past a request's pages write nowhere that is read)."""
         cache, dev = self.cache, self.cache.device
-        B, Bp = len(ids), self.bucket(len(ids))
-        R = len(ids[0])
-        P = max(pages) if self.enforce_eager else max(max(pages), self.min_pages)
+        B, R = len(ids), len(ids[0])
+        Bp, P = self.bucket(B), max(max(pages), self.min_pages)
+        compiled = self._compiled_for((Bp, R, P))
+        if not compiled:
+            Bp, P = B, max(pages)
         if self.cuda_graphs:  # past the request's pages the columns name the scratch page, as padding rows do
             P = 1 << (P - 1).bit_length()
         pad = Bp - B
@@ -180,12 +211,26 @@ class DecodeStep:
         return StepInputs(
             ids=torch.tensor(ids + [[0] * R] * pad, dtype=torch.long, device=dev),
             start=torch.tensor(start + [0] * pad, dtype=torch.long, device=dev),
-            slots=slot_t, table=table)
+            slots=slot_t, table=table, compiled=compiled)
+
+    def _compiled_for(self, key: tuple[int, int, int]) -> bool:
+        """Whether a step of ``key`` (bucket, rows, table width) runs compiled; in the background, a key the
+        compiling thread has not run yet runs eagerly and is queued for it (once)."""
+        if self.regions is None:
+            return False
+        if not self.background or key in self._ready:
+            return True
+        if key not in self._asked and self.compile_error is None:
+            self._asked.add(key)
+            self._submit(key)
+        return False
 
     @torch.inference_mode()
     def __call__(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [Bp, R, V] of every row (padding rows included: the caller keeps its own), and the captured
         features [Bp, R, len(capture), D] or final streams [Bp, R, n, D] (None without either)."""
+        if not inp.compiled:
+            return self._eager(inp.ids, inp.start, inp.slots, inp.table)
         if not self.cuda_graphs:
             return self._forward(inp.ids, inp.start, inp.slots, inp.table)
         key = (*inp.ids.shape, inp.table.shape[1])
@@ -199,8 +244,6 @@ class DecodeStep:
 
     def _forward(self, ids: torch.Tensor, start: torch.Tensor, slots: torch.Tensor,
                  table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.regions is None:
-            return self._eager(ids, start, slots, table)
         with modes.running(self.mode):
             return self.regions(ids, start, slots, table)
 
@@ -218,22 +261,109 @@ class DecodeStep:
         """Compile every bucket now (on the scratch slot and page) rather than at the first request of each
         size; returns and logs the seconds it took. An eager step runs the smallest and largest batch once, so
         that what its first steps set up (the w8a8 kernels' weights, torch's own lazy state) is done before the
-        engine serves, not during its first request."""
+        engine serves, not during its first request. With ``background`` the eager warm-up runs now and the
+        buckets are queued for the compiling thread (:meth:`wait_compiled` waits for it)."""
         t0 = time.perf_counter()
-        cache = self.cache
+        if self.background:
+            for b in sorted({self.buckets[0], self.buckets[-1]}):
+                self._eager(*self._scratch((b, rows, self.min_pages)))
+            log.info("decode step (eager until compiled) warmed up in %.1f s; compiling in the background for "
+                     "batches %s: %s", time.perf_counter() - t0, self.buckets, self.regions.describe())
+            self._started = time.perf_counter()
+            for b in self.buckets:
+                self._asked.add((b, rows, self.min_pages))
+                self._submit((b, rows, self.min_pages))
+            return time.perf_counter() - t0
         if self.regions is not None:
             log.info("compiling the decode step for batches %s: %s", self.buckets, self.regions.describe())
-        for b in self.buckets if not self.enforce_eager else sorted({self.buckets[0], self.buckets[-1]}):
-            inp = StepInputs(ids=torch.zeros(b, rows, dtype=torch.long, device=cache.device),
-                             start=torch.zeros(b, dtype=torch.long, device=cache.device),
-                             slots=torch.full((b,), cache.scratch_slot, dtype=torch.long, device=cache.device),
-                             table=torch.full((b, self.min_pages), cache.scratch_page, dtype=torch.long,
-                                              device=cache.device))
+        for b in self.buckets if self.regions is not None else sorted({self.buckets[0], self.buckets[-1]}):
+            inp = StepInputs(*self._scratch((b, rows, self.min_pages)), compiled=self.regions is not None)
             for _ in range(2 if self.cuda_graphs else 1):  # compiled, then (CUDA) recorded
                 self(inp)
         self.warmup_s = time.perf_counter() - t0
-        if self.enforce_eager:
+        if self.regions is None:
             log.info("decode step (eager) warmed up in %.1f s", self.warmup_s)
         else:
             log.info("decode step compiled for buckets %s in %.1f s", self.buckets, self.warmup_s)
         return self.warmup_s
+
+    def _scratch(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+        """Inputs of ``key`` (bucket, rows, table width) on the scratch slot and page: ids, start, slots, table."""
+        b, rows, width = key
+        dev = self.cache.device
+        return (torch.zeros(b, rows, dtype=torch.long, device=dev), torch.zeros(b, dtype=torch.long, device=dev),
+                torch.full((b,), self.cache.scratch_slot, dtype=torch.long, device=dev),
+                torch.full((b, width), self.cache.scratch_page, dtype=torch.long, device=dev))
+
+    def _submit(self, key: tuple[int, int, int]) -> None:
+        """Queue ``key`` for the compiling thread, starting one if none runs."""
+        with self._lock:
+            self._queue.put(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._compile_in_background, name="flashserve-compile",
+                                                daemon=True)
+                self._thread.start()
+
+    @torch.inference_mode()  # per thread: the compiling thread's tensors must be inference tensors too
+    def _compile_in_background(self) -> None:
+        """The compiling thread: each queued key through the regions, at a lower CPU priority than the thread that
+        serves (Linux gives each thread its own nice value; the compilers it starts inherit it), one engine's
+        thread at a time (dynamo compiles on one thread at a time); it ends when the queue is empty."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):  # not Linux, or not allowed: the same priority
+            pass
+        while True:
+            with self._lock:
+                try:
+                    key = self._queue.get_nowait()
+                except queue.Empty:
+                    self._thread = None
+                    return
+            b, rows, _ = key
+            if self.compile_error is not None:  # after a failure nothing more is compiled
+                self._queue.task_done()
+                continue
+            t0 = time.perf_counter()
+            try:
+                with _COMPILING:
+                    self._forward(*self._scratch(key))
+            except BaseException as e:  # this key and every later one stay eager: slower, still correct
+                self.compile_error = e
+                self._queue.task_done()
+                log.error("compiling the decode step for a batch of %d x %d rows failed after %.1f s; steps not "
+                          "compiled yet stay eager: %s: %s", b, rows, time.perf_counter() - t0, type(e).__name__, e)
+                continue
+            if self.regions.planned():
+                self._ready.add(key)
+            else:  # each layer would go through dynamo on the serving thread: stay eager
+                log.warning("the compiled step for a batch of %d x %d rows is not planned; it stays eager", b, rows)
+            shape = (b == 1, rows)
+            new = shape not in self.compiled_shapes
+            self.compiled_shapes.add(shape)
+            self._queue.task_done()
+            if set(self.buckets) <= {k[0] for k in self._ready if k[1] == rows} and not self.warmup_s:
+                self.warmup_s = time.perf_counter() - self._started
+                log.info("decode step compiled in the background for buckets %s in %.1f s; steps of those shapes "
+                         "run compiled from now on", self.buckets, self.warmup_s)
+            elif new and self.warmup_s:
+                log.info("decode step compiled in the background for batches %s of %d rows in %.1f s",
+                         "of 1" if b == 1 else "from 2", rows, time.perf_counter() - t0)
+
+    def state(self) -> str:
+        """What decode steps run: "compiling" (in the background: a batch or rows shape asked for has no graphs
+        yet, and runs eagerly), "compiled", or "eager"."""
+        if self.regions is None:
+            return "eager"
+        if self.background and self.compile_error is None and {(k[0] == 1, k[1]) for k in self._asked} - \
+                self.compiled_shapes:
+            return "compiling"
+        return "compiled" if not self.background or self._ready else "eager"
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until the compiling thread has run every key queued so far (at most ``timeout`` seconds); whether
+        the step is compiled (for every key asked so far)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._queue.unfinished_tasks and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.02)
+        return self.regions is not None and self.compile_error is None and not self._queue.unfinished_tasks

@@ -3,6 +3,7 @@ and CUDA-graph replay of a whole step."""
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -17,11 +18,20 @@ class GraphRecorder:
     """A dynamo backend (``backend``: inductor with ``options``, or ``eager``: the graph as traced) that notes each
     call of a graph it made, so that a step can call that graph again without dynamo (:mod:`.regions`). Each graph
     takes the ``arenas`` it reads (:func:`.weight_arena.pack_weights`) instead of the weights inside them
-    (:func:`.weight_arena.regroup_inputs`); the noted arguments are the graph's own."""
+    (:func:`.weight_arena.regroup_inputs`); the noted arguments are the graph's own. Calls are noted per thread
+    (a step compiling in the background calls graphs on its own thread while steps are served)."""
 
     def __init__(self, backend: str, options: dict, arenas: list[torch.Tensor] = ()):
         self.backend, self.options, self.arenas = backend, options, list(arenas)
-        self.calls: list[tuple] = []  # (graph module, compiled graph, its arguments, its outputs) since cleared
+        self._local = threading.local()
+
+    @property
+    def calls(self) -> list[tuple]:
+        """This thread's noted calls since cleared: (graph module, compiled graph, its arguments, its outputs)."""
+        calls = getattr(self._local, "calls", None)
+        if calls is None:
+            calls = self._local.calls = []
+        return calls
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         sources = size_sources(gm)  # dynamo drops its placeholders' sources once compiled

@@ -15,3 +15,4 @@ class StepInputs:
     start: torch.Tensor  # [Bp] position of each request's first row
     slots: torch.Tensor  # [Bp] cache slot (padding: the scratch slot)
     table: torch.Tensor  # [Bp, P] page ids (padding: the scratch page)
+    compiled: bool = True  # run through the compiled regions (else eagerly, unpadded)
