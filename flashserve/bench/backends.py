@@ -167,8 +167,7 @@ class EngineBackend:
 
         # LLMEngine, or rank 0 of a sharded engine (--tensor-parallel-size, --enable-expert-parallel, ...)
         engine = create_engine(EngineConfig(model=self.model, **self.options))
-        if hasattr(engine, "wait_compiled"):  # measure the step the engine settles on, not its compile
-            await asyncio.to_thread(engine.wait_compiled)
+        await asyncio.to_thread(engine.wait_compiled)  # measure the step the engine settles on, not its compile
         self.loop = EngineLoop(engine)
         self.loop.start()
 

@@ -36,6 +36,10 @@ class Engine(Protocol):
     def step(self) -> list[RequestOutput]:
         """One schedule, forward and sampling over every running request: the outputs that moved."""
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds) for a decode step compiling in the background; whether it is
+        compiled (an eager step: False at once)."""
+
     def stats(self) -> dict:
         """Counters for /metrics and the periodic log (running, waiting, pages, tokens, speculation)."""
 

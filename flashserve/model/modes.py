@@ -35,7 +35,6 @@ FALLBACK: dict[Mode, tuple[Mode, ...]] = {EAGER: (EAGER,), COMPILED: (COMPILED, 
                                           COMPILED_CPU: (COMPILED_CPU, COMPILED, EAGER)}
 
 
-
 class _Active(threading.local):
     """The mode forwards run in now, per thread (a decode step may compile in the background while requests are
     served eagerly), as a plain int: dynamo reads it as a constant while tracing, without a guard, so a compiled

@@ -632,6 +632,10 @@ class ShardedEngine:
             load[g] += self.nseq.get(rid, 1)
         self.load = load
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """A sharded step runs eagerly (its collectives are not traced): nothing to wait for."""
+        return False
+
     def stats(self) -> dict:
         mine = self.local.stats()
         if self.layout.dp == 1 or not self._stats:

@@ -57,6 +57,9 @@ def greedy_continuations(model_dir: str | Path, prompts: list[list[int]], max_to
     from ..entrypoints.llm import LLM
     from ..engine.sampling_params import SamplingParams
 
+    # eager unless asked: the training text must not depend on when a background compile finished (compiled and
+    # eager greedy tokens agree on the tests' models, but a near tie may break either way)
+    engine_options.setdefault("enforce_eager", True)
     llm = LLM(str(model_dir), **engine_options)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     chunk = llm.engine.config.max_num_seqs  # one full batch at a time, never past the waiting queue's bound

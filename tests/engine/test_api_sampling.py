@@ -139,7 +139,8 @@ def test_detokenizer_utf8_and_stop_holdback():
 def test_cli_generate(llm, capsys):
     from flashserve.cli import main
 
-    assert main(["generate", "tiny-v41", "Hello", "--max-tokens", "5", "--temperature", "0", "--ignore-eos"]) == 0
+    assert main(["generate", "tiny-v41", "Hello", "--max-tokens", "5", "--temperature", "0", "--ignore-eos",
+                 "--enforce-eager"]) == 0
     out = capsys.readouterr()
     want = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert out.out == want.text + "\n"

@@ -434,8 +434,8 @@ def test_decode_step_does_not_sync_with_the_host(models, name, monkeypatch):
     engine = make_engine(models(name, torch.float32), name, dtype="float32")
     step = engine.runner.decode_step
     sizes = []
-    forward = step._forward
-    step._forward = _no_host_sync(lambda *a: sizes.append(a[0].shape[0]) or forward(*a), monkeypatch)
+    forward = step._eager  # the fixed-shape step, eager (make_engine's default)
+    step._eager = _no_host_sync(lambda *a: sizes.append(a[0].shape[0]) or forward(*a), monkeypatch)
     prompts = [prompt_of(n, seed=n) for n in (30, 70, 133)]
     run_greedy(engine, prompts, 8)
     assert max(sizes) == 3

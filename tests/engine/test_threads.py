@@ -103,7 +103,7 @@ def test_cli_flag_parses(command):
 def test_generate_threads_flag_sets_torch_threads(capsys):
     torch.set_num_threads(1)
     assert main(["generate", "tiny-v41", "Hello", "--max-tokens", "2", "--kv-memory", "16MiB",
-                 "--threads", "2"]) == 0
+                 "--threads", "2", "--enforce-eager"]) == 0
     assert torch.get_num_threads() == 2
 
 
@@ -111,7 +111,8 @@ def test_serve_threads_flag_reaches_the_engine():
     from flashserve.server.cli import build_engine
 
     torch.set_num_threads(1)
-    build_engine(build_parser().parse_args(["serve", "tiny-v41", "--kv-memory", "16MiB", "--threads", "2"]))
+    build_engine(build_parser().parse_args(["serve", "tiny-v41", "--kv-memory", "16MiB", "--threads", "2",
+                                            "--enforce-eager"]))
     assert torch.get_num_threads() == 2
 
 

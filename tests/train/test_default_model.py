@@ -57,7 +57,7 @@ def test_llm_without_a_model_is_the_default():
 def test_generate_command_without_a_model(capsys):
     from flashserve.cli import main
 
-    assert main(["generate", "def fibonacci(n):", "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert main(["generate", "def fibonacci(n):", "--max-tokens", "8", "--temperature", "0", "--enforce-eager"]) == 0
     assert capsys.readouterr().out.strip()
 
 
