@@ -162,5 +162,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> None:
+    """The process's entry (``flashserve``, ``python -m flashserve``): :func:`main`, then the exit. A decode step
+    still compiling in the background is inside dynamo or a compiler, and ending the interpreter under it crashed
+    (SIGSEGV, seen after Ctrl-C): such a process ends at once, its output flushed, with the command's status."""
+    import os
+    import threading
+
+    code = main()
+    if any(t.name == "flashserve-compile" and t.is_alive() for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

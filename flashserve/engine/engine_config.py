@@ -32,10 +32,10 @@ class EngineConfig:
     fake_quant: bool | None = None
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": the serving stacks' C−W rule
     threads: int | None = None  # torch intra-op threads, set at start-up (process-wide); None: engine/threads.py
-    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compiled
-    # (on the CPU compiled in the background, below; the first compile takes about 2.5 minutes on 2 cores, 20 s
-    # from inductor's disk cache after, for a 3x faster tiny-v41 step;
-    # docs/engine-speed.md#regions-one-compiled-graph-per-kind-of-layer).
+    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compiled on
+    # CUDA, eager on the CPU (the first compile takes about 2.5 minutes on 2 cores, 20 s from inductor's disk cache
+    # after, for a several times faster tiny-v41 step; the eager step serving while it compiles in the background
+    # runs at about a third of its speed: docs/engine-speed.md#compiled-in-the-background).
     enforce_eager: bool | None = None
     # Compile the decode step on a thread of its own while the engine serves with the eager step, switching to the
     # compiled step when it is done (True), or before serving (False). None: in the background on the CPU, before

@@ -80,7 +80,7 @@ class LLMEngine:
                                    enable_prefix_caching=c.enable_prefix_caching,
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
-        eager = bool(c.enforce_eager)
+        eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         background = (c.background_compile if c.background_compile is not None
                       else self.cache.device.type == "cpu") and not eager
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))

@@ -46,7 +46,8 @@ HELP = {
     "prefix_replay": "after a prefix-cache hit, rebuild window state exactly or by one window",
     "threads": f"torch intra-op threads (default: $OMP_NUM_THREADS, else one per physical core this process may "
                f"use: {default_threads()} here; a sharded engine divides them among its ranks)",
-    "enforce_eager": "decode eagerly instead of through the torch.compile'd step (default: compiled)",
+    "enforce_eager": "decode eagerly, or through the torch.compile'd step with --no-enforce-eager (default: "
+                     "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
     "background_compile": "compile the decode step on a thread of its own while serving with the eager step, and "
                           "switch when it is done (default: on the CPU, where a first compile takes minutes; on "
                           "CUDA the step is compiled and its CUDA graphs recorded before serving)",

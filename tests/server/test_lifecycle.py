@@ -4,6 +4,7 @@ served names, the API key from the environment, and a busy port found before the
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -146,10 +147,14 @@ def _as_from_a_terminal() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def test_generate_ctrl_c_exits_130_without_traceback():
+@pytest.mark.parametrize("flags", [[], ["--no-enforce-eager"]], ids=["eager", "compiling in the background"])
+def test_generate_ctrl_c_exits_130_without_traceback(flags, tmp_path):
+    """Ctrl-C during a generation ends it with the shell's 130, its output flushed, no traceback, also while the
+    decode step compiles in the background (ending the interpreter under the compiling thread crashed it)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a compile under way
     p = subprocess.Popen([sys.executable, "-m", "flashserve", "generate", MODEL, "hello", "--max-tokens", "4000",
-                          "--ignore-eos", "--temperature", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         cwd=REPO, preexec_fn=_as_from_a_terminal)
+                          "--ignore-eos", "--temperature", "0", *flags], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, cwd=REPO, preexec_fn=_as_from_a_terminal, env=env)
     try:
         assert p.stdout.read(1)  # generation is under way
         p.send_signal(signal.SIGINT)
