@@ -118,8 +118,10 @@ def main() -> int:
             during = ("" if r["decode_while_compiling"] is None
                       else f", {r['decode_while_compiling']:.1f} tok/s while compiling")
             by = "" if r["compiled_by_s"] is None else f", compiled by {r['compiled_by_s']:.0f} s"
+            settled = (f"settled {r['decode_settled']:6.1f} tok/s" if r["decode_settled"] is not None
+                       else f"not compiled for three requests in a row within {a.limit:.0f} s")
             print(f"{label:>32}: ready {r['ready_s']:5.1f} s, first token {r['first_token_s']:5.1f} s{during}{by}, "
-                  f"settled {r['decode_settled'] or 0:6.1f} tok/s", flush=True)
+                  f"{settled}", flush=True)
     eager = results["eager (no flags), warm"]["decode_settled"]
     for label in ("compiled, cold", "compiled, warm"):
         r = results[label]
