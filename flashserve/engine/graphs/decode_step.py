@@ -13,7 +13,7 @@ experts to all experts). On CUDA the whole step is recorded as a CUDA graph per 
 kernels.
 ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch does.
 
-A compiled step can also be compiled in the background (``background``, the CPU's default): the thread that
+A compiled step can also be compiled in the background (``background``, a compiled CPU step's default): the thread that
 serves never enters dynamo. A thread of its own runs the compiled regions once for each step *key* (bucket, rows a
 request computes, page-table width) on the cache's scratch slot and page: every bucket of one row first, then
 each key a step asks for that it has not run yet (rows to verify drafted tokens, a wider table as contexts grow;
