@@ -97,18 +97,18 @@ def test_verification_rows_are_compiled_when_first_asked_for(caplog):
     compiled on the thread; later steps of that shape run compiled, with the eager engine's tokens."""
     model = _model(preset_json("tiny-v41"))
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    prompt = list(range(16, 400))  # most tokens seen before: a draft at almost every step
-    expected = run_greedy(make_engine(model, "tiny-v41", dtype="float32", cache_dtype="packed", max_num_seqs=2,
-                                      speculative_config=spec), [prompt], 24)
+    prompt = list(range(16, 80)) * 2  # most tokens seen before: a draft at almost every step
+    expected = run_greedy(make_engine(model, "tiny-v41", dtype="float32", cache_dtype="packed", max_num_seqs=1,
+                                      speculative_config=spec), [prompt], 16)
     with caplog.at_level(logging.INFO, logger="flashserve.engine"):
-        engine = _engine(model, speculative_config=spec)
+        engine = _engine(model, speculative_config=spec, max_num_seqs=1)
         assert engine.wait_compiled(120)
 
         def wait_for_shape(shapes):
             if shapes and not shapes[-1][2]:
                 assert engine.wait_compiled(120)
 
-        tokens, shapes = _steps(engine, [prompt], 24, wait_for_shape)
+        tokens, shapes = _steps(engine, [prompt], 16, wait_for_shape)
     assert tokens == expected
     verifying = sorted({R for _, R, _ in shapes if R > 1})
     assert verifying and any(sum(R == r for _, R, _ in shapes) > 1 for r in verifying)
