@@ -51,6 +51,11 @@ class EngineConfig:
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "w8a8" | "fp8" |
     # "mxfp4" pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
     quantization: str | None = None
+    # A checkpoint's safetensors files memory-mapped, the tensors held as stored used where they lie (llama.cpp's
+    # default; False copies every tensor into memory, as its --no-mmap), and the weights locked in RAM (its
+    # --mlock). See flashserve.model.loader.load_model.
+    mmap: bool = True
+    mlock: bool = False
     # Eager int8 products through torch's int8 kernel ("aten") or in float chunks ("chunked"); "auto" times both
     # on this CPU at start-up (flashserve.engine.execution). Process-wide.
     int8_kernel: str = "auto"

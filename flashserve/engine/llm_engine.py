@@ -53,7 +53,8 @@ class LLMEngine:
         with_mtp = spec is not None and spec.method in ("mtp", "dspark")
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
                                                                 fake_quant=c.fake_quant, with_mtp=with_mtp,
-                                                                quantization=c.quantization)
+                                                                quantization=c.quantization, mmap=c.mmap,
+                                                                mlock=c.mlock)
         self.dtype = self.model.dtype
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg

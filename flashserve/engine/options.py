@@ -68,6 +68,9 @@ HELP = {
     "quantization": "pack float weights at load (int8, fp8, mxfp4; w8a8: int8 weights times activations "
                     "quantized per token) or unpack a packed checkpoint (float); default: as the checkpoint "
                     "stores them",
+    "mmap": "memory-map a checkpoint's safetensors files and use the tensors held as stored where they lie, read "
+            "from the disk when first touched (llama.cpp's default); --no-mmap copies every tensor into memory",
+    "mlock": "read the weights into RAM and lock them there (llama.cpp's --mlock; limited by ulimit -l)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
                           "(methods: ngram, mtp, dspark; see docs/speculative.md), off, or auto (the default: the "
                           "drafter the checkpoint ships, if any)",

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -40,6 +41,7 @@ from flashserve.config.model_config import ModelConfig
 from flashserve.config.serialize import config_to_json
 
 from . import quant
+from .mapped import MappedFiles
 from .packed import PackedSlot
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -157,6 +159,8 @@ class _Stored:
     key: str
     dtype: str  # safetensors dtype string, e.g. F8_E4M3
     shape: tuple[int, ...]
+    start: int = 0  # the data's bytes in the file: start:end
+    end: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,9 +209,10 @@ def _pickle_message(files: list[Path]) -> str:
             "safe_serialization=True)) on a machine you trust.")
 
 
-def _check_length(f: Path) -> None:
+def _check_length(f: Path) -> dict[str, tuple[int, int]]:
     """Refuse a safetensors file shorter than its header says, naming both sizes, before anything maps it (a read
-    of a mapped page past a file's end kills the process with SIGBUS)."""
+    of a mapped page past a file's end kills the process with SIGBUS). Returns each tensor's bytes in the file
+    (start, end)."""
     size = f.stat().st_size
     try:
         with f.open("rb") as handle:
@@ -217,26 +222,27 @@ def _check_length(f: Path) -> None:
         raise CheckpointError(f"cannot read the header of safetensors file {f} ({size} bytes): {exc}") from None
     if header is None:
         raise CheckpointError(f"safetensors file {f} is {size} bytes, shorter than its {n}-byte header (truncated?)")
-    ends = [v["data_offsets"][1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
-    need = 8 + n + max(ends, default=0)
+    spans = {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items()
+             if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v}
+    need = max((end for _, end in spans.values()), default=8 + n)
     if size < need:
         raise CheckpointError(f"safetensors file {f} is {size} bytes, but its header describes {need} "
                               f"({need - size} missing: truncated?)")
+    return spans
 
 
 def _read_headers(files: list[Path]) -> dict[str, _Stored]:
     """Every stored tensor's header, without reading any data."""
     headers: dict[str, _Stored] = {}
     for f in files:
-        _check_length(f)
+        spans = _check_length(f)
         try:
             with safe_open(f, framework="pt") as handle:
                 for key in handle.keys():
                     sl = handle.get_slice(key)
                     if key in headers:
                         raise CheckpointError(f"tensor {key!r} is stored twice: in {headers[key].file} and {f}")
-                    headers[key] = _Stored(f, key, sl.get_dtype(), tuple(sl.get_shape()))
+                    headers[key] = _Stored(f, key, sl.get_dtype(), tuple(sl.get_shape()), *spans.get(key, (0, 0)))
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error type for corrupt files
@@ -424,14 +430,83 @@ def _row_chunks(src: _Source, row_block: int) -> Iterator[slice | None]:
         yield slice(start, min(start + step, n_rows))
 
 
-def _fill(dest: Mapping[str, torch.Tensor], sources: Mapping[str, _Source],
-          blocks: Mapping[str, tuple[int, int]]) -> None:
-    """Copy every source into its destination, file by file, in row chunks for large tensors."""
+@dataclass
+class LoadReport:
+    """What a load did with the weights, in bytes by part of the model (the layout's parts: attention,
+    routed_expert, engram_table, ...): used where they lie in the mapped files, or copied into memory (decoded,
+    quantized, or stacked into the layout the kernels read, as the routed experts are)."""
+
+    mapped: dict[str, int] = field(default_factory=dict)
+    copied: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    locked: int = 0  # bytes locked in RAM (``--mlock``)
+
+    def add(self, mapped: bool, part: str, nbytes: int) -> None:
+        into = self.mapped if mapped else self.copied
+        into[part] = into.get(part, 0) + nbytes
+
+    def describe(self) -> str:
+        def parts(d: dict[str, int]) -> str:
+            items = sorted(d.items(), key=lambda kv: -kv[1])
+            return ", ".join(f"{p.replace('_', ' ')} {_gb(b)}" for p, b in items)
+
+        out = [f"weights loaded in {self.seconds:.2f} s: {_gb(sum(self.mapped.values()))} mapped in place"]
+        if self.mapped:
+            out[0] += f" ({parts(self.mapped)})"
+        out.append(f"{_gb(sum(self.copied.values()))} copied into memory" + (f" ({parts(self.copied)})"
+                                                                              if self.copied else ""))
+        if self.locked:
+            out.append(f"{_gb(self.locked)} locked in RAM")
+        return "; ".join(out)
+
+
+def _gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.1f} MB"
+
+
+def _bytes(target: torch.Tensor | PackedSlot) -> int:
+    if isinstance(target, PackedSlot):
+        w, i = target.weights, target.index
+        q, s = (w.qweight, w.scale) if i is None else (w.qweight[i], w.scale[i])
+        return q.numel() * q.element_size() + s.numel() * s.element_size()
+    return target.numel() * target.element_size()
+
+
+def _adopt(target: torch.Tensor | PackedSlot, src: _Source, rb: int, cb: int, maps: MappedFiles) -> bool:
+    """Make ``target`` a view of its stored bytes in the mapped file, where they are exactly what it holds: a whole
+    packed matrix in its own format, or a whole parameter or buffer of the stored dtype (not a view into a stacked
+    tensor). False where it must be copied."""
+    if src.pick is not None:
+        return False
+    w = src.weight
+    if isinstance(target, PackedSlot):
+        if src.scale is None or target.index is not None or not target.accepts(w.dtype, rb, cb):
+            return False
+        q = maps.tensor(w.file, w.dtype, w.shape, w.start, w.end)
+        s = maps.tensor(src.scale.file, src.scale.dtype, src.scale.shape, src.scale.start, src.scale.end)
+        return q is not None and s is not None and target.adopt(q, s)
+    if src.scale is not None or target._base is not None or target.device.type != "cpu":
+        return False
+    t = maps.tensor(w.file, w.dtype, w.shape, w.start, w.end)
+    if t is None or t.dtype != target.dtype or t.shape != target.shape:
+        return False
+    target.data = t
+    return True
+
+
+def _fill(dest: Mapping[str, torch.Tensor], sources: Mapping[str, _Source], blocks: Mapping[str, tuple[int, int]],
+          parts: Mapping[str, str], maps: MappedFiles | None, report: LoadReport) -> None:
+    """Give every destination its source: a view of the mapped file where it can (``maps``), else a copy, file by
+    file, in row chunks for large tensors."""
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles = _Handles(stack)
         for name, src in sorted(sources.items(), key=lambda kv: (str(kv[1].weight.file), kv[1].weight.key)):
             target = dest[name]
             rb, cb = blocks[name]
+            if maps is not None and _adopt(target, src, rb, cb, maps):
+                report.add(True, parts.get(name, "other"), _bytes(target))
+                continue
+            report.add(False, parts.get(name, "other"), _bytes(target))
             if isinstance(target, PackedSlot):
                 _fill_packed(target, src, handles, rb, cb)
                 continue
@@ -450,7 +525,8 @@ def _fill_packed(target: PackedSlot, src: _Source, handles: _Handles, rb: int, c
 
 
 def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
-                    strict: bool = True) -> dict[str, list[str]]:
+                    strict: bool = True, maps: MappedFiles | None = None,
+                    report: LoadReport | None = None) -> dict[str, list[str]]:
     """Fill ``dest`` (released name -> destination tensor, e.g. a parameter or a view into a stacked one) in place.
 
     Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
@@ -461,14 +537,19 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     stages the caller did not build) are skipped; missing and mis-shaped tensors are errors, except the
     optional parts a checkpoint may omit as a whole: those are returned ({``DRAFTERS`` | ``BIAS_VL``:
     names}) and their destinations left untouched for the caller to drop or zero.
+    With ``maps``, a destination whose stored bytes are exactly what it holds becomes a view of the mapped file
+    instead (see :func:`_adopt`); ``report`` gets the bytes mapped and copied by part.
     """
+    started = time.perf_counter()
     path = Path(path)
     files = _checkpoint_files(path)
     headers = _read_headers(files)
     scheme = detect_scheme(headers)
     by_name, omitted = _validate(dest, _sources(headers, scheme), cfg, path, scheme, strict)
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
-    _fill(dest, by_name, blocks)
+    report = LoadReport() if report is None else report
+    _fill(dest, by_name, blocks, {t.name: t.part for t in checkpoint_layout(cfg)}, maps, report)
+    report.seconds += time.perf_counter() - started
     return omitted
 
 

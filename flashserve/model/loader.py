@@ -42,13 +42,19 @@ def keep_fp32(model: torch.nn.Module) -> None:
             p.data = p.data.float()
 
 
-def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool) -> None:
-    """Load a checkpoint folder into ``model``; drop the drafters and zero ``bias_vl`` where the folder
-    leaves them out (each said once in the log)."""
-    from .checkpoint import BIAS_VL, DRAFTERS, VISION, load_checkpoint
+def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool) -> None:
+    """Load a checkpoint folder into ``model`` (mapping what it can with ``mmap``; the report is
+    ``model.load_report``); drop the drafters and zero ``bias_vl`` where the folder leaves them out (each said
+    once in the log)."""
+    from .checkpoint import BIAS_VL, DRAFTERS, VISION, LoadReport, load_checkpoint
+    from .mapped import MappedFiles
 
     dest = model.checkpoint_tensors()
-    omitted = load_checkpoint(dest, path, cfg, strict=strict)
+    maps = MappedFiles() if mmap else None
+    model.load_report = LoadReport()
+    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report)
+    if maps is not None and maps.maps:
+        model._mapped_files = maps  # the maps live as long as the model
     if DRAFTERS in omitted:
         model.mtp = None
         log.info("%s has no MTP/DSpark weights: the drafters are disabled", path)
@@ -97,7 +103,7 @@ def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | No
 
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
-               quantization: str | None = None, prepare=None) -> Transformer:
+               quantization: str | None = None, prepare=None, mmap: bool = True, mlock: bool = False) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
     ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
@@ -111,6 +117,12 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     ``prepare(model)`` (checkpoint folders only) runs on the still-empty ``meta`` model before anything is
     allocated or read: an expert-parallel rank keeps its experts there (``Experts.first``), so only their
     tensors are read from the files (the others are skipped).
+    ``mmap`` (checkpoint folders on the CPU; llama.cpp's default, ``--no-mmap`` there and here turns it off): the
+    safetensors files are memory-mapped and every tensor whose stored bytes are what the model holds (FP8 blocks
+    kept packed, float tensors of the compute dtype, engram tables) is used where it lies, read from the disk when
+    first touched; the rest (decoded or quantized weights, the routed experts stacked per layer) is copied.
+    ``mlock``: the weights' pages are read in and locked in RAM (llama.cpp's ``--mlock``); a failure (the
+    ``RLIMIT_MEMLOCK`` limit) is logged and loading goes on. ``model.load_report`` says what was mapped and copied.
     """
     from .packed import pack_model
 
@@ -138,7 +150,18 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         random_init(model, seed)
         pack_model(model, formats, quantize=True, compute_dtype=torch_dtype)
     else:
-        _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None)
+        _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None,
+                      mmap=mmap and torch.device(device).type == "cpu")
         _engram_map_from_folder(model, Path(path_or_preset))
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
+    if mlock:
+        from .mapped import lock_weights
+
+        locked, failed = lock_weights(model)
+        if failed:
+            log.warning("--mlock: %s; %d bytes locked, the rest may be paged out", failed, locked)
+        if hasattr(model, "load_report"):
+            model.load_report.locked = locked
+    if hasattr(model, "load_report"):
+        log.info("%s: %s", name, model.load_report.describe())
     return model.eval()

@@ -320,6 +320,16 @@ class PackedWeights(nn.Module):
         s_dst.copy_(s.view(torch.uint8) if s.dtype != torch.uint8 else s)
         return True
 
+    def adopt(self, q: torch.Tensor, s: torch.Tensor) -> bool:
+        """Hold a checkpoint's stored bytes themselves (views of a mapped file: no copy) when they are this format's
+        whole ``qweight`` and ``scale``; False when not."""
+        if tuple(q.shape) != tuple(self.qweight.shape) or tuple(s.shape) != tuple(self.scale.shape):
+            return False
+        if q.element_size() != 1 or s.element_size() != 1:
+            return False
+        self.qweight, self.scale = q.view(self.qweight.dtype), s.view(self.scale.dtype)
+        return True
+
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, shape={list(self.shape)}"
 
@@ -734,6 +744,10 @@ class PackedSlot:
 
     def set_stored(self, q: torch.Tensor, s: torch.Tensor) -> bool:
         return self.weights.set_stored(q, s, self.index)
+
+    def adopt(self, q: torch.Tensor, s: torch.Tensor) -> bool:
+        """Hold the stored bytes themselves (a whole matrix only: an expert's are a slice of a stacked buffer)."""
+        return self.index is None and self.weights.adopt(q, s)
 
     def set_float(self, w: torch.Tensor) -> None:
         self.weights.set_float(w, self.index)

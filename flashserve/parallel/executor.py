@@ -119,18 +119,16 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     from ..engine.spec_config import SpeculativeConfig
 
     spec = SpeculativeConfig.parse(config.speculative_config, config.model)  # drafters as LLMEngine builds them
-    # a checkpoint: an EP rank reads only its experts' tensors, engram tables are mapped, not read (presets draw
-    # every weight, the same on each rank)
+    # a checkpoint: an EP rank reads only its experts' tensors (presets draw every weight, the same on each rank)
 
     def prepare(m) -> None:
         keep_rank_experts(m, layout, rank)
-        host_engram_tables(m, config.model)
 
     model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant,
                        with_mtp=spec is not None and spec.method in ("mtp", "dspark"), quantization=config.quantization,
-                       prepare=prepare)
+                       prepare=prepare, mmap=config.mmap, mlock=config.mlock)
     shard_model(model, layout, rank, comm)
-    host_engram_tables(model, config.model)  # engram tables stay in host memory (memory-mapped from a checkpoint)
+    host_engram_tables(model)  # engram tables stay in host memory (memory-mapped from a checkpoint: --mmap)
     model.to(device)
     # collectives run eagerly: the compiled decode step does not trace this module's process-group calls
     cfg = dataclasses.replace(config, device=str(device), enforce_eager=True)

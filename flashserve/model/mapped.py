@@ -1,0 +1,87 @@
+"""Safetensors files memory-mapped: checkpoint tensors used where they lie in the file.
+
+A :class:`MappedFiles` maps each file once, privately (copy-on-write: a write changes this process's pages, never
+the file), and hands out tensors that are views of the mapping, so a tensor the model holds as stored costs no
+copy and no read at load: its pages are read from the disk (or the page cache, shared with every other process
+mapping the same file) when first touched, and the kernel may drop them again under memory pressure. The caller
+checks each file's length against its header before mapping it (:func:`flashserve.model.checkpoint._check_length`):
+touching a mapped page past the end of a file kills the process with SIGBUS.
+
+:func:`lock_weights` is llama.cpp's ``--mlock``: the weights' pages read in and locked in RAM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import resource
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# safetensors dtype -> the torch dtype a mapped view takes (FP8 and E8M0 bytes as uint8: the packed formats' own)
+DTYPES = {"F8_E4M3": torch.uint8, "F8_E8M0": torch.uint8, "U8": torch.uint8, "I8": torch.int8,
+          "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+          "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+class MappedFiles:
+    """Open private memory maps, one per file; alive while any tensor made here is."""
+
+    def __init__(self) -> None:
+        self.maps: dict[Path, mmap.mmap] = {}
+
+    def tensor(self, file: Path, dtype: str, shape: tuple[int, ...], start: int, end: int) -> torch.Tensor | None:
+        """Bytes ``start:end`` of ``file`` as a tensor of ``shape`` (no copy), or None where the dtype has no
+        mapped view or the bytes are not aligned to its element size."""
+        torch_dtype = DTYPES.get(dtype)
+        if torch_dtype is None:
+            return None
+        size = torch.empty((), dtype=torch_dtype).element_size()
+        if start % size or (end - start) % size:
+            return None
+        if file not in self.maps:
+            with open(file, "rb") as handle:
+                self.maps[file] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        if end == start:
+            return torch.empty(shape, dtype=torch_dtype)
+        flat = torch.frombuffer(self.maps[file], dtype=torch.uint8, count=end - start, offset=start)
+        return flat.view(torch_dtype).view(shape)
+
+    def nbytes(self) -> int:
+        return sum(len(m) for m in self.maps.values())
+
+
+def _libc():
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def lock_weights(model: torch.nn.Module) -> tuple[int, str | None]:
+    """Read every parameter's and buffer's pages into RAM and lock them there (``mlock``), as llama.cpp's
+    ``--mlock``. Returns (bytes locked, None) or (bytes locked before the failure, why it failed): a process may
+    lock only ``RLIMIT_MEMLOCK`` bytes unless privileged (``ulimit -l``)."""
+    libc = _libc()
+    libc.mlock.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    seen: set[tuple[int, int]] = set()
+    locked = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.device.type != "cpu" or t.is_meta:
+            continue
+        storage = t.untyped_storage()
+        span = (storage.data_ptr(), storage.nbytes())
+        if span[1] == 0 or span in seen:
+            continue
+        seen.add(span)
+        if libc.mlock(ctypes.c_void_p(span[0]), ctypes.c_size_t(span[1])) != 0:
+            err = ctypes.get_errno()
+            soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
+            return locked, (f"mlock of {span[1]} bytes failed: {os.strerror(err)} (RLIMIT_MEMLOCK {limit}; "
+                            f"raise it with `ulimit -l unlimited`, or run without --mlock)")
+        locked += span[1]
+    return locked, None

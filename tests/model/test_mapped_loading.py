@@ -1,0 +1,148 @@
+"""Mapped loading: a checkpoint's tensors held as stored are views of the memory-mapped safetensors files (no copy,
+no read at load), everything else is copied, the load report says which by part, and the model computes the same
+logits as one loaded with ``mmap=False`` (llama.cpp's ``--no-mmap``). ``mlock`` locks the weights in RAM or says
+why it could not (flashserve/model/loader.py, flashserve/model/mapped.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashserve.config import load_config
+from flashserve.model import checkpoint
+from flashserve.model.checkpoint import CheckpointError, save_checkpoint
+from flashserve.model.loader import load_model
+
+IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    """tiny-v41 in the released storage: FP8 blocks, MXFP4 experts, FP8 engram tables, BF16 embedding and head."""
+    path = tmp_path_factory.mktemp("tiny_v41_released")
+    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), path, load_config("tiny-v41"))
+    return path
+
+
+def _mapped_ranges(model) -> list[tuple[int, int]]:
+    return [(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) for m in model._mapped_files.maps.values()]
+
+
+def _in(ranges, t: torch.Tensor) -> bool:
+    return any(a <= t.data_ptr() < a + n for a, n in ranges)
+
+
+def test_tensors_held_as_stored_are_views_of_the_files_and_the_logits_are_those_of_a_copy(released, monkeypatch):
+    read: list[str] = []
+    get = checkpoint._Handles.get
+    monkeypatch.setattr(checkpoint._Handles, "get",
+                        lambda self, stored, index=None: read.append(stored.key) or get(self, stored, index))
+    mapped = load_model(released, dtype="bfloat16", with_mtp=False)
+    monkeypatch.setattr(checkpoint._Handles, "get", get)
+    copied = load_model(released, dtype="bfloat16", with_mtp=False, mmap=False)
+    with torch.inference_mode():
+        assert torch.equal(mapped(IDS).logits, copied(IDS).logits)
+
+    report, plain = mapped.load_report, copied.load_report
+    # FP8 attention blocks, FP8 engram tables, the BF16 embedding and head are used where they lie; the routed
+    # experts are stacked per layer (a copy); nothing is mapped without mmap, and both loads account for every byte
+    assert {"attention", "engram_table", "embed", "head", "shared_expert"} <= report.mapped.keys()
+    assert report.copied.keys() == {"routed_expert"} and report.copied["routed_expert"] > 0
+    assert plain.mapped == {} and sum(plain.copied.values()) == sum(report.mapped.values()) + report.copied[
+        "routed_expert"]
+    ranges = _mapped_ranges(mapped)
+    attn = mapped.layers[0].attn.wq_a.packed
+    assert _in(ranges, attn.qweight) and _in(ranges, attn.scale) and _in(ranges, mapped.embed.weight)
+    assert not _in(ranges, mapped.layers[0].ffn.experts.w1_packed.qweight)
+    # the loader read only what it copied: the mapped tensors' bytes come from the page faults of their first use
+    assert read and all(".ffn.experts." in key for key in read)
+    said = report.describe()
+    assert said.startswith("weights loaded in ") and " mapped in place (" in said and "routed expert" in said
+
+
+def test_a_write_to_a_mapped_weight_stays_in_the_process(released, tmp_path):
+    """The maps are private: changing a mapped weight in place (as a later layout step may) changes this process's
+    copy of the page, never the file."""
+    digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in released.glob("*.safetensors")}
+    model = load_model(released, dtype="bfloat16", with_mtp=False)
+    weight = model.embed.weight
+    assert _in(_mapped_ranges(model), weight)
+    with torch.no_grad():
+        weight.zero_()
+    assert weight.abs().sum() == 0
+    assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in released.glob("*.safetensors")} == digest
+    again = load_model(released, dtype="bfloat16", with_mtp=False)
+    assert again.embed.weight.abs().sum() > 0
+
+
+def test_a_truncated_shard_is_refused_before_it_is_mapped(released, tmp_path):
+    """A shard shorter than its header says is refused with the file and both sizes (a mapped page past its end
+    would kill the process with SIGBUS when touched)."""
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    for f in released.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    whole = shard.stat().st_size
+    os.truncate(shard, whole - 4096)
+    with pytest.raises(CheckpointError, match=rf"{shard.name} is {whole - 4096} bytes, but its header describes "
+                                              rf"{whole} \(4096 missing: truncated\?\)"):
+        load_model(folder, with_mtp=False)
+
+
+_MLOCK = textwrap.dedent("""
+    import resource, sys, torch
+    from flashserve.model.loader import load_model
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (hard, hard))
+    model = load_model(sys.argv[1], dtype="bfloat16", with_mtp=False, mlock=True)
+    held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
+               list(model.parameters()) + list(model.buffers()) if t.untyped_storage().nbytes()}.values())
+    print("locked", model.load_report.locked, "of", held)
+""")
+
+
+def test_mlock_locks_every_weight(released):
+    """Under the process's hard ``RLIMIT_MEMLOCK`` (8 MiB in a default container, more than tiny-v41's weights;
+    root is not bound by it) every weight's bytes are locked."""
+    done = subprocess.run([sys.executable, "-c", _MLOCK, str(released)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    locked, held = done.stdout.split("locked ")[1].split(" of ")
+    assert int(locked) == int(held) > 0 and "failed" not in done.stderr
+
+
+def test_a_failed_mlock_says_which_limit_stopped_it_and_the_load_goes_on(released, monkeypatch, caplog):
+    """``mlock`` refused (ENOMEM: over ``RLIMIT_MEMLOCK``, which binds a process without CAP_IPC_LOCK) is said
+    with the limit and how to raise it, and the model loads unlocked."""
+    import errno
+    import logging
+    import resource
+
+    from flashserve.model import mapped
+
+    class Refusing:
+        def __init__(self):
+            self.mlock = self
+
+        def __call__(self, addr, size):
+            ctypes.set_errno(errno.ENOMEM)
+            return -1
+
+    monkeypatch.setattr(mapped, "_libc", Refusing)
+    soft = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    with caplog.at_level(logging.WARNING, logger="flashserve.model.loader"):
+        model = load_model(released, dtype="bfloat16", with_mtp=False, mlock=True)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--mlock: mlock of " in said and f"failed: {os.strerror(errno.ENOMEM)} (RLIMIT_MEMLOCK " in said
+    assert ("unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes") in said
+    assert "ulimit -l unlimited" in said and model.load_report.locked == 0
+    with torch.inference_mode():
+        assert model(IDS).logits.isfinite().all()
