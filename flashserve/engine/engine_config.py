@@ -56,6 +56,11 @@ class EngineConfig:
     # --mlock). See flashserve.model.loader.load_model.
     mmap: bool = True
     mlock: bool = False
+    # Resident budget for the weights (a size such as "8GiB"; a checkpoint folder): the routed experts that do not
+    # fit are read from the files when routed, through a cache of expert slots per layer evicting by
+    # expert_cache_policy ("lru" | "lfu"); decode runs eagerly then. See flashserve.model.expert_cache.
+    weight_memory: str | int | None = None
+    expert_cache_policy: str = "lru"
     # Eager int8 products through torch's int8 kernel ("aten") or in float chunks ("chunked"); "auto" times both
     # on this CPU at start-up (flashserve.engine.execution). Process-wide.
     int8_kernel: str = "auto"

@@ -10,6 +10,7 @@ import time
 import torch
 
 from ..config import ConfigError
+from ..model.expert_cache import cache_stats
 from ..model.packed import prepare_kernels
 
 from . import preflight
@@ -54,7 +55,8 @@ class LLMEngine:
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
                                                                 fake_quant=c.fake_quant, with_mtp=with_mtp,
                                                                 quantization=c.quantization, mmap=c.mmap,
-                                                                mlock=c.mlock)
+                                                                mlock=c.mlock, weight_memory=pre.weight_bytes,
+                                                                expert_cache_policy=c.expert_cache_policy)
         self.dtype = self.model.dtype
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
@@ -82,6 +84,10 @@ class LLMEngine:
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
+        if not eager and cache_stats(self.model) is not None:
+            log.info("routed experts streamed under weight_memory: decode steps run eagerly (the expert cache "
+                     "reads experts between a layer's router and its experts)")
+            eager = True
         background = (c.background_compile if c.background_compile is not None
                       else self.cache.device.type == "cpu") and not eager
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
@@ -347,4 +353,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None,
             "decode_step": self.runner.decode_step.state(),
+            "expert_cache": cache_stats(self.model),
         }

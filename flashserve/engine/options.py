@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "prefix_replay": ("exact", "window"),
     "quantization": QUANTIZATIONS,
     "int8_kernel": INT8_KERNELS,
+    "expert_cache_policy": ("lru", "lfu"),
 }
 
 HELP = {
@@ -71,6 +72,11 @@ HELP = {
     "mmap": "memory-map a checkpoint's safetensors files and use the tensors held as stored where they lie, read "
             "from the disk when first touched (llama.cpp's default); --no-mmap copies every tensor into memory",
     "mlock": "read the weights into RAM and lock them there (llama.cpp's --mlock; limited by ulimit -l)",
+    "weight_memory": "resident memory for the weights, e.g. 8GiB: the routed experts that do not fit stay on disk "
+                     "and are read when routed, through a cache of expert slots per layer (decode runs eagerly); "
+                     "default: every weight held",
+    "expert_cache_policy": "which expert a full layer gives up under --weight-memory: the least recently used (lru) "
+                           "or the least used (lfu)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
                           "(methods: ngram, mtp, dspark; see docs/speculative.md), off, or auto (the default: the "
                           "drafter the checkpoint ships, if any)",
@@ -122,7 +128,7 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: frozenset[str] = f
         kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": HELP.get(f.name, f.name)}
         if typ is bool:
             kw["action"] = argparse.BooleanOptionalAction
-        elif f.name == "kv_memory":
+        elif f.name in ("kv_memory", "weight_memory"):
             kw["type"] = parse_size
         elif f.name == "speculative_config":
             kw["type"], kw["metavar"] = parse_speculative, "JSON"

@@ -53,6 +53,7 @@ class Preflight:
     model_config: ModelConfig
     max_model_len: int
     kv_bytes: int
+    weight_bytes: int | None  # the weights' resident budget (weight_memory), None: every weight held
     page_tokens: int
     page_bytes: int
     num_pages: int
@@ -65,6 +66,20 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
         kv_bytes = parse_size(c.kv_memory)
     except ValueError as e:
         raise ConfigError(f"kv_memory: {e}") from None
+    try:
+        weight_bytes = None if c.weight_memory is None else parse_size(c.weight_memory)
+    except ValueError as e:
+        raise ConfigError(f"weight_memory: {e}") from None
+    if c.expert_cache_policy not in ("lru", "lfu"):
+        raise ConfigError(f"expert_cache_policy: must be lru or lfu, got {c.expert_cache_policy!r}")
+    if weight_bytes is not None:
+        from ..config.presets import PRESET_JSON
+
+        if str(c.model) in PRESET_JSON:
+            raise ConfigError(f"weight_memory: streams the routed experts from a checkpoint folder; {c.model!r} is a "
+                              "preset (its weights are drawn in memory)")
+        if c.tensor_parallel_size * c.data_parallel_size > 1:
+            raise ConfigError("weight_memory: streams the routed experts in one process, not in a sharded engine")
     if c.tokenizer is not None and not (Path(c.tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(f"tokenizer: {c.tokenizer!r} is not a folder holding a tokenizer.json")
     if c.compile_cache is not None:
@@ -78,7 +93,7 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
     max_model_len = c.max_model_len or limit
     page_tokens, page_bytes = _page_size(cfg, c)
     num_pages = c.num_pages or max(1, kv_bytes // page_bytes)
-    pre = Preflight(cfg, max_model_len, kv_bytes, page_tokens, page_bytes, num_pages)
+    pre = Preflight(cfg, max_model_len, kv_bytes, weight_bytes, page_tokens, page_bytes, num_pages)
     if c.num_pages is None:  # an explicit page count is a test's deliberately small cache
         _check_fits(pre)
     return pre

@@ -41,7 +41,7 @@ from flashserve.config.model_config import ModelConfig
 from flashserve.config.serialize import config_to_json
 
 from . import quant
-from .mapped import MappedFiles
+from .mapped import DTYPES, FileReader, MappedFiles
 from .packed import PackedSlot
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -305,7 +305,7 @@ def _omitted(dest: Mapping[str, torch.Tensor], present: Iterable[str], cfg: Mode
 
 
 def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: ModelConfig, path: Path,
-              scheme: str, strict: bool) -> tuple[dict[str, _Source], dict[str, list[str]]]:
+              scheme: str, strict: bool, streamed: bool = False) -> tuple[dict[str, _Source], dict[str, list[str]]]:
     """Match checkpoint tensors to ``dest``; raise one CheckpointError listing every problem. Returns the
     matches and the optional parts the checkpoint omits as a whole (see :func:`_omitted`)."""
     layout_names = {t.name for t in checkpoint_layout(cfg)}
@@ -317,7 +317,7 @@ def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: Mod
         stored_as = "" if src.weight.key == src.name else f"stored as {src.weight.key} "
         where = f"{stored_as}in {src.weight.file.name}"
         if src.name not in dest:
-            if strict:
+            if strict and not (streamed and routed_expert(src.name)):
                 unexpected.append(f"{src.name} ({where})")
             continue
         if src.name in by_name:
@@ -524,9 +524,50 @@ def _fill_packed(target: PackedSlot, src: _Source, handles: _Handles, rb: int, c
     target.set_float(_decode(src, handles, None, rb, cb, torch.float32))
 
 
+_ROUTED = re.compile(r"^(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>w[123])\.weight$")
+
+
+def routed_expert(name: str) -> tuple[str, int, str] | None:
+    """(experts module path, expert, projection) of a released routed-expert name, e.g.
+    ``layers.3.ffn.experts.17.w2.weight`` -> ``("layers.3.ffn.experts", 17, "w2")``; None for other names."""
+    m = _ROUTED.match(name)
+    return None if m is None else (m["module"], int(m["expert"]), m["proj"])
+
+
+def _expert_reader(src: _Source, rb: int, cb: int, files: FileReader):
+    """A reader of one stored expert projection into a slot of a layer's experts (see
+    :mod:`flashserve.model.expert_cache`): its stored bytes as they are where the slot holds that format (MXFP4
+    bytes and scales, float of the same dtype), read with ``pread``; decoded and quantized otherwise."""
+    stored = src.weight.end - src.weight.start + (0 if src.scale is None else src.scale.end - src.scale.start)
+
+    def read(experts, name: str, slot: int) -> int:
+        packed = getattr(experts, f"{name}_packed", None)
+        if packed is not None:
+            target = PackedSlot(packed, slot)
+            q, s = packed.qweight[slot], packed.scale[slot]
+            if (src.scale is not None and src.pick is None and target.accepts(src.weight.dtype, rb, cb)
+                    and tuple(src.weight.shape) == tuple(q.shape) and tuple(src.scale.shape) == tuple(s.shape)):
+                return (files.read_into(src.weight.file, src.weight.start, src.weight.end, q)
+                        + files.read_into(src.scale.file, src.scale.start, src.scale.end, s))
+        else:
+            target = getattr(experts, name)[slot]
+            if (src.scale is None and src.pick is None and DTYPES.get(src.weight.dtype) == target.dtype
+                    and tuple(src.weight.shape) == tuple(target.shape)):
+                return files.read_into(src.weight.file, src.weight.start, src.weight.end, target)
+        with contextlib.ExitStack() as stack:
+            value = _decode(src, _Handles(stack), None, rb, cb, target.dtype)
+        if isinstance(target, PackedSlot):
+            target.set_float(value)
+        else:
+            target.copy_(value)
+        return stored
+
+    return read
+
+
 def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
                     strict: bool = True, maps: MappedFiles | None = None,
-                    report: LoadReport | None = None) -> dict[str, list[str]]:
+                    report: LoadReport | None = None, stream: dict | None = None) -> dict[str, list[str]]:
     """Fill ``dest`` (released name -> destination tensor, e.g. a parameter or a view into a stacked one) in place.
 
     Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
@@ -538,15 +579,24 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     optional parts a checkpoint may omit as a whole: those are returned ({``DRAFTERS`` | ``BIAS_VL``:
     names}) and their destinations left untouched for the caller to drop or zero.
     With ``maps``, a destination whose stored bytes are exactly what it holds becomes a view of the mapped file
-    instead (see :func:`_adopt`); ``report`` gets the bytes mapped and copied by part.
+    instead (see :func:`_adopt`); ``report`` gets the bytes mapped and copied by part. With ``stream`` (a dict),
+    every routed expert's projection in the checkpoint, in ``dest`` or not, gets a reader there (released name ->
+    ``read(experts, projection, slot)``, :mod:`flashserve.model.expert_cache`), and those ``dest`` lacks are
+    expected.
     """
     started = time.perf_counter()
     path = Path(path)
     files = _checkpoint_files(path)
     headers = _read_headers(files)
     scheme = detect_scheme(headers)
-    by_name, omitted = _validate(dest, _sources(headers, scheme), cfg, path, scheme, strict)
+    sources = _sources(headers, scheme)
+    by_name, omitted = _validate(dest, sources, cfg, path, scheme, strict, streamed=stream is not None)
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
+    if stream is not None:
+        experts = {src.name: src for src in sources if routed_expert(src.name)}
+        files = FileReader()
+        for name, (rb, cb) in _plan_blocks(experts, cfg.quantization.weight_block_size, path).items():
+            stream[name] = _expert_reader(experts[name], rb, cb, files)
     report = LoadReport() if report is None else report
     _fill(dest, by_name, blocks, {t.name: t.part for t in checkpoint_layout(cfg)}, maps, report)
     report.seconds += time.perf_counter() - started

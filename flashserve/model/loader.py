@@ -42,7 +42,67 @@ def keep_fp32(model: torch.nn.Module) -> None:
             p.data = p.data.float()
 
 
-def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool) -> None:
+def _slotted_experts(model: Transformer, budget: int) -> int | None:
+    """Slots per layer for the routed experts under a resident budget of ``budget`` bytes for the weights (the
+    other weights held whole), None when every expert fits; on the still-empty ``meta`` model, whose experts are
+    cut to that many slots. Raises ConfigError when not even the router's top-k fit."""
+    from .moe import MoE
+    from .packed import PackedExperts, PackedWeights
+
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        return None
+    ex = layers[0].experts
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    every = sum(t.numel() * t.element_size() for t in tensors.values())
+    per_expert = sum(t.numel() * t.element_size() for m in layers for t in
+                     list(m.experts.parameters()) + list(m.experts.buffers()) if t.dim() >= 3) // ex.n_experts
+    other = every - per_expert * ex.n_experts
+    top_k = max(m.gate.top_k for m in layers)
+    slots = (budget - other) // per_expert if budget > other else 0
+    if slots < top_k:
+        need = other + per_expert * top_k
+        raise ConfigError(f"weight memory {budget} bytes cannot hold this model: its weights other than the routed "
+                          f"experts take {other} bytes, and each of its {len(layers)} MoE layers needs at least "
+                          f"{top_k} experts' slots ({per_expert // len(layers)} bytes an expert); give at least "
+                          f"{need} bytes ({need / 2**30:.2f} GiB)")
+    if slots >= ex.n_experts:
+        return None
+    with torch.device("meta"):
+        for m in layers:
+            e = m.experts
+            if isinstance(e, PackedExperts):
+                for name in ("w1", "w2", "w3"):
+                    p = getattr(e, f"{name}_packed")
+                    setattr(e, f"{name}_packed", PackedWeights((slots, *p.shape[1:]), p.fmt))
+            else:
+                for name in ("w1", "w2", "w3"):
+                    w = getattr(e, name)
+                    setattr(e, name, torch.nn.Parameter(torch.empty(slots, *w.shape[1:], dtype=w.dtype)))
+            e.n_experts = slots
+    return slots
+
+
+def _attach_expert_caches(model: Transformer, stream: dict, policy: str) -> None:
+    """Give every MoE layer of ``model`` (its experts in slots) the cache that streams the others from ``stream``
+    (released name -> reader, :func:`flashserve.model.checkpoint.load_checkpoint`)."""
+    from .checkpoint import routed_expert
+    from .expert_cache import ExpertCache
+    from .moe import MoE
+
+    readers: dict[str, dict[int, dict[str, object]]] = {}
+    for name, read in stream.items():
+        module, expert, proj = routed_expert(name)
+        readers.setdefault(module, {}).setdefault(expert, {})[proj] = read
+    for path, m in model.named_modules():
+        if isinstance(m, MoE):
+            n = m.gate.weight.shape[0]
+            m.expert_cache = ExpertCache(m.experts, n, readers[f"{path}.experts"], list(range(m.experts.n_experts)),
+                                         policy)
+
+
+def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool,
+                  stream: dict | None = None) -> None:
     """Load a checkpoint folder into ``model`` (mapping what it can with ``mmap``; the report is
     ``model.load_report``); drop the drafters and zero ``bias_vl`` where the folder leaves them out (each said
     once in the log)."""
@@ -52,7 +112,7 @@ def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool
     dest = model.checkpoint_tensors()
     maps = MappedFiles() if mmap else None
     model.load_report = LoadReport()
-    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report)
+    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report, stream=stream)
     if maps is not None and maps.maps:
         model._mapped_files = maps  # the maps live as long as the model
     if DRAFTERS in omitted:
@@ -103,7 +163,8 @@ def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | No
 
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
-               quantization: str | None = None, prepare=None, mmap: bool = True, mlock: bool = False) -> Transformer:
+               quantization: str | None = None, prepare=None, mmap: bool = True, mlock: bool = False,
+               weight_memory: int | None = None, expert_cache_policy: str = "lru") -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
     ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
@@ -123,6 +184,11 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     first touched; the rest (decoded or quantized weights, the routed experts stacked per layer) is copied.
     ``mlock``: the weights' pages are read in and locked in RAM (llama.cpp's ``--mlock``); a failure (the
     ``RLIMIT_MEMLOCK`` limit) is logged and loading goes on. ``model.load_report`` says what was mapped and copied.
+    ``weight_memory`` (bytes; checkpoint folders): the weights' resident budget. The weights other than the routed
+    experts are held whole; each MoE layer holds as many experts as the rest allows, in slots, and reads the others
+    from the files when the router picks them (:mod:`flashserve.model.expert_cache`, evicting by
+    ``expert_cache_policy``: "lru" or "lfu"). A budget below the other weights plus top-k experts a layer is
+    refused, with the least that would do.
     """
     from .packed import pack_model
 
@@ -138,10 +204,16 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         model = Transformer(cfg, with_mtp=with_mtp)
     model.to(torch_dtype)
     keep_fp32(model)  # before any weight is written, so the fp32 leaves are never rounded to ``dtype``
+    if weight_memory is not None and is_preset:
+        raise ConfigError("weight_memory streams routed experts from a checkpoint folder; a preset has none (its "
+                          "weights are drawn in memory)")
+    slots = None
     if not is_preset:
         pack_model(model, formats, quantize=False, compute_dtype=torch_dtype)  # still on meta: no float copy
         if prepare is not None:
             prepare(model)
+        if weight_memory is not None:
+            slots = _slotted_experts(model, weight_memory)
     model = model.to_empty(device=device)
     for module in model.modules():  # buffers computed, never loaded (rope, engram hashing, packed tables)
         if hasattr(module, "reset_buffers"):
@@ -150,8 +222,14 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         random_init(model, seed)
         pack_model(model, formats, quantize=True, compute_dtype=torch_dtype)
     else:
+        stream = {} if slots is not None else None
         _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None,
-                      mmap=mmap and torch.device(device).type == "cpu")
+                      mmap=mmap and torch.device(device).type == "cpu", stream=stream)
+        if stream is not None:
+            _attach_expert_caches(model, stream, expert_cache_policy)
+            log.info("routed experts streamed from %s: %d of %d experts a layer held (weight memory %.2f GiB), "
+                     "evicting the %s", path_or_preset, slots, cfg.n_routed_experts, weight_memory / 2**30,
+                     "least recently used" if expert_cache_policy == "lru" else "least used")
         _engram_map_from_folder(model, Path(path_or_preset))
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
     if mlock:

@@ -85,3 +85,36 @@ def lock_weights(model: torch.nn.Module) -> tuple[int, str | None]:
                             f"raise it with `ulimit -l unlimited`, or run without --mlock)")
         locked += span[1]
     return locked, None
+
+
+class FileReader:
+    """Reads byte ranges of files into tensors with ``pread`` (through the page cache, not this process's
+    mapping: the bytes read are resident only where they are copied to)."""
+
+    def __init__(self) -> None:
+        self.fds: dict[Path, int] = {}
+
+    def read_into(self, file: Path, start: int, end: int, t: torch.Tensor) -> int:
+        """Bytes ``start:end`` of ``file`` into the contiguous CPU tensor ``t`` of exactly that many bytes."""
+        n = end - start
+        if not t.is_contiguous() or t.numel() * t.element_size() != n or t.device.type != "cpu":
+            raise ValueError(f"{file}: {n} bytes cannot be read into a tensor of {t.numel() * t.element_size()} "
+                             f"bytes ({'contiguous' if t.is_contiguous() else 'not contiguous'}, {t.device})")
+        if file not in self.fds:
+            self.fds[file] = os.open(file, os.O_RDONLY)
+        view = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+        done = 0
+        while done < n:
+            got = os.preadv(self.fds[file], [view[done:]], start + done)
+            if got <= 0:
+                raise OSError(f"{file}: read {done} of {n} bytes at offset {start} (truncated since loading?)")
+            done += got
+        return n
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __del__(self) -> None:
+        self.close()

@@ -235,6 +235,7 @@ class MoE(nn.Module):
         self.gate = Gate(cfg, n_experts, top_k, hash_routed)
         self.experts = Experts(n_experts, D, I, cfg.swiglu_limit)
         self.shared_experts = SharedExpert(D, I * cfg.n_shared_experts, cfg.swiglu_limit) if cfg.n_shared_experts else None
+        self.expert_cache = None  # an ExpertCache when the experts are streamed (flashserve/model/expert_cache.py)
 
     def joint_row_weights(self) -> dict[str, tuple[str, ...]]:
         """The router's and the shared expert's gate and up weights, all multiplied by the rows: one product in a
@@ -248,8 +249,18 @@ class MoE(nn.Module):
         made = blas.joint_products(flat, self, "x")  # the router's and shared gate/up products in one call
         image = None if image is None else image.reshape(-1)
         idx, w = self.gate(flat, ids.reshape(-1), image, made.get("gate.weight"))
-        y = self.experts(flat, idx, w)
+        cache = self.expert_cache
+        if cache is None:
+            y = self.experts(flat, idx, w)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"),
+                                            made.get("shared_experts.w3.weight"))
+            return y.view(shape)
+        # streamed experts (a memory budget): the missing ones are read while the shared expert is computed
+        ticket = cache.prefetch(idx)
+        shared = None
         if self.shared_experts is not None:
-            y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"),
-                                        made.get("shared_experts.w3.weight"))
-        return y.view(shape)
+            shared = self.shared_experts(flat, made.get("shared_experts.w1.weight"),
+                                         made.get("shared_experts.w3.weight"))
+        y = cache.run(flat, idx, w, ticket)
+        return (y if shared is None else y + shared).view(shape)

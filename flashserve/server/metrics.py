@@ -45,6 +45,11 @@ class ServerMetrics:
         self.decode_compiled = Gauge("flashserve_decode_step_compiled", "1 when decode steps run the compiled step "
                                      "(0: eager, or eager while it compiles in the background)", labels,
                                      registry=r)
+        # routed experts streamed under --weight-memory (engine totals, mirrored)
+        self.expert_cache = {key: Gauge(f"flashserve_expert_cache_{key}_total", help_, labels, registry=r)
+                             for key, help_ in (("hits", "Routed experts found in a layer's expert slots"),
+                                                ("misses", "Routed experts read from the checkpoint into a slot"),
+                                                ("bytes_read", "Bytes of routed experts read from the checkpoint"))}
         # speculative decoding, under vLLM's counter names (engine totals, mirrored)
         self.spec = {key: Gauge(f"flashserve_spec_decode_{name}_total", help_, labels, registry=r)
                      for key, name, help_ in (
@@ -67,6 +72,10 @@ class ServerMetrics:
         self.engine_prompt_tokens.labels(m).set(g("prompt_tokens_total", 0) or 0)
         self.engine_generation_tokens.labels(m).set(g("generation_tokens_total", 0) or 0)
         self.decode_compiled.labels(m).set(1 if g("decode_step") == "compiled" else 0)
+        experts = g("expert_cache")
+        if experts:
+            for key, gauge in self.expert_cache.items():
+                gauge.labels(m).set(experts[key])
         spec = g("spec_decode")
         if spec:
             for key, gauge in self.spec.items():

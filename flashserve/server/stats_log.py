@@ -16,6 +16,7 @@ class StatsLogger:
         self.interval, self.clock = interval, clock
         self.last_t = clock()
         self.last_prompt = self.last_gen = 0
+        self.last_experts = {"hits": 0, "misses": 0, "bytes_read": 0}
         self.was_busy = False
 
     def update(self, stats: dict) -> str | None:
@@ -34,6 +35,14 @@ class StatsLogger:
                 f"{stats.get('num_waiting', 0)}, kv cache {100 * (stats.get('kv_pages_used', 0) / total if total else 0):.1f}%"
                 f" used, prefix hit rate {100 * stats.get('prefix_cache_hit_rate', 0.0):.1f}%"
                 + (f", decode step {stats['decode_step']}" if stats.get("decode_step") else ""))
+        experts = stats.get("expert_cache")
+        if experts:
+            d = {k: experts[k] - self.last_experts[k] for k in self.last_experts}
+            tokens = max(prompt - self.last_prompt + gen - self.last_gen, 1)
+            looked = d["hits"] + d["misses"]
+            line += (f", expert cache hit rate {100 * d['hits'] / looked if looked else 0.0:.1f}%, "
+                     f"{d['bytes_read'] / tokens / 1e6:.2f} MB read a token")
+            self.last_experts = {k: experts[k] for k in self.last_experts}
         self.last_t, self.last_prompt, self.last_gen, self.was_busy = now, prompt, gen, busy
         log.info(line)
         return line

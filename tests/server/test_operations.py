@@ -40,6 +40,26 @@ def test_stats_line_reports_rates_over_the_interval_only_while_busy():
     assert StatsLogger(0.0, clock).update(stats(1, 1, running=1)) is None  # interval 0: never
 
 
+def test_stats_line_and_metrics_report_the_expert_cache_over_the_interval():
+    """Under --weight-memory the line adds the expert cache's hit rate and the bytes read a token since the last
+    line; /metrics mirrors the engine's totals."""
+    from flashserve.server.metrics import ServerMetrics
+
+    clock = Clock()
+    log = StatsLogger(10.0, clock)
+    first = {**stats(100, 0, running=1), "expert_cache": {"hits": 30, "misses": 10, "bytes_read": 4_000_000}}
+    clock.t = 10.0
+    assert log.update(first).endswith(", expert cache hit rate 75.0%, 0.04 MB read a token")
+    clock.t = 20.0
+    later = {**stats(100, 50, running=1), "expert_cache": {"hits": 120, "misses": 10, "bytes_read": 4_000_000}}
+    assert log.update(later).endswith(", expert cache hit rate 100.0%, 0.00 MB read a token")
+    metrics = ServerMetrics("m")
+    metrics.update_engine(later)
+    for name, value in (("hits", 120), ("misses", 10), ("bytes_read", 4_000_000)):
+        assert metrics.registry.get_sample_value(f"flashserve_expert_cache_{name}_total", {"model_name": "m"}) == value
+    assert "flashserve_expert_cache_bytes_read_total" in metrics.render().decode()
+
+
 def test_non_loopback_host_without_key_is_warned_about():
     p = subprocess.run([sys.executable, "-m", "flashserve", "serve", MODEL, "--host", "0.0.0.0", "--max-num-seqs",
                         "0"], capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -1,0 +1,109 @@
+"""Routed experts streamed from the checkpoint under a memory budget (``load_model(weight_memory=...)``).
+
+A layer's :class:`~flashserve.model.moe.Experts` then holds ``slots`` experts, fewer than the router chooses from;
+an :class:`ExpertCache` keeps which expert each slot holds. When the router has chosen a step's experts, the ones
+not held are read from the checkpoint's files into slots (evicting the least recently used, or the least used:
+``policy``), on a background thread while the layer's shared expert is computed, and the routing indices are
+mapped to slots; the experts' products are those of the unbudgeted model. A step that routes to more experts than
+a layer has slots runs them a slotful at a time (the other pairs weighted zero). The counts (hits, misses, bytes
+read) go to the engine's stats, ``/metrics`` and the periodic log.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+LRU, LFU = "lru", "lfu"
+POLICIES = (LRU, LFU)
+
+# reader(experts module, projection name, slot) -> bytes read: fills one projection of one expert into a slot
+Reader = Callable[[torch.nn.Module, str, int], int]
+
+
+class ExpertCache:
+    """The slots of one layer's routed experts and the expert each holds."""
+
+    def __init__(self, experts: torch.nn.Module, n_experts: int, readers: dict[int, dict[str, Reader]],
+                 held: list[int], policy: str = LRU):
+        if policy not in POLICIES:
+            raise ValueError(f"expert cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.experts, self.n_experts, self.readers, self.policy = experts, n_experts, readers, policy
+        self.slots = experts.n_experts
+        self.owner = list(held)  # the expert in each slot
+        self.recency = OrderedDict((e, None) for e in held)  # least recently used first
+        self.uses: Counter[int] = Counter()
+        self.table = torch.zeros(n_experts, dtype=torch.long)  # expert -> its slot (where held)
+        self.table[torch.tensor(held, dtype=torch.long)] = torch.arange(len(held))
+        self.hits = self.misses = self.bytes_read = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashserve-experts")
+
+    def _victim(self, keep: set[int]) -> int:
+        """The slot to give up: its expert not wanted now, least recently used (LRU) or least used, the least
+        recent of those first (LFU)."""
+        free = [e for e in self.recency if e not in keep]
+        expert = free[0] if self.policy == LRU else min(free, key=lambda e: self.uses[e])  # min keeps the first
+        return self.owner.index(expert)
+
+    def _ensure(self, wanted: list[int]) -> None:
+        """Hold every expert of ``wanted`` (at most ``slots`` of them), reading the missing ones."""
+        keep = set(wanted)
+        with torch.no_grad():
+            for e in wanted:
+                self.uses[e] += 1
+                if e in self.recency:
+                    self.hits += 1
+                    self.recency.move_to_end(e)
+                    continue
+                self.misses += 1
+                slot = self._victim(keep)
+                del self.recency[self.owner[slot]]
+                for name, read in self.readers[e].items():
+                    self.bytes_read += read(self.experts, name, slot)
+                self.owner[slot] = e
+                self.recency[e] = None
+                self.table[e] = slot
+
+    def prefetch(self, idx: torch.Tensor) -> tuple[list[list[int]], Future]:
+        """Start reading the experts ``idx`` routes to (first slotful) on the background thread."""
+        chosen = idx.unique().tolist()  # host sync: the eager step's
+        groups = [chosen[i:i + self.slots] for i in range(0, len(chosen), self.slots)]
+        return groups, self._pool.submit(self._ensure, groups[0])
+
+    def run(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+            ticket: tuple[list[list[int]], Future]) -> torch.Tensor:
+        """The routed experts' sum for ``x [T, D]`` (``idx``/``w`` [T, k] from the router), as the experts of an
+        unbudgeted layer compute it."""
+        groups, read = ticket
+        read.result()
+        if len(groups) == 1:
+            return self.experts(x, self.table[idx], w)
+        out = None
+        for i, group in enumerate(groups):
+            if i:
+                self._ensure(group)
+            inside = torch.isin(idx, torch.tensor(group, dtype=idx.dtype))
+            slots = torch.where(inside, self.table[idx], self.table[group[0]])
+            part = self.experts(x, slots, torch.where(inside, w, torch.zeros_like(w)))
+            out = part if out is None else out + part
+        return out
+
+    def counts(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "bytes_read": self.bytes_read}
+
+
+def cache_stats(model: torch.nn.Module) -> dict | None:
+    """Hits, misses and bytes read summed over ``model``'s expert caches, with the slots and experts of each layer;
+    None without a budget."""
+    caches = [m.expert_cache for m in model.modules() if getattr(m, "expert_cache", None) is not None]
+    if not caches:
+        return None
+    out = {"hits": 0, "misses": 0, "bytes_read": 0}
+    for c in caches:
+        for k, v in c.counts().items():
+            out[k] += v
+    out.update(layers=len(caches), slots=caches[0].slots, experts=caches[0].n_experts, policy=caches[0].policy)
+    return out

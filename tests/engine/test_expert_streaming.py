@@ -1,0 +1,84 @@
+"""Routed experts streamed under a weight budget (``weight_memory``): each MoE layer holds a few experts in slots and
+reads the others from the checkpoint's files when routed; the greedy tokens are those of the engine that holds
+every expert, the resident weights stay within the budget, and the cache counts what it read
+(flashserve/model/expert_cache.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_helpers import prompt_of, run_greedy
+from flashserve.config import ConfigError, load_config
+from flashserve.engine import EngineConfig, LLMEngine
+from flashserve.model.checkpoint import save_checkpoint
+from flashserve.model.expert_cache import cache_stats
+from flashserve.model.loader import load_model
+from flashserve.model.moe import MoE
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory) -> Path:
+    """tiny-v41 as released (MXFP4 experts: 8 a layer, 10 MoE layers)."""
+    path = tmp_path_factory.mktemp("tiny_v41_streamed")
+    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), path, load_config("tiny-v41"))
+    return path
+
+
+def _engine(path: Path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_memory="64MiB", max_num_seqs=4,
+                                  speculative_config=None, **kw))
+
+
+def _weights(model) -> int:
+    tensors = {t.untyped_storage().data_ptr(): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(released, policy):
+    held = _engine(released)
+    whole = _weights(held.model)
+    moe = [m for m in held.model.modules() if isinstance(m, MoE)]
+    expert = sum(t.numel() * t.element_size() for m in moe for t in m.experts.buffers() if t.dim() == 3) // 8
+    budget = whole - 5 * expert  # three experts of eight a layer
+    prompts = [prompt_of(30, seed=1), prompt_of(12, seed=2), prompt_of(21, seed=3)]
+    expected = run_greedy(held, prompts, 8)
+
+    engine = _engine(released, weight_memory=budget, expert_cache_policy=policy, enforce_eager=False)
+    assert engine.runner.decode_step.regions is None  # the cache reads between router and experts: eager
+    assert all(m.experts.n_experts == 3 and m.expert_cache.policy == policy
+               for m in engine.model.modules() if isinstance(m, MoE))
+    assert _weights(engine.model) <= budget
+    assert run_greedy(engine, prompts, 8) == expected
+    stats = engine.stats()["expert_cache"]
+    assert stats["slots"] == 3 and stats["experts"] == 8 and stats["layers"] == 10 and stats["policy"] == policy
+    # every miss read one expert's three MXFP4 matrices and their scales from the files
+    assert stats["misses"] > 0 and stats["hits"] > 0 and stats["bytes_read"] == stats["misses"] * expert // 10
+
+
+def test_a_step_routing_to_more_experts_than_a_layer_holds_runs_them_a_slotful_at_a_time(released):
+    """Two slots a layer (the router's top-2), ten tokens at once: the whole-sequence forward runs each layer's
+    experts in groups and its logits equal those of the model that holds every expert."""
+    ref = load_model(released, with_mtp=False)
+    moe = [m for m in ref.modules() if isinstance(m, MoE)]
+    expert = sum(t.numel() * t.element_size() for m in moe for t in m.experts.buffers() if t.dim() == 3) // 8
+    model = load_model(released, with_mtp=False, weight_memory=_weights(ref) - 6 * expert)
+    ids = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
+    with torch.inference_mode():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+    stats = cache_stats(model)
+    assert stats["slots"] == 2 and stats["misses"] > 10  # more than a slotful a layer was read
+
+
+def test_a_budget_below_what_the_model_needs_is_refused_with_the_least_that_does(released):
+    with pytest.raises(ConfigError, match=r"weight memory 1000 bytes cannot hold this model: its weights other than "
+                                          r"the routed experts take \d+ bytes, .* give at least \d+ bytes"):
+        load_model(released, with_mtp=False, weight_memory=1000)
+    with pytest.raises(ConfigError, match="weight_memory: streams the routed experts from a checkpoint folder; "
+                                          "'tiny-v41' is a preset"):
+        LLMEngine(EngineConfig(model="tiny-v41", weight_memory="1GiB"))
+    with pytest.raises(ConfigError, match="weight_memory: invalid size"):
+        LLMEngine(EngineConfig(model=str(released), weight_memory="lots"))
