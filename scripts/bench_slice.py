@@ -34,6 +34,26 @@ def read_bandwidth(nbytes: int, repeats: int) -> float:
     return buf.numel() * 4 / statistics.median(times)
 
 
+def disk_read_bandwidth(folder: Path, limit: int = 2 << 30) -> float:
+    """Bytes/s of a sequential read of up to ``limit`` bytes of ``folder``'s safetensors files, their pages first
+    dropped from the page cache (``posix_fadvise(DONTNEED)``, which a clean file's pages obey without privileges)."""
+    import os
+
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    done, t = 0, time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as handle:
+            while done < limit and (chunk := handle.read(16 << 20)):
+                done += len(chunk)
+        if done >= limit:
+            break
+    return done / (time.perf_counter() - t)
+
+
 def step_bytes(model, batch: int) -> tuple[int, dict[str, int]]:
     """Bytes one decode step of ``batch`` tokens reads, by part: dense tensors whole, each layer's routed experts
     by the expected number a batch picks (uniform routing: E (1 - (1 - k/E)^batch)), ``batch`` embedding rows."""
@@ -69,19 +89,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--weight-memory", default=None,
+                    help="resident budget for the weights (e.g. 6GiB): the routed experts beyond it are streamed")
+    ap.add_argument("--expert-cache-policy", default="lru", choices=("lru", "lfu"))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import torch
 
     from flashserve.bench.workload import engine_for, fs_run, prompts
     from flashserve.model import packed
+    from flashserve.engine.preflight import parse_size
+    from flashserve.model.expert_cache import cache_stats
     from flashserve.model.loader import load_model
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = load_model(args.slice, with_mtp=False)
+    budget = None if args.weight_memory is None else parse_size(args.weight_memory)
+    model = load_model(args.slice, with_mtp=False, weight_memory=budget, expert_cache_policy=args.expert_cache_policy)
     load_s = time.perf_counter() - t0
     resident = packed.resident_bytes(model)
+    if budget is not None:
+        disk = disk_read_bandwidth(args.slice)
+        print(f"weight memory {budget / 2**30:.2f} GiB ({args.expert_cache_policy}): "
+              f"{cache_stats(model)['slots']} experts a layer held; the slice's files read at "
+              f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
     print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
           f"{args.threads} threads, decode {'eager' if args.enforce_eager else 'compiled'}")
     engine = engine_for(model, str(args.slice), max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
@@ -91,10 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         batch = prompts(b, 32, 40 + b)
         fs_run(engine, batch[:1], 2)
         rates = []
+        before = cache_stats(model)
         for _ in range(args.repeats):
             _, dec = fs_run(engine, batch, args.new)
             rates.append(b * (args.new - 1) / dec)
         rate = statistics.median(rates)
+        after = cache_stats(model)
+        if after is not None:
+            d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read")}
+            tokens = args.repeats * b * args.new  # decoded tokens (the prompts' prefill steps read experts too)
+            print(f"batch {b:>2}: expert cache hit rate {100 * d['hits'] / max(d['hits'] + d['misses'], 1):.1f}%, "
+                  f"{d['bytes_read'] / tokens / 1e6:.1f} MB read from the files a token (prefill included)")
         nbytes, parts = step_bytes(model, b)
         bandwidth = read_bandwidth(nbytes, args.repeats)
         bound = b * bandwidth / nbytes  # tokens/s if a step cost only reading its bytes once

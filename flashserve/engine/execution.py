@@ -33,6 +33,7 @@ class ExecutionPlan:
     int8_aten: tuple[bool, bool]  # eager int8 products through torch's int8 kernel: at one row, at several rows
     int8_source: str  # "measured" | "given" | "no int8 weights"
     relayouts: dict[str, list[str]] = field(default_factory=dict)  # what was laid out again -> the weights
+    relayout_bytes: dict[str, int] = field(default_factory=dict)  # what was laid out again -> their bytes
     kernels: list[str] = field(default_factory=list)  # C++ kernels built (or loaded) by the warm-up
 
     def finish(self) -> None:
@@ -50,7 +51,7 @@ class ExecutionPlan:
             lines.append(f"  eager int8 products: {int8} ({self.int8_source})")
         for what, names in self.relayouts.items():
             if names:
-                lines.append(f"  {what}: {len(names)} weights")
+                lines.append(f"  {what}: {len(names)} weights, {self.relayout_bytes.get(what, 0) / 1e6:.1f} MB")
         lines.append(f"  C++ kernels: {', '.join(self.kernels) if self.kernels else 'none'}")
         return "\n".join(lines)
 
@@ -82,4 +83,7 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
         plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
         if rows > 1:
             plan.relayouts["panel copies for several rows"] = prepack_for_rows(model)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for what, names in plan.relayouts.items():  # the weights' own bytes: copied once (joins: moved, not added)
+        plan.relayout_bytes[what] = sum(tensors[n].numel() * tensors[n].element_size() for n in names if n in tensors)
     return plan

@@ -79,3 +79,22 @@ def test_a_bad_int8_kernel_is_refused_before_loading():
 
     with pytest.raises(ConfigError, match="int8_kernel: must be one of auto, aten, chunked"):
         preflight.check(EngineConfig(**OPTS, int8_kernel="fast"))
+
+
+def test_the_plan_counts_the_bytes_it_laid_out_again(monkeypatch, caplog):
+    """Weights laid out again for the chosen path are counted by weight and by byte in the logged plan (here every
+    float32 linear weight made column-major, by lowering what counts as tall)."""
+    from flashserve.engine.execution import plan_execution
+    from flashserve.model import weight_layout
+    from flashserve.model.loader import load_model
+
+    monkeypatch.setattr(weight_layout, "TALL_RATIO", 1)
+    monkeypatch.setattr(weight_layout, "TALL_MIN_ELEMENTS", 1)
+    model = load_model("tiny-v4", with_mtp=False)
+    plan = plan_execution(model, device="cpu", compiled=False, rows=1, int8_kernel="chunked")
+    names = plan.relayouts["column-major tall weights"]
+    weights = [model.get_parameter(n) for n in names]
+    assert names and all(w.stride() == (1, w.shape[0]) for w in weights)
+    nbytes = sum(w.numel() * 4 for w in weights)
+    assert plan.relayout_bytes["column-major tall weights"] == nbytes
+    assert f"column-major tall weights: {len(names)} weights, {nbytes / 1e6:.1f} MB" in plan.describe()
