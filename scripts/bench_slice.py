@@ -141,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         shares = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
         print(f"batch {b:>2}: {rate:8.2f} tok/s; a step reads {nbytes / 2**30:.2f} GiB ({shares}); plain read "
               f"{bandwidth / 1e9:.1f} GB/s -> bound {bound:.2f} tok/s; {rate / bound:.2f}x the bound")
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    kib = {k: int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+    print(f"process resident at the end {kib['VmRSS'] / 2**30:.2f} GiB ({kib['RssAnon'] / 2**30:.2f} anonymous, "
+          f"{kib['RssFile'] / 2**30:.2f} file pages), peak {kib['VmHWM'] / 2**30:.2f} GiB")
     if args.json:
         args.json.write_text(json.dumps({"slice": str(args.slice), "load_s": load_s, "resident": resident,
                                          "threads": args.threads, "rows": rows}, indent=2))

@@ -344,17 +344,25 @@ def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: Mod
 
 
 class _Handles:
-    """Open safetensors files, shared by all reads of one load."""
+    """Open safetensors files, shared by all reads of one load; :meth:`close_others` unmaps the files done with (a
+    file safetensors has mapped keeps the pages read through it resident while it is open)."""
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self._stack = stack
         self._open: dict[Path, object] = {}
+        self._stacks: dict[Path, contextlib.ExitStack] = {}
+
+    def close_others(self, keep: Path) -> None:
+        for f in [f for f in self._stacks if f != keep]:
+            self._stacks.pop(f).close()
+            del self._open[f]
 
     def get(self, stored: _Stored, index: slice | tuple[slice, ...] | None = None) -> torch.Tensor:
         """A stored tensor, or a slice of it (only the sliced part is read)."""
         try:
             if stored.file not in self._open:
-                self._open[stored.file] = self._stack.enter_context(safe_open(stored.file, framework="pt"))
+                stack = self._stacks[stored.file] = self._stack.enter_context(contextlib.ExitStack())
+                self._open[stored.file] = stack.enter_context(safe_open(stored.file, framework="pt"))
             handle = self._open[stored.file]
             if index is None or not stored.shape:
                 return handle.get_tensor(stored.key)
@@ -503,6 +511,7 @@ def _fill(dest: Mapping[str, torch.Tensor], sources: Mapping[str, _Source], bloc
         for name, src in sorted(sources.items(), key=lambda kv: (str(kv[1].weight.file), kv[1].weight.key)):
             target = dest[name]
             rb, cb = blocks[name]
+            handles.close_others(src.weight.file)  # sources come file by file (a fused scale may lie elsewhere)
             if maps is not None and _adopt(target, src, rb, cb, maps):
                 report.add(True, parts.get(name, "other"), _bytes(target))
                 continue
