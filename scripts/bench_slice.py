@@ -78,6 +78,11 @@ def step_bytes(model, batch: int) -> tuple[int, dict[str, int]]:
         else:
             part = "head" if name.startswith("head.") else "dense"
         parts[part] = parts.get(part, 0) + nbytes
+    E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    for m in model.modules():  # experts used where they lie (mapped_experts.MappedExperts): matrices, not buffers
+        for held in getattr(m, "matrices", {}).values():
+            nbytes = sum(q.numel() + s.numel() for q, s in held)
+            parts["routed experts"] = parts.get("routed experts", 0) + int(nbytes * (1 - (1 - k / E) ** batch))
     return sum(parts.values()), parts
 
 
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weight-memory", default=None,
                     help="resident budget for the weights (e.g. 6GiB): the routed experts beyond it are streamed")
     ap.add_argument("--expert-cache-policy", default="lru", choices=("lru", "lfu"))
+    ap.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=True,
+                    help="map the files (large MXFP4 experts used where they lie); --no-mmap copies (stacked experts)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     import torch
@@ -105,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     budget = None if args.weight_memory is None else parse_size(args.weight_memory)
-    model = load_model(args.slice, with_mtp=False, weight_memory=budget, expert_cache_policy=args.expert_cache_policy)
+    model = load_model(args.slice, with_mtp=False, weight_memory=budget, expert_cache_policy=args.expert_cache_policy,
+                       mmap=args.mmap)
     load_s = time.perf_counter() - t0
     resident = packed.resident_bytes(model)
     if budget is not None:
@@ -113,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"weight memory {budget / 2**30:.2f} GiB ({args.expert_cache_policy}): "
               f"{cache_stats(model)['slots']} experts a layer held; the slice's files read at "
               f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
+    print(model.load_report.describe())
     print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
           f"{args.threads} threads, decode {'eager' if args.enforce_eager else 'compiled'}")
     engine = engine_for(model, str(args.slice), max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,

@@ -64,6 +64,7 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
         raise ValueError(f"int8_kernel must be one of {', '.join(INT8_KERNELS)}, got {int8_kernel!r}")
     formats = Counter(m.packed.fmt.name for m in model.modules() if isinstance(m, packed.PackedLinear))
     formats.update(f"{m.w1_packed.fmt.name} experts" for m in model.modules() if isinstance(m, packed.PackedExperts))
+    formats.update(f"{m.fmt.name} experts (mapped)" for m in model.modules() if hasattr(m, "matrices"))
     int8_rows = any(f.split()[0] in packed.INT8_ROWS for f in formats)
     if int8_kernel == "auto":  # timed only where the model has int8 rows to multiply
         int8_aten = packed.int8pack_pays() if device == "cpu" and int8_rows else (False, False)

@@ -11,6 +11,7 @@ import torch
 
 from ..config import ConfigError
 from ..model.expert_cache import cache_stats
+from ..model.mapped_experts import eager_only
 from ..model.packed import prepare_kernels
 
 from . import preflight
@@ -84,9 +85,10 @@ class LLMEngine:
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
-        if not eager and cache_stats(self.model) is not None:
-            log.info("routed experts streamed under weight_memory: decode steps run eagerly (the expert cache "
-                     "reads experts between a layer's router and its experts)")
+        why = eager_only(self.model)
+        if not eager and why is not None:
+            log.info("%s: decode steps run eagerly (the routing is read on the host between a layer's router and "
+                     "its experts)", why)
             eager = True
         background = (c.background_compile if c.background_compile is not None
                       else self.cache.device.type == "cpu") and not eager

@@ -473,11 +473,7 @@ def _gb(nbytes: int) -> str:
 
 
 def _bytes(target: torch.Tensor | PackedSlot) -> int:
-    if isinstance(target, PackedSlot):
-        w, i = target.weights, target.index
-        q, s = (w.qweight, w.scale) if i is None else (w.qweight[i], w.scale[i])
-        return q.numel() * q.element_size() + s.numel() * s.element_size()
-    return target.numel() * target.element_size()
+    return target.nbytes() if isinstance(target, PackedSlot) else target.numel() * target.element_size()
 
 
 def _adopt(target: torch.Tensor | PackedSlot, src: _Source, rb: int, cb: int, maps: MappedFiles) -> bool:
@@ -488,7 +484,7 @@ def _adopt(target: torch.Tensor | PackedSlot, src: _Source, rb: int, cb: int, ma
         return False
     w = src.weight
     if isinstance(target, PackedSlot):
-        if src.scale is None or target.index is not None or not target.accepts(w.dtype, rb, cb):
+        if src.scale is None or not target.accepts(w.dtype, rb, cb):
             return False
         q = maps.tensor(w.file, w.dtype, w.shape, w.start, w.end)
         s = maps.tensor(src.scale.file, src.scale.dtype, src.scale.shape, src.scale.start, src.scale.end)

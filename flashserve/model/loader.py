@@ -181,7 +181,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     ``mmap`` (checkpoint folders on the CPU; llama.cpp's default, ``--no-mmap`` there and here turns it off): the
     safetensors files are memory-mapped and every tensor whose stored bytes are what the model holds (FP8 blocks
     kept packed, float tensors of the compute dtype, engram tables) is used where it lies, read from the disk when
-    first touched; the rest (decoded or quantized weights, the routed experts stacked per layer) is copied.
+    first touched, and so are large MXFP4 experts, one matrix an expert (:mod:`flashserve.model.mapped_experts`);
+    the rest (decoded or quantized weights, small experts stacked per layer) is copied.
     ``mlock``: the weights' pages are read in and locked in RAM (llama.cpp's ``--mlock``); a failure (the
     ``RLIMIT_MEMLOCK`` limit) is logged and loading goes on. ``model.load_report`` says what was mapped and copied.
     ``weight_memory`` (bytes; checkpoint folders): the weights' resident budget. The weights other than the routed
@@ -214,6 +215,10 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
             prepare(model)
         if weight_memory is not None:
             slots = _slotted_experts(model, weight_memory)
+        elif mmap and prepare is None and torch.device(device).type == "cpu":
+            from .mapped_experts import use_in_place
+
+            use_in_place(model)  # large MXFP4 experts used where they lie, one matrix an expert
     model = model.to_empty(device=device)
     for module in model.modules():  # buffers computed, never loaded (rope, engram hashing, packed tables)
         if hasattr(module, "reset_buffers"):

@@ -724,6 +724,10 @@ def packed_destinations(model: nn.Module) -> dict[str, "PackedSlot"]:
                     out[f"{path}.{module.first + e}.{name}.weight"] = PackedSlot(weights, e)
         elif isinstance(module, (PackedLinear, PackedEmbedding)):
             out[f"{path}.weight"] = PackedSlot(module.packed, None)
+        elif hasattr(module, "matrices"):  # mapped_experts.MappedExperts: one destination an expert's matrix
+            for name in module.matrices:
+                for e in range(module.n_experts):
+                    out[f"{path}.{module.first + e}.{name}.weight"] = module.slot(e, name)
     return out
 
 
@@ -748,6 +752,12 @@ class PackedSlot:
     def adopt(self, q: torch.Tensor, s: torch.Tensor) -> bool:
         """Hold the stored bytes themselves (a whole matrix only: an expert's are a slice of a stacked buffer)."""
         return self.index is None and self.weights.adopt(q, s)
+
+    def nbytes(self) -> int:
+        """Bytes this destination holds, packed."""
+        w, i = self.weights, self.index
+        q, s = (w.qweight, w.scale) if i is None else (w.qweight[i], w.scale[i])
+        return q.numel() * q.element_size() + s.numel() * s.element_size()
 
     def set_float(self, w: torch.Tensor) -> None:
         self.weights.set_float(w, self.index)

@@ -82,3 +82,15 @@ def test_a_budget_below_what_the_model_needs_is_refused_with_the_least_that_does
         LLMEngine(EngineConfig(model="tiny-v41", weight_memory="1GiB"))
     with pytest.raises(ConfigError, match="weight_memory: invalid size"):
         LLMEngine(EngineConfig(model=str(released), weight_memory="lots"))
+
+
+def test_an_engine_over_experts_used_where_they_lie_decodes_eagerly_with_the_same_tokens(released, monkeypatch):
+    from flashserve.model import mapped_experts
+
+    prompts = [prompt_of(30, seed=4), prompt_of(7, seed=5)]
+    expected = run_greedy(_engine(released, mmap=False), prompts, 8)
+    monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)
+    engine = _engine(released, enforce_eager=False)
+    assert isinstance(engine.model.layers[0].ffn.experts, mapped_experts.MappedExperts)
+    assert engine.runner.decode_step.regions is None and engine.plan.formats["mxfp4 experts (mapped)"] == 10
+    assert run_greedy(engine, prompts, 8) == expected

@@ -146,3 +146,25 @@ def test_a_failed_mlock_says_which_limit_stopped_it_and_the_load_goes_on(release
     assert "ulimit -l unlimited" in said and model.load_report.locked == 0
     with torch.inference_mode():
         assert model(IDS).logits.isfinite().all()
+
+
+def test_large_mxfp4_experts_are_used_where_they_lie_with_the_stacked_experts_products(released, monkeypatch):
+    """Experts from ``MIN_EXPERT_BYTES`` an expert (lowered here to tiny-v41's) are held one matrix an expert, views
+    of the files: the loader copies nothing of them, and the logits equal those of the stacked copy, to the bit at
+    a decode step's and a short prompt's rows, within float rounding for a long prompt's (the stacked experts loop
+    over decoded matrices there)."""
+    from flashserve.model import mapped_experts
+
+    monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)
+    stacked = load_model(released, with_mtp=False, mmap=False)
+    model = load_model(released, with_mtp=False)
+    experts = model.layers[0].ffn.experts
+    assert isinstance(experts, mapped_experts.MappedExperts)
+    ranges = _mapped_ranges(model)
+    assert all(_in(ranges, q) and _in(ranges, s) for name in ("w1", "w2", "w3") for q, s in experts.matrices[name])
+    assert "routed_expert" in model.load_report.mapped and "routed_expert" not in model.load_report.copied
+    long = torch.randint(0, 500, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for ids in (IDS[:, :1], IDS):
+            assert torch.equal(stacked(ids).logits, model(ids).logits)
+        torch.testing.assert_close(stacked(long).logits, model(long).logits, rtol=1e-4, atol=1e-4)
