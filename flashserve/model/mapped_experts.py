@@ -106,8 +106,6 @@ def use_in_place(model: nn.Module) -> int:
     """On the still-empty ``meta`` model: give every layer of MXFP4 experts whose three matrices take at least
     :data:`MIN_EXPERT_BYTES` an expert :class:`MappedExperts` instead of stacked ones (where this CPU has the MXFP4
     kernel). Returns how many layers."""
-    if not cpu_kernels.mxfp4_pairs_available():
-        return 0
     done = 0
     for path, module in list(model.named_modules()):
         if not isinstance(module, PackedExperts) or module.w1_packed.fmt.name != MXFP4:
@@ -115,7 +113,7 @@ def use_in_place(model: nn.Module) -> int:
         if module.dim % quant.MX_BLOCK or module.inter % quant.MX_BLOCK:
             continue
         per_expert = sum(getattr(module, f"{n}_packed").qweight[0].numel() * 17 // 16 for n in NAMES)
-        if per_expert < MIN_EXPERT_BYTES:
+        if per_expert < MIN_EXPERT_BYTES or not cpu_kernels.mxfp4_pairs_available():
             continue
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent), leaf, MappedExperts(module))
