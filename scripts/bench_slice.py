@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from flashserve.bench.workload import engine_for, fs_run, prompts
     from flashserve.model import packed
     from flashserve.engine.preflight import parse_size
-    from flashserve.model.expert_cache import cache_stats
+    from flashserve.model.expert_cache import cache_stats, expert_caches
     from flashserve.model.loader import load_model
 
     torch.set_num_threads(args.threads)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     if budget is not None:
         disk = disk_read_bandwidth(args.slice)
         print(f"weight memory {budget / 2**30:.2f} GiB ({args.expert_cache_policy}): "
-              f"{cache_stats(model)['slots']} experts a layer held; the slice's files read at "
+              f"{cache_stats(expert_caches(model))['slots']} experts a layer held; the slice's files read at "
               f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
     print(model.load_report.describe())
     print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
@@ -131,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         batch = prompts(b, 32, 40 + b)
         fs_run(engine, batch[:1], 2)
         rates = []
-        before = cache_stats(model)
+        before = cache_stats(expert_caches(model))
         for _ in range(args.repeats):
             _, dec = fs_run(engine, batch, args.new)
             rates.append(b * (args.new - 1) / dec)
         rate = statistics.median(rates)
-        after = cache_stats(model)
+        after = cache_stats(expert_caches(model))
         if after is not None:
             d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read")}
             tokens = args.repeats * b * args.new  # decoded tokens (the prompts' prefill steps read experts too)

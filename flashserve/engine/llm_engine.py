@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..config import ConfigError
-from ..model.expert_cache import cache_stats
+from ..model.expert_cache import cache_stats, expert_caches
 from ..model.mapped_experts import eager_only
 from ..model.packed import prepare_kernels
 
@@ -85,6 +85,7 @@ class LLMEngine:
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
+        self.expert_caches = expert_caches(self.model)  # found once: stats() runs every step
         why = eager_only(self.model)
         if not eager and why is not None:
             log.info("%s: decode steps run eagerly (the routing is read on the host between a layer's router and "
@@ -355,5 +356,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None,
             "decode_step": self.runner.decode_step.state(),
-            "expert_cache": cache_stats(self.model),
+            "expert_cache": cache_stats(self.expert_caches),
         }

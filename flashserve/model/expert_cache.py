@@ -44,9 +44,9 @@ class ExpertCache:
     def _victim(self, keep: set[int]) -> int:
         """The slot to give up: its expert not wanted now, least recently used (LRU) or least used, the least
         recent of those first (LFU)."""
-        free = [e for e in self.recency if e not in keep]
-        expert = free[0] if self.policy == LRU else min(free, key=lambda e: self.uses[e])  # min keeps the first
-        return self.owner.index(expert)
+        free = (e for e in self.recency if e not in keep)
+        expert = next(free) if self.policy == LRU else min(free, key=lambda e: self.uses[e])  # min keeps the first
+        return int(self.table[expert])
 
     def _ensure(self, wanted: list[int]) -> None:
         """Hold every expert of ``wanted`` (at most ``slots`` of them), reading the missing ones."""
@@ -95,10 +95,14 @@ class ExpertCache:
         return {"hits": self.hits, "misses": self.misses, "bytes_read": self.bytes_read}
 
 
-def cache_stats(model: torch.nn.Module) -> dict | None:
-    """Hits, misses and bytes read summed over ``model``'s expert caches, with the slots and experts of each layer;
-    None without a budget."""
-    caches = [m.expert_cache for m in model.modules() if getattr(m, "expert_cache", None) is not None]
+def expert_caches(model: torch.nn.Module) -> list[ExpertCache]:
+    """``model``'s expert caches (none without a budget)."""
+    return [m.expert_cache for m in model.modules() if getattr(m, "expert_cache", None) is not None]
+
+
+def cache_stats(caches: list[ExpertCache]) -> dict | None:
+    """Hits, misses and bytes read summed over ``caches`` (:func:`expert_caches`), with the slots and experts of a
+    layer; None without any."""
     if not caches:
         return None
     out = {"hits": 0, "misses": 0, "bytes_read": 0}

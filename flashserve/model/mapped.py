@@ -42,7 +42,7 @@ class MappedFiles:
         torch_dtype = DTYPES.get(dtype)
         if torch_dtype is None:
             return None
-        size = torch.empty((), dtype=torch_dtype).element_size()
+        size = torch_dtype.itemsize
         if start % size or (end - start) % size:
             return None
         if file not in self.maps:

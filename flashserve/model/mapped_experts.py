@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import cpu_kernels, quant
+from .expert_cache import expert_caches
 from .moe import clamped_swiglu
 from .norms import fp32
 from .packed import _STORED_FP4, MXFP4, PackedExperts, PackedSlot, encode, packed_shapes
@@ -49,13 +50,14 @@ class MappedExperts(nn.Module):
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # host sync: this module is eager-only
         y = torch.empty(T * k, self.dim, dtype=x.dtype, device=x.device)
+        zeros = torch.zeros(T * k, dtype=torch.long)  # each call's expert indices: its one-expert stack's 0
         pos = 0
         for e, n in enumerate(counts):
             if not n:
                 continue
             pairs = order[pos:pos + n]
             pos += n
-            one = torch.zeros(n, dtype=torch.long)
+            one = zeros[:n]
             (q1, s1), (q2, s2), (q3, s3) = (self.matrices[name][e] for name in NAMES)
             gate_up = cpu_kernels.mxfp4_gate_up(x[pairs // k], one, q1[None], s1[None], q3[None], s3[None]).to(x.dtype)
             act = clamped_swiglu(gate_up[0], gate_up[1], self.limit)
@@ -125,6 +127,6 @@ def eager_only(model: nn.Module) -> str | None:
     """Why ``model``'s layers need an eager step (their routing read on the host), or None."""
     if any(isinstance(m, MappedExperts) for m in model.modules()):
         return "routed experts used where they lie in the mapped checkpoint"
-    if any(getattr(m, "expert_cache", None) is not None for m in model.modules()):
+    if expert_caches(model):
         return "routed experts streamed under weight_memory"
     return None
