@@ -11,6 +11,7 @@ import torch
 
 from ..config import ConfigError
 from ..model.expert_cache import cache_stats, expert_caches
+from ..model.row_cache import row_cache_stats, row_caches
 from ..model.mapped_experts import eager_only
 from ..model.packed import prepare_kernels
 
@@ -86,6 +87,7 @@ class LLMEngine:
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         self.expert_caches = expert_caches(self.model)  # found once: stats() runs every step
+        self.row_caches = row_caches(self.model)
         why = eager_only(self.model)
         if not eager and why is not None:
             log.info("%s: decode steps run eagerly (the routing is read on the host between a layer's router and "
@@ -357,4 +359,5 @@ class LLMEngine:
             "spec_decode": self.spec_stats.as_dict() if self.spec is not None else None,
             "decode_step": self.runner.decode_step.state(),
             "expert_cache": cache_stats(self.expert_caches),
+            "engram_row_cache": row_cache_stats(self.row_caches),
         }

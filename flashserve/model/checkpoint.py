@@ -42,7 +42,7 @@ from flashserve.config.serialize import config_to_json
 
 from . import quant
 from .mapped import DTYPES, FileReader, MappedFiles
-from .packed import PackedSlot
+from .packed import PackedSlot, encode
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -317,7 +317,7 @@ def _validate(dest: Mapping[str, torch.Tensor], sources: list[_Source], cfg: Mod
         stored_as = "" if src.weight.key == src.name else f"stored as {src.weight.key} "
         where = f"{stored_as}in {src.weight.file.name}"
         if src.name not in dest:
-            if strict and not (streamed and routed_expert(src.name)):
+            if strict and not (streamed and (routed_expert(src.name) or engram_table(src.name))):
                 unexpected.append(f"{src.name} ({where})")
             continue
         if src.name in by_name:
@@ -570,6 +570,51 @@ def _expert_reader(src: _Source, rb: int, cb: int, files: FileReader):
     return read
 
 
+_ENGRAM_TABLE = re.compile(r"^(?P<module>.+\.engram\.embed)\.weight$")
+
+
+def engram_table(name: str) -> str | None:
+    """The engram table module's path of a released engram table name (``layers.1.engram.embed.weight`` ->
+    ``layers.1.engram.embed``); None for other names."""
+    m = _ENGRAM_TABLE.match(name)
+    return None if m is None else m["module"]
+
+
+def _row_reader(src: _Source, rb: int, cb: int, files: FileReader):
+    """A reader of rows of one stored engram table into slots of a held table (see
+    :mod:`flashserve.model.row_cache`): each row's stored bytes and scales as they are where the held table has that
+    format, read with ``pread``; decoded (and quantized into another packed format) otherwise."""
+    w, s = src.weight, src.scale
+    q_row = (w.end - w.start) // w.shape[0]
+    s_row = 0 if s is None else (s.end - s.start) // s.shape[0]
+
+    def read(held, rows: torch.Tensor, slots: torch.Tensor) -> int:
+        packed = getattr(held, "packed", None)
+        pairs = zip(rows.tolist(), slots.tolist())
+        if (packed is not None and s is not None and PackedSlot(packed, None).accepts(w.dtype, rb, cb)
+                and packed.qweight[0].numel() * packed.qweight.element_size() == q_row
+                and packed.scale[0].numel() * packed.scale.element_size() == s_row):
+            if len(rows) > 1:  # the rows' reads queued together
+                files.advise(w.file, [(w.start + r * q_row, w.start + (r + 1) * q_row) for r in rows.tolist()])
+                files.advise(s.file, [(s.start + r * s_row, s.start + (r + 1) * s_row) for r in rows.tolist()])
+            for r, slot in pairs:
+                files.read_into(w.file, w.start + r * q_row, w.start + (r + 1) * q_row, packed.qweight[slot])
+                files.read_into(s.file, s.start + r * s_row, s.start + (r + 1) * s_row, packed.scale[slot])
+            return len(rows) * (q_row + s_row)
+        with contextlib.ExitStack() as stack, torch.no_grad():
+            handles = _Handles(stack)
+            for r, slot in pairs:
+                if packed is None:
+                    held.weight[slot].copy_(_decode(src, handles, slice(r, r + 1), rb, cb, held.weight.dtype)[0])
+                else:
+                    q, sc = encode(_decode(src, handles, slice(r, r + 1), rb, cb, torch.float32), packed.fmt)
+                    packed.qweight[slot:slot + 1].copy_(q)
+                    packed.scale[slot:slot + 1].copy_(sc)
+        return len(rows) * (q_row + s_row)
+
+    return read
+
+
 def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
                     strict: bool = True, maps: MappedFiles | None = None,
                     report: LoadReport | None = None, stream: dict | None = None) -> dict[str, list[str]]:
@@ -598,10 +643,11 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     by_name, omitted = _validate(dest, sources, cfg, path, scheme, strict, streamed=stream is not None)
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
     if stream is not None:
-        experts = {src.name: src for src in sources if routed_expert(src.name)}
+        streamed = {src.name: src for src in sources if routed_expert(src.name) or engram_table(src.name)}
         files = FileReader()
-        for name, (rb, cb) in _plan_blocks(experts, cfg.quantization.weight_block_size, path).items():
-            stream[name] = _expert_reader(experts[name], rb, cb, files)
+        for name, (rb, cb) in _plan_blocks(streamed, cfg.quantization.weight_block_size, path).items():
+            make = _expert_reader if routed_expert(name) else _row_reader
+            stream[name] = make(streamed[name], rb, cb, files)
     report = LoadReport() if report is None else report
     _fill(dest, by_name, blocks, {t.name: t.part for t in checkpoint_layout(cfg)}, maps, report)
     report.seconds += time.perf_counter() - started

@@ -42,60 +42,118 @@ def keep_fp32(model: torch.nn.Module) -> None:
             p.data = p.data.float()
 
 
-def _slotted_experts(model: Transformer, budget: int) -> int | None:
-    """Slots per layer for the routed experts under a resident budget of ``budget`` bytes for the weights (the
-    other weights held whole), None when every expert fits; on the still-empty ``meta`` model, whose experts are
-    cut to that many slots. Raises ConfigError when not even the router's top-k fit."""
+# Under a budget, the engram tables keep a sixteenth of what the other weights leave (at least row_cache.MIN_ROWS rows
+# a table): a token reads about 13 KB of engram rows where it reads gigabytes of routed experts, and the rows'
+# accesses are Zipfian, so a small row cache hits most of them; the routed experts take the rest.
+ROW_SHARE = 16
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _budget(model: Transformer, budget: int) -> tuple[int | None, dict[str, int]]:
+    """Split a resident budget of ``budget`` bytes for the weights: slots per MoE layer for the routed experts (None
+    when every expert fits) and rows held per engram table (path -> rows; tables that fit whole are left out). On
+    the still-empty ``meta`` model, whose experts are cut to that many slots and whose streamed tables become row
+    caches. Raises ConfigError when not even the router's top-k and the least row cache fit."""
     from .moe import MoE
-    from .packed import PackedExperts, PackedWeights
+    from .row_cache import MIN_ROWS
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
-    if not layers:
-        return None
-    ex = layers[0].experts
-    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-    every = sum(t.numel() * t.element_size() for t in tensors.values())
-    per_expert = sum(t.numel() * t.element_size() for m in layers for t in
-                     list(m.experts.parameters()) + list(m.experts.buffers()) if t.dim() >= 3) // ex.n_experts
-    other = every - per_expert * ex.n_experts
-    top_k = max(m.gate.top_k for m in layers)
-    slots = (budget - other) // per_expert if budget > other else 0
-    if slots < top_k:
-        need = other + per_expert * top_k
+    tables = {f"layers.{i}.engram.embed": b.engram.embed for i, b in enumerate(model.layers)
+              if getattr(b, "engram", None) is not None}
+    every = _nbytes({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
+    n_experts = layers[0].experts.n_experts if layers else 0
+    experts = _nbytes(t for m in layers for t in list(m.experts.parameters()) + list(m.experts.buffers())
+                      if t.dim() >= 3)
+    per_expert = experts // n_experts if layers else 0
+    table_rows = {p: t.num_embeddings if isinstance(t, torch.nn.Embedding) else t.packed.shape[0]
+                  for p, t in tables.items()}
+    row_bytes = {p: _nbytes(list(t.parameters()) + list(t.buffers())) // table_rows[p] for p, t in tables.items()}
+    table_bytes = sum(row_bytes[p] * table_rows[p] for p in tables)
+    fixed = every - experts - table_bytes
+    if budget >= every:
+        return None, {}
+    least_rows = {p: min(n, MIN_ROWS) for p, n in table_rows.items()}
+    top_k = max((m.gate.top_k for m in layers), default=0)
+    need = fixed + per_expert * top_k + sum(row_bytes[p] * n for p, n in least_rows.items())
+    if budget < need:
         raise ConfigError(f"weight memory {budget} bytes cannot hold this model: its weights other than the routed "
-                          f"experts take {other} bytes, and each of its {len(layers)} MoE layers needs at least "
-                          f"{top_k} experts' slots ({per_expert // len(layers)} bytes an expert); give at least "
+                          f"experts and engram tables take {fixed} bytes, each of its {len(layers)} MoE layers needs "
+                          f"at least {top_k} experts' slots ({per_expert // max(len(layers), 1)} bytes an expert) "
+                          f"and each of its {len(tables)} engram tables at least {MIN_ROWS} rows; give at least "
                           f"{need} bytes ({need / 2**30:.2f} GiB)")
-    if slots >= ex.n_experts:
-        return None
+    left = budget - fixed
+
+    def rows_for(share: int) -> dict[str, int]:
+        f = min(1.0, share / table_bytes) if table_bytes else 1.0
+        return {p: min(n, max(least_rows[p], int(f * n))) for p, n in table_rows.items()}
+
+    rows = rows_for(left // ROW_SHARE if layers else left)
+    slots = (left - sum(row_bytes[p] * n for p, n in rows.items())) // per_expert if layers else None
+    if slots is not None and slots >= n_experts:  # every expert fits: the tables take the rest
+        slots = None
+        rows = rows_for(left - experts)
+    rows = {p: n for p, n in rows.items() if n < table_rows[p]}
     with torch.device("meta"):
-        for m in layers:
-            e = m.experts
-            if isinstance(e, PackedExperts):
-                for name in ("w1", "w2", "w3"):
-                    p = getattr(e, f"{name}_packed")
-                    setattr(e, f"{name}_packed", PackedWeights((slots, *p.shape[1:]), p.fmt))
-            else:
-                for name in ("w1", "w2", "w3"):
-                    w = getattr(e, name)
-                    setattr(e, name, torch.nn.Parameter(torch.empty(slots, *w.shape[1:], dtype=w.dtype)))
-            e.n_experts = slots
-    return slots
+        if slots is not None:
+            for m in layers:
+                _cut_experts(m.experts, slots)
+        for p, n in rows.items():
+            _cut_table(model, p, tables[p], n)
+    return slots, rows
 
 
-def _attach_expert_caches(model: Transformer, stream: dict, policy: str) -> None:
-    """Give every MoE layer of ``model`` (its experts in slots) the cache that streams the others from ``stream``
-    (released name -> reader, :func:`flashserve.model.checkpoint.load_checkpoint`)."""
+def _cut_experts(e, slots: int) -> None:
+    from .packed import PackedExperts, PackedWeights
+
+    if isinstance(e, PackedExperts):
+        for name in ("w1", "w2", "w3"):
+            p = getattr(e, f"{name}_packed")
+            setattr(e, f"{name}_packed", PackedWeights((slots, *p.shape[1:]), p.fmt))
+    else:
+        for name in ("w1", "w2", "w3"):
+            w = getattr(e, name)
+            setattr(e, name, torch.nn.Parameter(torch.empty(slots, *w.shape[1:], dtype=w.dtype)))
+    e.n_experts = slots
+
+
+def _cut_table(model: Transformer, path: str, table: torch.nn.Module, rows: int) -> None:
+    """Replace the engram table at ``path`` by a row cache holding ``rows`` of its rows (same type and format)."""
+    from .packed import PackedEmbedding
+    from .row_cache import RowCache
+
+    if isinstance(table, torch.nn.Embedding):
+        held = torch.nn.Embedding(rows, table.embedding_dim, dtype=table.weight.dtype)
+        total = table.num_embeddings
+    else:
+        held = PackedEmbedding(rows, table.packed.shape[1], table.packed.fmt)
+        held.compute_dtype = table.compute_dtype
+        total = table.packed.shape[0]
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent), leaf, RowCache(total, held))
+
+
+def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
+    """Give every MoE layer of ``model`` whose experts are in slots the cache that streams the others from
+    ``stream`` (released name -> reader, :func:`flashserve.model.checkpoint.load_checkpoint`), and every row cache
+    its table's reader."""
     from .checkpoint import routed_expert
     from .expert_cache import ExpertCache
     from .moe import MoE
+    from .row_cache import RowCache
 
     readers: dict[str, dict[int, dict[str, object]]] = {}
     for name, read in stream.items():
-        module, expert, proj = routed_expert(name)
-        readers.setdefault(module, {}).setdefault(expert, {})[proj] = read
+        if routed_expert(name):
+            module, expert, proj = routed_expert(name)
+            readers.setdefault(module, {}).setdefault(expert, {})[proj] = read
     for path, m in model.named_modules():
-        if isinstance(m, MoE):
+        if isinstance(m, RowCache):
+            m.read = stream[f"{path}.weight"]
+            model.streamed_rows[int(path.split(".")[1])] = m
+        if isinstance(m, MoE) and m.experts.n_experts < m.gate.weight.shape[0]:
             n = m.gate.weight.shape[0]
             m.expert_cache = ExpertCache(m.experts, n, readers[f"{path}.experts"], list(range(m.experts.n_experts)),
                                          policy)
@@ -186,10 +244,11 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     ``mlock``: the weights' pages are read in and locked in RAM (llama.cpp's ``--mlock``); a failure (the
     ``RLIMIT_MEMLOCK`` limit) is logged and loading goes on. ``model.load_report`` says what was mapped and copied.
     ``weight_memory`` (bytes; checkpoint folders): the weights' resident budget. The weights other than the routed
-    experts are held whole; each MoE layer holds as many experts as the rest allows, in slots, and reads the others
-    from the files when the router picks them (:mod:`flashserve.model.expert_cache`, evicting by
-    ``expert_cache_policy``: "lru" or "lfu"). A budget below the other weights plus top-k experts a layer is
-    refused, with the least that would do.
+    experts and the engram tables are held whole; the engram tables keep a sixteenth of the rest (:data:`ROW_SHARE`)
+    in row caches that read missing rows from the files (:mod:`flashserve.model.row_cache`), and each MoE layer holds
+    as many experts as the remainder allows, in slots, reading the others when the router picks them
+    (:mod:`flashserve.model.expert_cache`, evicting by ``expert_cache_policy``: "lru" or "lfu"). A budget below the
+    other weights plus top-k experts a layer and the least row caches is refused, with the least that would do.
     """
     from .packed import pack_model
 
@@ -206,15 +265,17 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     model.to(torch_dtype)
     keep_fp32(model)  # before any weight is written, so the fp32 leaves are never rounded to ``dtype``
     if weight_memory is not None and is_preset:
-        raise ConfigError("weight_memory streams routed experts from a checkpoint folder; a preset has none (its "
+        raise ConfigError("weight_memory streams weights from a checkpoint folder; a preset has none (its "
                           "weights are drawn in memory)")
-    slots = None
+    slots, rows = None, {}
+    streamed = False
     if not is_preset:
         pack_model(model, formats, quantize=False, compute_dtype=torch_dtype)  # still on meta: no float copy
         if prepare is not None:
             prepare(model)
         if weight_memory is not None:
-            slots = _slotted_experts(model, weight_memory)
+            slots, rows = _budget(model, weight_memory)
+            streamed = slots is not None or bool(rows)
         elif mmap and prepare is None and torch.device(device).type == "cpu":
             from .mapped_experts import use_in_place
 
@@ -227,14 +288,18 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         random_init(model, seed)
         pack_model(model, formats, quantize=True, compute_dtype=torch_dtype)
     else:
-        stream = {} if slots is not None else None
+        stream = {} if streamed else None
         _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None,
                       mmap=mmap and torch.device(device).type == "cpu", stream=stream)
         if stream is not None:
-            _attach_expert_caches(model, stream, expert_cache_policy)
-            log.info("routed experts streamed from %s: %d of %d experts a layer held (weight memory %.2f GiB), "
-                     "evicting the %s", path_or_preset, slots, cfg.n_routed_experts, weight_memory / 2**30,
-                     "least recently used" if expert_cache_policy == "lru" else "least used")
+            _attach_caches(model, stream, expert_cache_policy)
+            held = (f"{slots} of {cfg.n_routed_experts} routed experts a layer" if slots is not None
+                    else "every routed expert")
+            if rows:
+                held += f", {sum(rows.values())} engram rows of {sum(cfg.engram_num_embeddings)}"
+            log.info("weights streamed from %s under weight memory %.2f GiB: %s held%s", path_or_preset,
+                     weight_memory / 2**30, held, "" if slots is None else ", evicting the least recently used"
+                     if expert_cache_policy == "lru" else ", evicting the least used")
         _engram_map_from_folder(model, Path(path_or_preset))
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
     if mlock:

@@ -100,16 +100,27 @@ class FileReader:
         if not t.is_contiguous() or t.numel() * t.element_size() != n or t.device.type != "cpu":
             raise ValueError(f"{file}: {n} bytes cannot be read into a tensor of {t.numel() * t.element_size()} "
                              f"bytes ({'contiguous' if t.is_contiguous() else 'not contiguous'}, {t.device})")
-        if file not in self.fds:
-            self.fds[file] = os.open(file, os.O_RDONLY)
+        fd = self._fd(file)
         view = memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
         done = 0
         while done < n:
-            got = os.preadv(self.fds[file], [view[done:]], start + done)
+            got = os.preadv(fd, [view[done:]], start + done)
             if got <= 0:
                 raise OSError(f"{file}: read {done} of {n} bytes at offset {start} (truncated since loading?)")
             done += got
         return n
+
+    def advise(self, file: Path, spans: list[tuple[int, int]]) -> None:
+        """Ask the kernel to start reading the byte ranges ``spans`` of ``file`` (``posix_fadvise(WILLNEED)``): many
+        small reads then wait on the disk together instead of one after another."""
+        fd = self._fd(file)
+        for start, end in spans:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+
+    def _fd(self, file: Path) -> int:
+        if file not in self.fds:
+            self.fds[file] = os.open(file, os.O_RDONLY)
+        return self.fds[file]
 
     def close(self) -> None:
         for fd in self.fds.values():

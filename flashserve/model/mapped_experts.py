@@ -129,4 +129,6 @@ def eager_only(model: nn.Module) -> str | None:
         return "routed experts used where they lie in the mapped checkpoint"
     if expert_caches(model):
         return "routed experts streamed under weight_memory"
+    if getattr(model, "streamed_rows", None):
+        return "engram rows streamed under weight_memory"
     return None

@@ -713,10 +713,19 @@ def pack_model(model: nn.Module, formats: Mapping[str, Format], *, quantize: boo
     return model
 
 
+def streamed_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Paths (each with its dot) of the modules whose tensors are slots filled while serving, not checkpoint tensors
+    (engram row caches: :mod:`flashserve.model.row_cache`)."""
+    return tuple(f"{p}." for p, m in model.named_modules() if getattr(m, "streamed_from_checkpoint", False))
+
+
 def packed_destinations(model: nn.Module) -> dict[str, "PackedSlot"]:
     """Released checkpoint name -> packed destination, for every packed module of ``model``."""
     out: dict[str, PackedSlot] = {}
+    slots = streamed_prefixes(model)
     for path, module in model.named_modules():
+        if path.startswith(slots):
+            continue
         if isinstance(module, PackedExperts):
             for name in ("w1", "w2", "w3"):
                 weights = getattr(module, f"{name}_packed")

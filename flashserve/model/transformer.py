@@ -53,6 +53,8 @@ class Transformer(nn.Module):
         self.rope = RotaryTables(cfg)
         self.engram_hasher = EngramHasher(cfg) if cfg.engram_layer_ids else None
         self._engram_slot = {lid: i for i, lid in enumerate(cfg.engram_layer_ids)}
+        # layer -> its engram table's row cache, where the table is streamed (flashserve/model/row_cache.py)
+        self.streamed_rows: dict[int, nn.Module] = {}
         # QAT quantisation points (docs/architecture.md#numerics-and-quantisation-points); load_model turns them on
         # for V4.1
         self.fake_quant = False
@@ -152,7 +154,10 @@ class Transformer(nn.Module):
         if cfg.shifted_collapse:  # the first block's attention collapses onto stream 0
             pre = torch.zeros(B, S, cfg.hc_mult, device=x.device)
             pre[..., 0] = 1.0
-        return x, pre, ctx, self._engram_ids(input_ids, state)
+        engram = self._engram_ids(input_ids, state)
+        for layer, rows in self.streamed_rows.items():  # missing rows read while the layers before run
+            rows.prefetch(self.engram_rows(engram, layer))
+        return x, pre, ctx, engram
 
     def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
                 start: torch.Tensor | None = None, fake_quant: bool | None = None, encoder_only: bool = False,
@@ -228,12 +233,13 @@ class Transformer(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Released checkpoint name → tensor (views into stacked experts for per-expert names), or a
         :class:`~flashserve.model.packed.PackedSlot` for packed modules."""
-        from .packed import PACKED_BUFFERS, packed_destinations
+        from .packed import PACKED_BUFFERS, packed_destinations, streamed_prefixes
 
         out: dict[str, torch.Tensor] = dict(packed_destinations(self))  # packed modules take stored bytes
         not_stored = (*PACKED_BUFFERS, blas.PANELS, *blas.INT8_JOINT_BUFFERS)  # names' ends: no checkpoint tensor
+        slots = streamed_prefixes(self)  # row caches: their tensors are slots, filled as rows are read
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            if name.startswith(("rope.", "engram_hasher.")) or name.endswith(not_stored):
+            if name.startswith(("rope.", "engram_hasher.", *slots)) or name.endswith(not_stored):
                 continue
             if ".experts.w" in name:
                 prefix, w = name.rsplit(".experts.", 1)

@@ -50,6 +50,10 @@ class ServerMetrics:
                              for key, help_ in (("hits", "Routed experts found in a layer's expert slots"),
                                                 ("misses", "Routed experts read from the checkpoint into a slot"),
                                                 ("bytes_read", "Bytes of routed experts read from the checkpoint"))}
+        self.row_cache = {key: Gauge(f"flashserve_engram_row_cache_{key}_total", help_, labels, registry=r)
+                          for key, help_ in (("hits", "Engram rows found in a table's row cache"),
+                                             ("misses", "Engram rows read from the checkpoint into the row cache"),
+                                             ("bytes_read", "Bytes of engram rows read from the checkpoint"))}
         # speculative decoding, under vLLM's counter names (engine totals, mirrored)
         self.spec = {key: Gauge(f"flashserve_spec_decode_{name}_total", help_, labels, registry=r)
                      for key, name, help_ in (
@@ -72,10 +76,10 @@ class ServerMetrics:
         self.engine_prompt_tokens.labels(m).set(g("prompt_tokens_total", 0) or 0)
         self.engine_generation_tokens.labels(m).set(g("generation_tokens_total", 0) or 0)
         self.decode_compiled.labels(m).set(1 if g("decode_step") == "compiled" else 0)
-        experts = g("expert_cache")
-        if experts:
-            for key, gauge in self.expert_cache.items():
-                gauge.labels(m).set(experts[key])
+        for counts, gauges in ((g("expert_cache"), self.expert_cache), (g("engram_row_cache"), self.row_cache)):
+            if counts:
+                for key, gauge in gauges.items():
+                    gauge.labels(m).set(counts[key])
         spec = g("spec_decode")
         if spec:
             for key, gauge in self.spec.items():

@@ -7,6 +7,10 @@ import time
 
 log = logging.getLogger("flashserve.server")
 
+# weights streamed under --weight-memory: the stats key of each cache, its name in the line and the unit of the bytes
+# read a token (a token reads megabytes of routed experts and kilobytes of engram rows)
+_CACHES = {"expert_cache": ("expert cache", 1e6, "MB"), "engram_row_cache": ("engram row cache", 1e3, "KB")}
+
 
 class StatsLogger:
     """Fed every engine stats snapshot; logs at most once per ``interval`` seconds, and only while busy (or on
@@ -16,7 +20,7 @@ class StatsLogger:
         self.interval, self.clock = interval, clock
         self.last_t = clock()
         self.last_prompt = self.last_gen = 0
-        self.last_experts = {"hits": 0, "misses": 0, "bytes_read": 0}
+        self.last = {part: {"hits": 0, "misses": 0, "bytes_read": 0} for part in _CACHES}
         self.was_busy = False
 
     def update(self, stats: dict) -> str | None:
@@ -35,14 +39,15 @@ class StatsLogger:
                 f"{stats.get('num_waiting', 0)}, kv cache {100 * (stats.get('kv_pages_used', 0) / total if total else 0):.1f}%"
                 f" used, prefix hit rate {100 * stats.get('prefix_cache_hit_rate', 0.0):.1f}%"
                 + (f", decode step {stats['decode_step']}" if stats.get("decode_step") else ""))
-        experts = stats.get("expert_cache")
-        if experts:
-            d = {k: experts[k] - self.last_experts[k] for k in self.last_experts}
-            tokens = max(prompt - self.last_prompt + gen - self.last_gen, 1)
-            looked = d["hits"] + d["misses"]
-            line += (f", expert cache hit rate {100 * d['hits'] / looked if looked else 0.0:.1f}%, "
-                     f"{d['bytes_read'] / tokens / 1e6:.2f} MB read a token")
-            self.last_experts = {k: experts[k] for k in self.last_experts}
+        tokens = max(prompt - self.last_prompt + gen - self.last_gen, 1)
+        for part, (what, unit, unit_name) in _CACHES.items():
+            counts = stats.get(part)
+            if counts:
+                d = {k: counts[k] - self.last[part][k] for k in self.last[part]}
+                looked = d["hits"] + d["misses"]
+                line += (f", {what} hit rate {100 * d['hits'] / looked if looked else 0.0:.1f}%, "
+                         f"{d['bytes_read'] / tokens / unit:.2f} {unit_name} read a token")
+                self.last[part] = {k: counts[k] for k in self.last[part]}
         self.last_t, self.last_prompt, self.last_gen, self.was_busy = now, prompt, gen, busy
         log.info(line)
         return line

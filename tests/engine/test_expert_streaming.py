@@ -1,12 +1,14 @@
-"""Routed experts streamed under a weight budget (``weight_memory``): each MoE layer holds a few experts in slots and
-reads the others from the checkpoint's files when routed; the greedy tokens are those of the engine that holds
-every expert, the resident weights stay within the budget, and the cache counts what it read
-(flashserve/model/expert_cache.py)."""
+"""Weights streamed under a weight budget (``weight_memory``): each MoE layer holds a few experts in slots and reads
+the others from the checkpoint's files when routed, each engram table holds some of its rows and reads the others
+when a step's n-grams name them; the greedy tokens are those of the engine that holds every weight, the resident
+weights stay within the budget, and the caches count what they read (flashserve/model/expert_cache.py,
+flashserve/model/row_cache.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -49,19 +51,51 @@ def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(release
 
     engine = _engine(released, weight_memory=budget, expert_cache_policy=policy, enforce_eager=False)
     assert engine.runner.decode_step.regions is None  # the cache reads between router and experts: eager
-    assert all(m.experts.n_experts == 3 and m.expert_cache.policy == policy
-               for m in engine.model.modules() if isinstance(m, MoE))
+    slots = {m.experts.n_experts for m in engine.model.modules() if isinstance(m, MoE)}
+    assert len(slots) == 1 and 3 <= min(slots) < 8  # the engram tables' 12458 rows keep 8192: an expert more
+    assert all(m.expert_cache.policy == policy for m in engine.model.modules() if isinstance(m, MoE))
     assert _weights(engine.model) <= budget
     assert run_greedy(engine, prompts, 8) == expected
     stats = engine.stats()["expert_cache"]
-    assert stats["slots"] == 3 and stats["experts"] == 8 and stats["layers"] == 10 and stats["policy"] == policy
+    assert stats["slots"] in slots and stats["experts"] == 8 and stats["layers"] == 10 and stats["policy"] == policy
     # every miss read one expert's three MXFP4 matrices and their scales from the files
     assert stats["misses"] > 0 and stats["hits"] > 0 and stats["bytes_read"] == stats["misses"] * expert // 10
+    rows = engine.stats()["engram_row_cache"]
+    assert rows["layers"] == 2 and rows["slots"] == 2 * 4096 and rows["rows"] == 6126 + 6332
+    # a row is 16 FP8 bytes and one scale byte; decoding repeats n-grams, so rows are found as well as read
+    assert rows["misses"] > 0 and rows["hits"] > 0 and rows["bytes_read"] == rows["misses"] * 17
 
 
-def test_a_step_routing_to_more_experts_than_a_layer_holds_runs_them_a_slotful_at_a_time(released):
+def test_engram_rows_streamed_through_a_few_slots_give_the_logits_of_the_whole_tables(released, monkeypatch):
+    """Sixteen rows a table (one set): a ten-token prompt names 60 rows a table, so the cache serves it sixteen
+    at a time; a second forward of the same prompt reads them again (nothing it needs stays)."""
+    from flashserve.model import loader, row_cache
+
+    monkeypatch.setattr(row_cache, "MIN_ROWS", 16)
+    monkeypatch.setattr(loader, "ROW_SHARE", 1 << 40)
+    ref = load_model(released, with_mtp=False)
+    moe = [m for m in ref.modules() if isinstance(m, MoE)]
+    expert = sum(t.numel() * t.element_size() for m in moe for t in m.experts.buffers() if t.dim() == 3) // 8
+    model = load_model(released, with_mtp=False, weight_memory=_weights(ref) - 4 * expert)
+    caches = row_cache.row_caches(model)
+    assert [(c.rows, c.slots, c.sets.sets) for c in caches] == [(6126, 16, 1), (6332, 16, 1)]
+    assert cache_stats(expert_caches(model))["slots"] < 8
+    ids = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
+    with torch.inference_mode():
+        expected = ref(ids).logits
+        assert torch.equal(model(ids).logits, expected)
+        assert torch.equal(model(ids).logits, expected)
+    stats = row_cache.row_cache_stats(caches)
+    looked = 2 * (59 + 60)  # distinct rows of the prompt in tables 1 and 4, twice
+    assert stats["hits"] + stats["misses"] == looked and stats["misses"] >= looked - 2 * 16
+
+
+def test_a_step_routing_to_more_experts_than_a_layer_holds_runs_them_a_slotful_at_a_time(released, monkeypatch):
     """Two slots a layer (the router's top-2), ten tokens at once: the whole-sequence forward runs each layer's
     experts in groups and its logits equal those of the model that holds every expert."""
+    from flashserve.model import row_cache
+
+    monkeypatch.setattr(row_cache, "MIN_ROWS", 1 << 30)  # the engram tables held whole
     ref = load_model(released, with_mtp=False)
     moe = [m for m in ref.modules() if isinstance(m, MoE)]
     expert = sum(t.numel() * t.element_size() for m in moe for t in m.experts.buffers() if t.dim() == 3) // 8
@@ -75,7 +109,8 @@ def test_a_step_routing_to_more_experts_than_a_layer_holds_runs_them_a_slotful_a
 
 def test_a_budget_below_what_the_model_needs_is_refused_with_the_least_that_does(released):
     with pytest.raises(ConfigError, match=r"weight memory 1000 bytes cannot hold this model: its weights other than "
-                                          r"the routed experts take \d+ bytes, .* give at least \d+ bytes"):
+                                          r"the routed experts and engram tables take \d+ bytes, .* engram tables at "
+                                          r"least 4096 rows; give at least \d+ bytes"):
         load_model(released, with_mtp=False, weight_memory=1000)
     with pytest.raises(ConfigError, match="weight_memory: streams the routed experts from a checkpoint folder; "
                                           "'tiny-v41' is a preset"):
@@ -94,3 +129,15 @@ def test_an_engine_over_experts_used_where_they_lie_decodes_eagerly_with_the_sam
     assert isinstance(engine.model.layers[0].ffn.experts, mapped_experts.MappedExperts)
     assert engine.runner.decode_step.regions is None and engine.plan.formats["mxfp4 experts (mapped)"] == 10
     assert run_greedy(engine, prompts, 8) == expected
+
+
+def test_a_full_set_gives_up_its_least_recently_used_row():
+    from flashserve.model.row_cache import Sets
+
+    reads = []
+    sets = Sets(2, 2, lambda rows, slots: reads.append(rows.tolist()) or len(rows))  # one set of two ways
+    for row in (10, 20, 10, 30, 20):
+        sets.placed(np.array([row]))
+    assert reads == [[10], [20], [30], [20]]  # 30 evicted 20 (10 was used since), then 20 evicted 10
+    assert sorted(sets.tags[0].tolist()) == [20, 30] and (sets.hits, sets.misses) == (1, 4)
+    assert sets.placed(np.array([1, 2, 3])) is None  # three rows in a set of two ways: served a wayful at a time

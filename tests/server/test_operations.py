@@ -60,6 +60,25 @@ def test_stats_line_and_metrics_report_the_expert_cache_over_the_interval():
     assert "flashserve_expert_cache_bytes_read_total" in metrics.render().decode()
 
 
+def test_stats_line_and_metrics_report_the_engram_row_cache_in_kilobytes_a_token():
+    from flashserve.server.metrics import ServerMetrics
+
+    clock = Clock()
+    log = StatsLogger(10.0, clock)
+    rows = {"hits": 90, "misses": 30, "bytes_read": 30 * 264}  # 30 rows of V4.1-Flash's 264 bytes
+    experts = {"hits": 5, "misses": 15, "bytes_read": 15 * 18_900_000}
+    clock.t = 10.0
+    line = log.update({**stats(0, 2, running=1), "expert_cache": experts, "engram_row_cache": rows})
+    assert line.endswith(", expert cache hit rate 25.0%, 141.75 MB read a token, "
+                         "engram row cache hit rate 75.0%, 3.96 KB read a token")
+    metrics = ServerMetrics("m")
+    metrics.update_engine({**stats(0, 2, running=1), "engram_row_cache": rows})
+    for name, value in rows.items():
+        assert metrics.registry.get_sample_value(f"flashserve_engram_row_cache_{name}_total",
+                                                 {"model_name": "m"}) == value
+    assert metrics.registry.get_sample_value("flashserve_expert_cache_hits_total", {"model_name": "m"}) is None
+
+
 def test_non_loopback_host_without_key_is_warned_about():
     p = subprocess.run([sys.executable, "-m", "flashserve", "serve", MODEL, "--host", "0.0.0.0", "--max-num-seqs",
                         "0"], capture_output=True, text=True, cwd=REPO, timeout=60)
