@@ -72,9 +72,9 @@ HELP = {
     "mmap": "memory-map a checkpoint's safetensors files and use the tensors held as stored where they lie, read "
             "from the disk when first touched (llama.cpp's default); --no-mmap copies every tensor into memory",
     "mlock": "read the weights into RAM and lock them there (llama.cpp's --mlock; limited by ulimit -l)",
-    "weight_memory": "resident memory for the weights, e.g. 8GiB: the routed experts that do not fit stay on disk "
-                     "and are read when routed, through a cache of expert slots per layer (decode runs eagerly); "
-                     "default: every weight held",
+    "weight_memory": "resident memory for the weights, e.g. 8GiB: the routed experts and engram rows that do not "
+                     "fit stay on disk and are read when used, through a cache of expert slots per layer and of rows "
+                     "per engram table (decode runs eagerly); default: every weight held",
     "expert_cache_policy": "which expert a full layer gives up under --weight-memory: the least recently used (lru) "
                            "or the least used (lfu)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '
