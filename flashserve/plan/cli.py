@@ -98,7 +98,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill pool's expert parallelism (default: --prefill-gpus)")
     p.add_argument("--prefill-attention-dp", type=int, default=None,
                    help="prefill pool's attention data-parallel ranks (default: prefill-gpus/prefill-tp)")
-    p.add_argument("--weight-dtype", default="fp4", help="routed-expert dtype: fp4, fp8, bf16, fp32")
+    p.add_argument("--weight-dtype", default="fp4", type=str.lower,
+                   help="routed-expert dtype: fp4 (MXFP4), fp8, bf16, fp32, or a 2-/3-bit width as the local ports "
+                        "name it: q2_k (2.625 bits per weight), q3_k (3.4375), 3.0bpw; dense weights stay FP8 "
+                        "beside fp4 and the 2-/3-bit widths")
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
     p.add_argument("--context", type=int, default=None, help="mean KV length while decoding (default prompt + output/2)")

@@ -281,7 +281,10 @@ class PublishedLocal:
     """A published decode speed of V4/V4.1-Flash on one local machine and the deployment the planner assumes
     for it. ``decode`` is tokens/s summed over the ``concurrency`` streams (decode timed apart from TTFT, as the
     reports time it). ``inputs`` is None when the planner cannot express the point; ``reason`` says why.
-    ``role``: ``fit`` (set the machine profile's host-tier term), ``held_out``, or ``not_predicted``."""
+    ``role``: ``fit`` (set the machine profile's host-tier term), ``held_out``, or ``not_predicted``.
+    ``weight_dtype`` is the planner's expert width for the report's quantization (``dtypes.WEIGHT_BYTES``;
+    None where the report states none) and ``weight_dtype_basis`` says whether the report states it or it is
+    an assumption, and why."""
 
     name: str
     source: str
@@ -291,6 +294,8 @@ class PublishedLocal:
     role: str
     inputs: PlanInputs | None
     assumptions: str
+    weight_dtype: str | None = None
+    weight_dtype_basis: str = ""
 
 
 def _local_machine(name: str) -> str:
@@ -307,32 +312,62 @@ def _freetoken(concurrency: int, decode: float, role: str, row: str) -> Publishe
                    weight_dtype="fp4", concurrency=concurrency, resident_experts=FREETOKEN_RESIDENT),
         f"released MXFP4 experts and FP8 dense weights; {FREETOKEN_RESIDENT} of 256 experts per layer on the GPU, "
         "the rest computed by CPU expert kernels (the split is not published; the prediction moves under 10% "
-        "between 0 and 36 resident); prompt 1,024 and output 1,024 tokens assumed (not published)")
+        "between 0 and 36 resident); prompt 1,024 and output 1,024 tokens assumed (not published)",
+        "fp4", "stated: the released MXFP4 experts")
 
 
-def _not_predicted(name: str, setup: str, decode: float, concurrency: int, source: str, reason: str) -> PublishedLocal:
-    return PublishedLocal(name, f"{RF7}: {source}", setup, decode, concurrency, "not_predicted", None, reason)
+def _not_predicted(name: str, setup: str, decode: float, concurrency: int, source: str, reason: str,
+                   weight_dtype: str | None = None, basis: str = "") -> PublishedLocal:
+    return PublishedLocal(name, f"{RF7}: {source}", setup, decode, concurrency, "not_predicted", None, reason,
+                          weight_dtype, basis)
 
 
-Q2_REASON = ("Q2 experts: the planner's expert dtypes are fp4 (MXFP4), fp8, bf16 and fp32; it has no 2-bit "
-             "expert width, and the report does not state the bits per weight of its Q2 mix")
+# V4.1-Flash's sizes at the 2- and 3-bit widths, as the reasons below state them (hand arithmetic, checked in
+# tests/plan/test_plan_published_local.py): 40 MoE layers x 384 routed experts x 3 x 5,120 x 2,304 weights =
+# 543.6 B routed weights (8.49 B read per decode token: 6 per layer); at Q2_K (84 bytes per 256) 178.4 GB, 2.79 GB
+# per token; at 3.0 bpw 203.8 GB, 3.19 GB per token. Beside them: 8.3 GB of other weights (FP8) and the engram
+# tables, 202.8 GB (FP8).
+Q2_ASSUMED = ("assumption: the report says only \"Q2\"; read as llama.cpp Q2_K, 2.625 bits per weight (q2_k), "
+              "the 2-bit K-quant")
+Q2_BASIS = "assumption: the report says only \"Q2\"; llama.cpp Q2_K's 2.625 bits per weight (84 bytes per 256)"
 PUBLISHED_LOCAL: tuple[PublishedLocal, ...] = (
     _freetoken(1, 25.7, "fit", "24.5-26.9 tok/s single stream; midpoint 25.7"),
     _freetoken(8, 65.6, "held_out", "65.6 tok/s aggregate at 8 concurrent"),
     _not_predicted("vllm-3090-7443p-v41-c1", "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4) + NVMe, 3.0 bpw", 19.3, 1,
                    "0xSero/dsv41-flash-offload",
-                   "3.0 bpw experts: the planner has no 3-bit expert width; the experts' placement (GPU / host / "
-                   "NVMe) and V4.1's engram rows on NVMe are not stated per tier"),
+                   "experts at 3.0 bpw (3.0bpw: 203.8 GB, 3.19 GB read per decode token) do not fit the RTX 3090's "
+                   "24 GiB, and the report does not state where the rest live (host memory or NVMe), the host "
+                   "memory fitted (epyc-ddr4-8ch leaves it out: it depends on the DIMMs), whether the CPU or the GPU "
+                   "(over PCIe) computes the experts off the GPU, nor the NVMe's read bandwidth for V4.1's engram "
+                   "rows",
+                   "3.0bpw", "stated: 3.0 bits per weight"),
     _not_predicted("vllm-3090-7443p-v41-c4", "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4) + NVMe, 3.0 bpw", 26.6, 4,
-                   "0xSero/dsv41-flash-offload", "as at concurrency 1"),
+                   "0xSero/dsv41-flash-offload", "as at concurrency 1", "3.0bpw", "stated: 3.0 bits per weight"),
     _not_predicted("llamacpp-5975wx-2gpu-v41", "V4.1, Threadripper 5975WX + 2 GPUs, experts on CPU", 17.7, 1,
                    "ggml-org/llama.cpp issue 28696",
                    "the two GPUs, the memory fitted and the quantization are not stated"),
     _not_predicted("llamacpp-dgx-spark-v41-q2k", "V4.1, one DGX Spark, Q2_K over mmap", 2.8, 1,
-                   "ggml-org/llama.cpp issue 28696", "Q2_K experts: " + Q2_REASON.split(": ", 1)[1]),
-    _not_predicted("ds4-m3-ultra-v41-q2", "V4.1, M3 Ultra 256 GB, Q2", 37.1, 1, "antirez/ds4 issue 1073", Q2_REASON),
+                   "ggml-org/llama.cpp issue 28696",
+                   "Q2_K experts (q2_k, 2.625 bits per weight: 178.4 GB) with the other weights (8.3 GB) and the "
+                   "engram tables (202.8 GB) exceed the 128 GB unified memory, so mmap pages them from the NVMe "
+                   "drive, whose read bandwidth NVIDIA does not publish (dgx-spark: disk.read_gbs not published); "
+                   "NVIDIA lists no FP8 or BF16 FLOP/s for the GB10 GPU either (only FP4), the rate of the FP8 "
+                   "dense and the widened 2-bit expert GEMMs",
+                   "q2_k", "stated: Q2_K"),
+    _not_predicted("ds4-m3-ultra-v41-q2", "V4.1, M3 Ultra 256 GB, Q2", 37.1, 1, "antirez/ds4 issue 1073",
+                   Q2_ASSUMED + "; at that width the routed experts (178.4 GB) and the other weights (8.3 GB) fit "
+                   "the 256 GB unified memory only with the engram tables (202.8 GB) on disk, as ds4 keeps them; "
+                   "the planner does not plan the tables on disk (it counts them in the unified memory), and Apple "
+                   "publishes no FLOP/s for the M3 Ultra GPU (apple-m3-ultra: gpu.tflops not published), which the "
+                   "planner's compute term needs",
+                   "q2_k", Q2_BASIS),
     _not_predicted("ds4-strix-halo-v41-q2-ssd", "V4.1, Strix Halo 128 GB, Q2, SSD streaming", 9.5, 1,
-                   "antirez/ds4 issue 1036", Q2_REASON + "; the SSD's read bandwidth is not stated either"),
+                   "antirez/ds4 issue 1036",
+                   Q2_ASSUMED + "; at that width the routed experts (178.4 GB) exceed the 128 GB unified memory and "
+                   "are streamed from the SSD, whose read bandwidth the report does not state (strix-halo: "
+                   "disk.read_gbs not published, the disk is the system builder's choice); AMD publishes no FLOP/s "
+                   "for the Radeon 8060S either (strix-halo: gpu.tflops not published)",
+                   "q2_k", Q2_BASIS),
     _not_predicted("sglang-4x-dgx-spark-v41-tp4", "V4.1, 4x DGX Spark, TP4, DSpark, engram on NVMe", 39.4, 1,
                    "0xSero/local-ai-registry issue 55",
                    "four machines in TP4: the planner's machines are one box (no link between machines)"),

@@ -105,7 +105,8 @@ def compare_published_local(points: tuple[PublishedLocal, ...] = PUBLISHED_LOCAL
         row: dict[str, object] = {"name": p.name, "role": p.role, "source": p.source, "setup": p.setup,
                                   "assumptions": p.assumptions, "concurrency": p.concurrency,
                                   "published_decode": p.decode, "predicted_decode": None, "error": None,
-                                  "hardware": None, "profile": None, "bound": None}
+                                  "hardware": None, "profile": None, "bound": None,
+                                  "weight_dtype": p.weight_dtype, "weight_dtype_basis": p.weight_dtype_basis}
         if p.inputs is not None:
             res = plan(p.inputs)
             pred = p.concurrency * res.accept_length / res.step.t_step

@@ -10,10 +10,15 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
+from flashserve.plan.capacity import capacity
 from flashserve.plan.cli import main
+from flashserve.plan.errors import PlanError
 from flashserve.plan.hardware import HARDWARE_JSON, load_catalog
+from flashserve.plan.inputs import PlanInputs
 from flashserve.plan.machine import read_machine_file
-from flashserve.plan.planner import plan
+from flashserve.plan.planner import build_deployment, misfit_reasons, plan, speed_gaps
 from flashserve.plan.scenarios import PUBLISHED, PUBLISHED_LOCAL
 from flashserve.plan.validation import (
     LOCAL_BAR,
@@ -125,3 +130,52 @@ def test_datacenter_profiles_and_predictions_do_not_see_the_host_term() -> None:
         res = plan(replace(p.inputs, overrides={**p.inputs.overrides, "eta_host_mem": 0.123}))
         assert res.tokens_per_s_per_agent == row["predicted_agent"] or (
             p.agent_metric == "step" and math.isclose(res.accept_length / res.step.t_step, row["predicted_agent"]))
+
+
+# the points whose quantization is a 2- or 3-bit expert width, and the width the planner reads it as
+WIDTHS = {"vllm-3090-7443p-v41-c1": "3.0bpw", "vllm-3090-7443p-v41-c4": "3.0bpw",
+          "llamacpp-dgx-spark-v41-q2k": "q2_k", "ds4-m3-ultra-v41-q2": "q2_k", "ds4-strix-halo-v41-q2-ssd": "q2_k"}
+
+
+def test_two_and_three_bit_points_carry_their_width_and_say_when_it_is_assumed() -> None:
+    points = {p.name: p for p in PUBLISHED_LOCAL}
+    for name, width in WIDTHS.items():
+        p = points[name]
+        assert p.weight_dtype == width and ROWS[name]["weight_dtype"] == width
+        assert "no 2-bit" not in p.assumptions and "no 3-bit" not in p.assumptions
+        if "Q2," in p.setup or p.setup.endswith("Q2"):  # ds4 states only "Q2": the width is an assumption
+            assert p.weight_dtype_basis.startswith("assumption: ") and "2.625 bits per weight" in p.weight_dtype_basis
+            assert p.assumptions.startswith("assumption: ") and "Q2_K" in p.assumptions
+        else:
+            assert p.weight_dtype_basis.startswith("stated: ")
+    assert points[FIT].weight_dtype == "fp4"
+
+
+def test_reasons_of_the_two_bit_points_are_what_the_planner_finds() -> None:
+    """Planned at their width on the machine presets, the ds4 and DGX Spark points fail where their reasons
+    say: the engram tables (196.6 B FP8 weights x 1.03125 bytes with scales = 202.8 GB) counted in the unified memory beside 178.4 GB
+    of Q2_K experts, no FLOP/s for the FP8 or widened 2-bit GEMMs, no disk bandwidth."""
+    for hw, name in (("apple-m3-ultra", "ds4-m3-ultra-v41-q2"), ("strix-halo", "ds4-strix-halo-v41-q2-ssd"),
+                     ("dgx-spark", "llamacpp-dgx-spark-v41-q2k")):
+        inp = PlanInputs(model="deepseek-v41-flash", hardware=hw, gpus=1, weight_dtype="q2_k", concurrency=1)
+        dep = build_deployment(inp)
+        cap = capacity(dep, inp.resolved_context())
+        assert math.isclose(cap.host_table_bytes_in_device, 196_608_000_000 * 1.03125, rel_tol=2e-3)
+        assert misfit_reasons(dep, cap, 1, inp.resolved_context())
+        assert speed_gaps(dep) and "FLOP/s" in speed_gaps(dep)[0]
+        assert dep.hw.machine is not None and dep.hw.machine.disk_read_gbs is None
+        assert "disk.read_gbs" in dep.hw.machine.not_published
+        assert "178.4 GB" in next(p for p in PUBLISHED_LOCAL if p.name == name).assumptions
+
+
+def test_reason_of_the_three_bit_points_is_what_the_planner_finds() -> None:
+    """At 3.0 bpw V4.1's 543,581,798,400 routed weights are 203,843,174,400 bytes: beyond one RTX 3090, and the
+    EPYC 7443P preset leaves the host memory out, so the off-GPU tiers cannot be sized."""
+    inp = PlanInputs(model="deepseek-v41-flash", hardware="rtx-3090", gpus=1, weight_dtype="3.0bpw", concurrency=1)
+    dep = build_deployment(inp)
+    cap = capacity(dep, inp.resolved_context())
+    assert math.isclose(cap.routed_bytes_per_gpu, 203_843_174_400, rel_tol=1e-9)
+    assert misfit_reasons(dep, cap, 1, inp.resolved_context())
+    with pytest.raises(PlanError, match="no memory size"):  # the host of the report: its RAM is not stated
+        build_deployment(replace(inp, hardware="epyc-ddr4-8ch"))
+    assert "203.8 GB" in next(p for p in PUBLISHED_LOCAL if p.name == "vllm-3090-7443p-v41-c1").assumptions
