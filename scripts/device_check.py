@@ -9,9 +9,11 @@ with its numbers, and the exit status counts the failures.
 2. Steady-state decode steps never sync with the host (``torch.cuda.set_sync_debug_mode("error")``).
 3. No recompilation over mixed steps after warm-up (joins, leaves, bucket changes).
 4. Decode tokens/s at batch 1, 8 and 16: eager, compiled, compiled + CUDA graphs (medians of 3).
+5. Routed experts split between the GPU and the CPU (``gpu_experts``): tokens equal to all experts on the GPU,
+   decode tokens/s.
 
 ``python scripts/device_check.py [part ...]`` runs the named parts only (tokens, logits_and_sync, recompiles,
-bench, more_tokens; batch1, not run by default, is a short check of one compiled graph). Engines are made once
+bench, more_tokens, hybrid; batch1, not run by default, is a short check of one compiled graph). Engines are made once
 and shared between parts, so a compiled engine's warm-up (every bucket compiled, and recorded as CUDA graphs)
 is paid once.
 """
@@ -236,7 +238,36 @@ def batch1(c: Checks) -> None:
           + ", ".join(f"{m} {[round(x) for x in v]}" for m, v in rates.items()) + ")", flush=True)
 
 
-PARTS = {f.__name__: f for f in (tokens, logits_and_sync, recompiles, bench, more_tokens, batch1)}
+def hybrid(c: Checks) -> None:
+    """Routed experts split (``gpu_experts``, flashserve/model/hybrid.py): tiny-v41 in the released layout (MXFP4
+    experts), three of eight experts a layer on the GPU and the rest on the CPU kernels, against every expert on the
+    GPU, both eager: greedy tokens, decode tok/s at batch 1 and 8 (medians of 3), the share of pairs the GPU ran."""
+    from flashserve.model.hybrid import hybrid_layers, hybrid_stats, rebalance
+    from flashserve.model.loader import load_model
+
+    engines = {}
+    for name, kw in (("all on the GPU", {}), ("3 of 8 on the GPU", {"gpu_experts": 3})):
+        model = load_model("tiny-v41", dtype=torch.float32, device="cuda", quantization="mxfp4", with_mtp=False, **kw)
+        engines[name] = LLMEngine(EngineConfig(model="tiny-v41", device="cuda", dtype="float32", kv_memory="256MiB",
+                                               max_num_seqs=16, enforce_eager=True, speculative_config=None),
+                                  model=model)
+    batch = prompts(3, 40, 2)
+    want, got = (greedy(engines[n], batch, 24) for n in engines)
+    c.check("tokens tiny-v41 mxfp4, gpu_experts=3 against all experts on the GPU", got == want)
+    split = engines["3 of 8 on the GPU"]
+    rebalance(hybrid_layers(split.model))
+    for b in (1, 8):
+        rates = {n: [] for n in engines}
+        for _ in range(3):
+            for n, eng in engines.items():
+                rates[n].append(decode_rate(eng, b))
+        med = {n: statistics.median(v) for n, v in rates.items()}
+        print(f"BENCH tiny-v41 mxfp4 eager decode batch {b}: " + ", ".join(f"{n} {v:.0f} tok/s" for n, v in
+                                                                            med.items()), flush=True)
+    print(f"   split: {hybrid_stats(hybrid_layers(split.model))}", flush=True)
+
+
+PARTS = {f.__name__: f for f in (tokens, logits_and_sync, recompiles, bench, more_tokens, batch1, hybrid)}
 DEFAULT = [p for p in PARTS if p != "batch1"]
 
 

@@ -61,6 +61,11 @@ class EngineConfig:
     # expert_cache_policy ("lru" | "lfu"); decode runs eagerly then. See flashserve.model.expert_cache.
     weight_memory: str | int | None = None
     expert_cache_policy: str = "lru"
+    # On a GPU: each MoE layer holds this many routed experts there (the most used, rebalanced as traffic goes), the
+    # others stay in host memory and run on the CPU kernels, as ktransformers does (llama.cpp's --n-cpu-moe keeps
+    # whole layers' experts on the CPU); decode runs eagerly. None: every expert on the device. See
+    # flashserve.model.hybrid.
+    gpu_experts: int | None = None
     # Eager int8 products through torch's int8 kernel ("aten") or in float chunks ("chunked"); "auto" times both
     # on this CPU at start-up (flashserve.engine.execution). Process-wide.
     int8_kernel: str = "auto"

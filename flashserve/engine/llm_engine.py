@@ -11,6 +11,7 @@ import torch
 
 from ..config import ConfigError
 from ..model.expert_cache import cache_stats, expert_caches
+from ..model.hybrid import REBALANCE_STEPS, hybrid_layers, hybrid_stats, rebalance
 from ..model.row_cache import row_cache_stats, row_caches
 from ..model.mapped_experts import eager_only
 from ..model.packed import prepare_kernels
@@ -58,7 +59,8 @@ class LLMEngine:
                                                                 fake_quant=c.fake_quant, with_mtp=with_mtp,
                                                                 quantization=c.quantization, mmap=c.mmap,
                                                                 mlock=c.mlock, weight_memory=pre.weight_bytes,
-                                                                expert_cache_policy=c.expert_cache_policy)
+                                                                expert_cache_policy=c.expert_cache_policy,
+                                                                gpu_experts=c.gpu_experts)
         self.dtype = self.model.dtype
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
@@ -88,6 +90,7 @@ class LLMEngine:
         eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
         self.expert_caches = expert_caches(self.model)  # found once: stats() runs every step
         self.row_caches = row_caches(self.model)
+        self.hybrid = hybrid_layers(self.model)  # experts split between the GPU and the host (gpu_experts)
         why = eager_only(self.model)
         if not eager and why is not None:
             log.info("%s: decode steps run eagerly (the routing is read on the host between a layer's router and "
@@ -228,6 +231,8 @@ class LLMEngine:
         if prefills:
             self._prefill(prefills, touched)
         self._propose()
+        if self.hybrid and self.num_steps % REBALANCE_STEPS == 0:  # the most used experts into the GPU's slots
+            rebalance(self.hybrid)
         return self._outputs(touched)
 
     def _decode(self, seqs: list[Sequence], touched: dict[str, RequestGroup]) -> None:
@@ -360,4 +365,5 @@ class LLMEngine:
             "decode_step": self.runner.decode_step.state(),
             "expert_cache": cache_stats(self.expert_caches),
             "engram_row_cache": row_cache_stats(self.row_caches),
+            "hybrid_experts": hybrid_stats(self.hybrid),
         }

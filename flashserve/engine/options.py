@@ -75,6 +75,8 @@ HELP = {
     "weight_memory": "resident memory for the weights, e.g. 8GiB: the routed experts and engram rows that do not "
                      "fit stay on disk and are read when used, through a cache of expert slots per layer and of rows "
                      "per engram table (decode runs eagerly); default: every weight held",
+    "gpu_experts": "routed experts a MoE layer holds on the GPU (the most used); the others stay in host memory and "
+                   "run on the CPU (ktransformers' split; decode runs eagerly); default: every expert on the GPU",
     "expert_cache_policy": "which expert a full layer gives up under --weight-memory: the least recently used (lru) "
                            "or the least used (lfu)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "dspark", "num_speculative_tokens": 5}\' '

@@ -72,6 +72,15 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
         raise ConfigError(f"weight_memory: {e}") from None
     if c.expert_cache_policy not in ("lru", "lfu"):
         raise ConfigError(f"expert_cache_policy: must be lru or lfu, got {c.expert_cache_policy!r}")
+    if c.gpu_experts is not None:
+        if isinstance(c.gpu_experts, bool) or not isinstance(c.gpu_experts, int) or c.gpu_experts < 1:
+            raise ConfigError(f"gpu_experts: must be an integer >= 1, got {c.gpu_experts!r}")
+        if weight_bytes is not None:
+            raise ConfigError("gpu_experts: cannot be combined with weight_memory (the host holds every expert)")
+        if c.tensor_parallel_size * c.data_parallel_size > 1:
+            raise ConfigError("gpu_experts: splits the experts of one process, not of a sharded engine")
+        if c.device == "cpu" or (c.device == "auto" and not _cuda()):
+            raise ConfigError("gpu_experts: needs a CUDA device (on a CPU every expert is on the CPU already)")
     if weight_bytes is not None:
         from ..config.presets import PRESET_JSON
 
@@ -173,3 +182,10 @@ def _check_fits(p: Preflight) -> None:
         f"less than one max_model_len sequence of {p.max_model_len} tokens needs ({need} pages of {p.page_bytes} "
         f"bytes = {need * p.page_bytes} bytes); raise --kv-memory to at least {need * p.page_bytes} or lower "
         f"--max-model-len to at most {fits}")
+
+
+def _cuda() -> bool:
+    """Whether CUDA is there (imports torch: asked only when an option needs a GPU)."""
+    import torch
+
+    return torch.cuda.is_available()

@@ -222,7 +222,8 @@ def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | No
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
                quantization: str | None = None, prepare=None, mmap: bool = True, mlock: bool = False,
-               weight_memory: int | None = None, expert_cache_policy: str = "lru") -> Transformer:
+               weight_memory: int | None = None, expert_cache_policy: str = "lru",
+               gpu_experts: int | None = None) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
 
     ``fake_quant`` switches the QAT quantisation points on (default: on for V4.1, off for V4): V4.1's FP8
@@ -249,6 +250,10 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     as many experts as the remainder allows, in slots, reading the others when the router picks them
     (:mod:`flashserve.model.expert_cache`, evicting by ``expert_cache_policy``: "lru" or "lfu"). A budget below the
     other weights plus top-k experts a layer and the least row caches is refused, with the least that would do.
+    ``gpu_experts`` (a device other than the CPU; tests pass ``device="cpu"`` to run both sides there): the model is
+    loaded in host memory (mapped), then everything but the routed experts goes to ``device``, where each MoE layer
+    holds that many experts; the others are computed on the host (:mod:`flashserve.model.hybrid`), and the engram
+    tables stay in host memory too (:mod:`flashserve.model.engram_host`).
     """
     from .packed import pack_model
 
@@ -259,6 +264,15 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         raise ConfigError(f"preset {name!r} has the real model's dimensions and is for arithmetic and planning "
                          f"only; runnable presets: {', '.join(RUNNABLE_PRESETS)}")
     torch_dtype = resolve_dtype(dtype)
+    if gpu_experts is not None:
+        if isinstance(gpu_experts, bool) or not isinstance(gpu_experts, int) or gpu_experts < 1:
+            raise ConfigError(f"gpu_experts: must be an integer >= 1, got {gpu_experts!r}")
+        if weight_memory is not None:
+            raise ConfigError("gpu_experts and weight_memory cannot be combined: the host holds every expert of a "
+                              "hybrid model")
+        model = load_model(path_or_preset, dtype=dtype, device="cpu", fake_quant=fake_quant, seed=seed,
+                           with_mtp=with_mtp, quantization=quantization, prepare=prepare, mmap=mmap, mlock=mlock)
+        return _hybrid(model, gpu_experts, device)
     formats = _formats(path_or_preset, is_preset, quantization, cfg)
     with torch.device("meta"):
         model = Transformer(cfg, with_mtp=with_mtp)
@@ -313,3 +327,18 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     if hasattr(model, "load_report"):
         log.info("%s: %s", name, model.load_report.describe())
     return model.eval()
+
+
+def _hybrid(model: Transformer, gpu_experts: int, device: str) -> Transformer:
+    """``model`` (in host memory) with its routed experts split (:func:`flashserve.model.hybrid.hybridize`), its
+    engram tables kept in host memory, and the rest on ``device``."""
+    from .engram_host import host_engram_tables
+    from .hybrid import hybridize
+
+    layers = hybridize(model, gpu_experts)
+    tables = host_engram_tables(model)
+    model = model.to(device)
+    log.info("routed experts split: %d of %d a layer held on %s in %d MoE layers, the others computed on the host; "
+             "engram tables (%.2f GB) in host memory", gpu_experts, model.cfg.n_routed_experts, device, layers,
+             tables / 1e9)
+    return model

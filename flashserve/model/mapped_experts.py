@@ -131,4 +131,8 @@ def eager_only(model: nn.Module) -> str | None:
         return "routed experts streamed under weight_memory"
     if getattr(model, "streamed_rows", None):
         return "engram rows streamed under weight_memory"
+    from .hybrid import hybrid_layers
+
+    if hybrid_layers(model):
+        return "routed experts split between the GPU and the host (gpu_experts)"
     return None

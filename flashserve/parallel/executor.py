@@ -42,7 +42,7 @@ import torch
 from ..config import ConfigError
 from .comm import Comm, connect
 from ..config.ranks import Layout, layout_of
-from .engram_host import host_engram_tables
+from ..model.engram_host import host_engram_tables
 from .shard import keep_rank_experts, shard_model
 
 log = logging.getLogger("flashserve.parallel")

@@ -12,6 +12,9 @@ from flashserve.cli import main
 from flashserve.models import DEFAULT_SERVED_NAME, default_model
 from serverproc import start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_bench_default_server")
+
 SMALL = ["--num-prompts", "3", "--input-len", "20", "--output-len", "4", "--ignore-eos", "--no-progress"]
 
 

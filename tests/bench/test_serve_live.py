@@ -8,6 +8,9 @@ import pytest
 from flashserve.cli import main
 from serverproc import start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_serve_live")
+
 EAGER = ["--kv-memory", "64MiB", "--enforce-eager"]  # an in-process engine, not compiled
 SMALL = ["--num-prompts", "4", "--input-len", "24", "--output-len", "6", "--ignore-eos", "--no-progress"]
 

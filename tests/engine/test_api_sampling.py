@@ -8,6 +8,9 @@ from flashserve.engine import QueueFullError, RequestError, SamplingParams
 from flashserve.engine.detokenizer import IncrementalDetokenizer
 from flashserve.engine.tokenizer import load_tokenizer
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_api_sampling")
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -232,14 +232,14 @@ def test_v4_step_reads_the_pages_its_requests_hold():
     step_fn, widths = compiled.runner.decode_step._forward, []
     compiled.runner.decode_step._forward = lambda ids, st, sl, table: widths.append(table.shape[1]) or step_fn(
         ids, st, sl, table)
-    prompts = [prompt_of(200, seed=1), prompt_of(120, seed=2)]  # 2 pages, then 3; 1 page, then 2
+    prompts = [prompt_of(240, seed=1), prompt_of(120, seed=2)]  # 2 pages, then 3; 1 page, then 2
     b_logits = _recording(compiled)
-    got = run_greedy(compiled, prompts, 70)
+    got = run_greedy(compiled, prompts, 24)
     assert counters["stats"]["unique_graphs"] == graphs
     assert sorted(set(widths)) == [2, 3]
     eager = make_engine(model, "tiny-v4", enforce_eager=True, **kw)
     a_logits = _recording(eager)
-    assert run_greedy(eager, prompts, 70) == got
+    assert run_greedy(eager, prompts, 24) == got
     for a, b in zip(a_logits, b_logits, strict=True):
         assert ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
 
@@ -304,7 +304,7 @@ def test_cpu_step_runs_inductors_cpp_wrapper_unless_an_op_takes_a_python_object(
     assert engines == [("inductor", True), ("inductor", True), ("inductor", False), ("eager", False)]
 
 
-def _random_traffic(engine, steps: int = 200) -> set[int]:
+def _random_traffic(engine, steps: int = 120) -> set[int]:
     """Requests joining and leaving at random for ``steps`` steps (the same schedule for every engine);
     returns the decode batch sizes seen."""
     rng, sizes = random.Random(0), set()
@@ -318,7 +318,7 @@ def _random_traffic(engine, steps: int = 200) -> set[int]:
 
 
 def test_no_recompiles_after_warm_up():
-    """200 steps of requests joining and leaving at random (batch sizes across every bucket, contexts
+    """120 steps of requests joining and leaving at random (batch sizes across every bucket, contexts
     growing across pages) compile nothing after the warm-up, and give the eager step's logits (float32,
     packed cache) to 1e-5 relative at every step."""
     from torch._dynamo.utils import counters
@@ -336,7 +336,7 @@ def test_no_recompiles_after_warm_up():
     assert counters["stats"]["unique_graphs"] == graphs
     assert len(sizes) >= 5
     # batches are padded to buckets, except that a lone request runs one row (a 2-row matmul costs ~2x)
-    assert 1 in sizes and set(padded) <= {1, 2, 4, 8} and 1 in padded and 3 not in padded
+    assert 1 in sizes and set(padded) <= {1, 2, 4, 8} and {1, 8} <= set(padded) and 3 not in padded
 
     eager = make_engine(model, "tiny-v41", enforce_eager=True, **kw)
     eager_logits = _recording(eager)

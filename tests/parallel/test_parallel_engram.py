@@ -9,7 +9,7 @@ import torch
 from flashserve.config import load_config
 from flashserve.model.checkpoint import save_checkpoint
 from flashserve.model.loader import load_model
-from flashserve.parallel.engram_host import HostTable, host_engram_tables
+from flashserve.model.engram_host import HostTable, host_engram_tables
 
 
 def test_tables_memory_mapped_from_the_checkpoint(tmp_path):

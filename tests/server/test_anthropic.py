@@ -12,6 +12,9 @@ from flashserve.server.chat_encoding import encode_v41
 
 from serverproc import MODEL, start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_anthropic")
+
 KEY = "anthropic-test-key"
 MSGS = [{"role": "user", "content": "Say hello to the fox."}]
 NO_THINK = {"type": "disabled"}

@@ -21,7 +21,8 @@ from flashserve.server.chat_encoding import encode_v41
 
 from serverproc import MODEL, start_server, stop_server
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# one worker runs the module: its server fixture starts once
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.xdist_group("test_api")]
 
 
 @pytest.fixture(scope="module")

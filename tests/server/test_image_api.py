@@ -16,7 +16,8 @@ from PIL import Image
 
 from serverproc import start_server, stop_server
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# one worker runs the module: its server fixture starts once
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.xdist_group("test_image_api")]
 
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 

@@ -13,6 +13,9 @@ import pytest
 
 from serverproc import MODEL, start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_invalid_input")
+
 KEY = "sk-test-key"
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

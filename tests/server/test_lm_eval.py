@@ -18,6 +18,9 @@ from flashserve import LLM, SamplingParams
 
 from serverproc import MODEL, REPO, start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_lm_eval")
+
 DOCS = [
     {"question": "The quick brown", "choices": ["fox", "table", "seven"], "label": 0},
     {"question": "Hello,", "choices": ["world!", "purple", "the"], "label": 0},

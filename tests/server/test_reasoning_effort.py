@@ -13,6 +13,9 @@ import pytest
 
 from serverproc import MODEL, REPO, start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_reasoning_effort")
+
 PRE_RELEASE = [(None, 50), ("minimal", 25), ("low", 25), ("medium", 50), ("high", 50), ("xhigh", 75), ("max", 100)]
 MSGS = [{"role": "user", "content": "Say hello to the fox."}]
 LINE = "Reasoning Effort: {} (range 1-100, the higher the value, the more thorough the reasoning)\n\n"

@@ -14,6 +14,9 @@ from flashserve.bench.spec_metrics import read_counters
 
 from serverproc import MODEL, REPO, start_server, stop_server
 
+# one worker runs the module: its server fixture starts once
+pytestmark = pytest.mark.xdist_group("test_speculative_server")
+
 
 @pytest.fixture(scope="module")
 def server():

@@ -12,7 +12,8 @@ import pytest
 
 from serverproc import MODEL, start_server, stop_server
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+# one worker runs the module: its server fixture starts once
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.xdist_group("test_structured")]
 
 NO_THINK = {"chat_template_kwargs": {"thinking": False}}
 MSGS = [{"role": "user", "content": "Describe a fox as JSON."}]
