@@ -48,9 +48,9 @@ import torch
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-# built as one translation unit (csrc/kernels.cpp includes the others): torch's headers, most of a build's time, are
-# parsed once (a build in 16 s on 2 cores, where seven sources took 32-40 s)
-_UNIT = "kernels.cpp"
+# built as two translation units compiled side by side, csrc/kernels.cpp (which includes the other sources) and
+# mxfp4_pairs.cpp: torch's headers, most of a build's time, are parsed twice instead of seven times
+_UNITS = ("kernels.cpp", "mxfp4_pairs.cpp")
 ISAS = ("native", "avx2", "scalar")  # the paths of each source: what the CPU has, AVX2 only, no intrinsics
 # each path's build: its operator namespace (the model calls the native one) and its flags
 _NAMESPACES = {"native": "flashserve", "avx2": "flashserve_avx2", "scalar": "flashserve_scalar"}
@@ -68,7 +68,7 @@ STREAM_MIN_BYTES = 16 << 20  # float32 weights from this size get stream panels 
 def build(isa: str = "native") -> str | None:
     """Build the kernels' ``isa`` path with torch's extension API, or load the build cached for this CPU (torch's
     extensions folder, ``$TORCH_EXTENSIONS_DIR``), and return its operator namespace; None where it cannot be
-    built here (the reason is logged once). The first build on a machine runs the C++ compiler (about 16 s on
+    built here (the reason is logged once). The first build on a machine runs the C++ compiler (about 10 s on
     2 cores); later processes load it."""
     from torch.utils import cpp_extension
 
@@ -79,7 +79,7 @@ def build(isa: str = "native") -> str | None:
     name = f"flashserve_kernels_{isa}_{_cpu_tag()}"
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(_CSRC / _UNIT)],
+        cpp_extension.load(name=name, sources=[str(_CSRC / u) for u in _UNITS],
                            extra_cflags=[*_CFLAGS, f"-DFLASHSERVE_OPS={_NAMESPACES[isa]}", *_ISA_FLAGS[isa],
                                          f"-DFLASHSERVE_SOURCES={_sources_hash()}"],
                            extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], is_python_module=False)

@@ -1,6 +1,7 @@
-// Every kernel in one translation unit, so torch's headers (most of a build's time) are parsed once, not once a
-// source. The headers come first, at global scope; each source then sits in a namespace of its own, which keeps
-// the sources' file-local names (their anonymous namespaces) apart.
+// The kernels in one translation unit, so torch's headers (most of a build's time) are parsed once, not once a
+// source; mxfp4_pairs.cpp is a unit of its own, compiled beside this one (in one unit with the others, gcc inlined
+// less of its decode: 7-13% slower at 16 rows). The headers come first, at global scope; each source then sits in
+// a namespace of its own, which keeps the sources' file-local names (their anonymous namespaces) apart.
 #include "isa.h"
 #include "pairs.h"
 #include "fp4.h"
@@ -22,9 +23,6 @@
 
 namespace fs_ops {
 #include "ops.cpp"
-}
-namespace fs_mxfp4_pairs {
-#include "mxfp4_pairs.cpp"
 }
 namespace fs_dense_rows {
 #include "dense_rows.cpp"
