@@ -165,8 +165,8 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("stream") is True:
         chat["stream_options"] = {"include_usage": True}
     for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"),
-                     ("stop_sequences", "stop")):
-        if body.get(src) is not None:
+                     ("stop_sequences", "stop"), ("logit_bias", "logit_bias"), ("seed", "seed")):
+        if body.get(src) is not None:  # logit_bias and seed: the OpenAI API's, taken here too (extra_body)
             chat[dst] = body[src]
     return chat
 

@@ -299,38 +299,43 @@ def test_tool_call_round_trip(client, tokenizer):
 CITY_TOOL = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-# (system, user) prompts whose greedy reasoning on tiny-v41 ends early enough to reach the call; the system
-# text right after the effort line keeps other tests' prompts from sharing a cached page with these (a prefix
-# computed from the cache may differ in the last bits and so change a greedy reply of random weights)
-CUT_PROMPTS = [("Be brief.", "Weather in London?"), ("Use the tool.", "Weather in Rome?"),
-               ("Call tools.", "Weather in London?")]
+# the system text right after the effort line keeps other tests' prompts from sharing a cached page with this one
+# (a prefix computed from the cache may differ in the last bits and so change a greedy reply of random weights)
+CUT_PROMPT = ("Be brief.", "Weather in London?")
 
 
-def _forced(prompt: tuple[str, str], thinking: bool, max_tokens: int) -> dict:
-    """A greedy chat request that must call get_weather (the same reply on each API)."""
-    return dict(model=MODEL, messages=[{"role": "system", "content": prompt[0]},
-                                       {"role": "user", "content": prompt[1]}],
-                tools=CITY_TOOL, tool_choice="required", max_tokens=max_tokens, temperature=0,
-                extra_body={"chat_template_kwargs": {"thinking": thinking}})
+def _forced(thinking: bool, max_tokens: int, bias: dict[str, float] | None = None) -> dict:
+    """A greedy chat request that must call get_weather (the same reply on each API); ``bias``: its logit_bias."""
+    extra = {"chat_template_kwargs": {"thinking": thinking}, **({"logit_bias": bias} if bias else {})}
+    return dict(model=MODEL, messages=[{"role": "system", "content": CUT_PROMPT[0]},
+                                       {"role": "user", "content": CUT_PROMPT[1]}],
+                tools=CITY_TOOL, tool_choice="required", max_tokens=max_tokens, temperature=0, extra_body=extra)
 
 
-_BLOCK_CUTS: dict[bool, tuple[tuple[str, str], list[int]]] = {}
+_BLOCK_CUTS: dict[bool, tuple[dict | None, list[int]]] = {}
 
 
-def block_cuts(client, thinking: bool) -> tuple[tuple[str, str], list[int]]:
-    """A prompt whose greedy forced call gets to its parameter, and three max_tokens values that end the reply
-    inside the calls block: in its opening tag, in the invoke tag, and in the parameter tag (the invoke tag
-    complete, the call not). Found once per thinking mode, from the raw tokens (logprobs)."""
+def block_cuts(client, tokenizer, thinking: bool) -> tuple[dict | None, list[int]]:
+    """A logit_bias (None without reasoning) with which the greedy forced call gets to its parameter, and three
+    max_tokens values that end the reply inside the calls block: in its opening tag, in the invoke tag, and in the
+    parameter tag (the invoke tag complete, the call not). Found once per thinking mode, from the raw tokens
+    (logprobs). Random weights end their reasoning only when they happen to emit </think> (within 100 tokens
+    for some prompts on one CPU, for none of three on another): a bias on </think>, raised until the reasoning
+    ends within 60 tokens after at least one, makes it end on any CPU."""
     if thinking in _BLOCK_CUTS:
         return _BLOCK_CUTS[thinking]
+    end = str(tokenizer.encode("</think>")[-1])
     seen = []
-    for prompt in CUT_PROMPTS:
-        r = client.chat.completions.create(logprobs=True, **_forced(prompt, thinking, 100 if thinking else 60))
+    for bias in ([{end: b} for b in (0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, 10, 12)] if thinking else [None]):
+        r = client.chat.completions.create(logprobs=True, **_forced(thinking, 100 if thinking else 60, bias))
         toks = [t.token for t in r.choices[0].logprobs.content]
         seen.append("".join(toks))
         prefixes = ["".join(toks[:n]) for n in range(len(toks) + 1)]
-        start = prefixes[-1].find("<｜DSML｜ calls>", prefixes[-1].find("</think>") if thinking else 0)
-        if start < 0:
+        think_end = prefixes[-1].find("</think>") if thinking else 0
+        if think_end == 0 and thinking:
+            break  # no reasoning left: a larger bias would not give any either
+        start = prefixes[-1].find("<｜DSML｜ calls>", think_end)
+        if think_end < 0 or start < 0 or start - think_end > 60:
             continue
 
         def first(cond):
@@ -339,20 +344,20 @@ def block_cuts(client, thinking: bool) -> tuple[tuple[str, str], list[int]]:
         cuts = [first(lambda b: "DSML" in b), first(lambda b: 'invoke name="' in b),
                 first(lambda b: 'name="city"' in b)]
         if None not in cuts:
-            _BLOCK_CUTS[thinking] = (prompt, cuts)
-            return prompt, cuts
-    pytest.fail(f"no greedy forced call (thinking={thinking}) of {CUT_PROMPTS} got to its parameter: {seen}")
+            _BLOCK_CUTS[thinking] = (bias, cuts)
+            return bias, cuts
+    pytest.fail(f"no greedy forced call (thinking={thinking}) of {CUT_PROMPT} got to its parameter: {seen}")
 
 
 @pytest.mark.parametrize("thinking", [False, True])
-def test_tool_call_cut_off_by_max_tokens(server, client, thinking):
+def test_tool_call_cut_off_by_max_tokens(server, client, tokenizer, thinking):
     """A forced call cut off by max_tokens, anywhere in the calls block: no DSML markup in content (whole or
     any streamed delta), no call reported (none was complete: never one with made-up arguments), content null,
     finish_reason "length"; streamed equals whole, and /v1/messages (whole and streamed) says the same."""
     ant = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
-    prompt, cuts = block_cuts(client, thinking)
+    bias, cuts = block_cuts(client, tokenizer, thinking)
     for max_tokens in cuts:
-        kw = _forced(prompt, thinking, max_tokens)
+        kw = _forced(thinking, max_tokens, bias)
         r = client.chat.completions.create(logprobs=True, **kw)
         raw = "".join(t.token for t in r.choices[0].logprobs.content)
         assert "｜DSML｜" in raw and "</｜DSML｜ invoke>" not in raw  # cut in the block, before a call ended
@@ -372,8 +377,8 @@ def test_tool_call_cut_off_by_max_tokens(server, client, thinking):
                 finish = c.finish_reason or finish
         assert (content, calls, finish) == (None, {}, "length"), max_tokens
 
-        body = dict(model=MODEL, max_tokens=max_tokens, system=prompt[0], messages=kw["messages"][1:],
-                    extra_body={"temperature": 0},
+        body = dict(model=MODEL, max_tokens=max_tokens, system=CUT_PROMPT[0], messages=kw["messages"][1:],
+                    extra_body={"temperature": 0, **({"logit_bias": bias} if bias else {})},
                     tools=[{"name": "get_weather", "description": "Weather for a city",
                             "input_schema": CITY_TOOL[0]["function"]["parameters"]}], tool_choice={"type": "any"},
                     thinking={"type": "enabled", "budget_tokens": 1024} if thinking else {"type": "disabled"})
