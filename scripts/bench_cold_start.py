@@ -1,14 +1,15 @@
-"""Cold and warm start of ``flashserve serve`` on the embedded model: seconds from the command to ``/health`` ready
-and to the first token of a first request, then per-request decode speed while the step compiles in the
-background (``--no-enforce-eager``) and once it is compiled, against the eager step (the CPU default) in the same
-run.
+"""Cold and warm start of ``flashserve serve`` on the embedded model with no flags: seconds from the command to
+``/health`` ready and to the first token of a first request, then per-request decode speed while the step compiles
+in the background (a child process compiles, the server loads its graphs) and once it is compiled, against the eager
+step (``--enforce-eager``) in the same run; ``--thread`` adds a cold start compiling on a thread of the serving
+process (``--no-compile-child``) over caches of its own.
 
 Cold: empty inductor and C++-extension caches (``TORCHINDUCTOR_CACHE_DIR``, ``TORCH_EXTENSIONS_DIR`` pointed at
 new folders); warm: the same folders again, as a later start finds them. One request at a time (one agent),
 greedy, ``--tokens`` new tokens each, until the step has been compiled for three requests in a row (or
 ``--limit`` seconds).
 
-    python scripts/bench_cold_start.py [--tokens 128] [--limit 900] [--json out.json]
+    python scripts/bench_cold_start.py [--tokens 128] [--limit 900] [--thread] [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def start(flags: list[str], env: dict, tokens: int, limit: float) -> dict:
             time.sleep(0.1)
         ready = time.perf_counter() - t0
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        runs, in_a_row, eager = [], 0, "--no-enforce-eager" not in flags
+        runs, in_a_row, eager = [], 0, "--enforce-eager" in flags
         while time.perf_counter() - t0 < limit:
             at = time.perf_counter() - t0
             before = compiled(url)
@@ -104,17 +105,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--limit", type=float, default=900.0, help="seconds a start may take to settle")
+    ap.add_argument("--thread", action="store_true", help="also a cold start compiling on a thread of the server")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     results = {}
     with tempfile.TemporaryDirectory(prefix="cold-start-") as tmp:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, "inductor"),
-               "TORCH_EXTENSIONS_DIR": os.path.join(tmp, "extensions")}
-        env.pop("OMP_NUM_THREADS", None)
-        compiled = ["--no-enforce-eager"]
-        for label, flags in (("eager (no flags), cold", []), ("compiled, cold", compiled),
-                             ("compiled, warm", compiled), ("eager (no flags), warm", [])):
-            r = results[label] = start(flags, env, a.tokens, a.limit)
+        def env_in(name: str) -> dict:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(tmp, name, "inductor"),
+                   "TORCH_EXTENSIONS_DIR": os.path.join(tmp, name, "extensions")}
+            env.pop("OMP_NUM_THREADS", None)
+            return env
+
+        runs = [("no flags, cold", [], "child"), ("no flags, warm", [], "child"),
+                ("--enforce-eager, warm", ["--enforce-eager"], "child")]
+        if a.thread:
+            runs.append(("--no-compile-child, cold", ["--no-compile-child"], "thread"))
+        for label, flags, caches in runs:
+            r = results[label] = start(flags, env_in(caches), a.tokens, a.limit)
             during = ("" if r["decode_while_compiling"] is None
                       else f", {r['decode_while_compiling']:.1f} tok/s while compiling")
             by = "" if r["compiled_by_s"] is None else f", compiled by {r['compiled_by_s']:.0f} s"
@@ -122,8 +129,8 @@ def main() -> int:
                        else f"not compiled for three requests in a row within {a.limit:.0f} s")
             print(f"{label:>32}: ready {r['ready_s']:5.1f} s, first token {r['first_token_s']:5.1f} s{during}{by}, "
                   f"{settled}", flush=True)
-    eager = results["eager (no flags), warm"]["decode_settled"]
-    for label in ("compiled, cold", "compiled, warm"):
+    eager = results["--enforce-eager, warm"]["decode_settled"]
+    for label in [k for k in results if not k.startswith("--enforce-eager")]:
         r = results[label]
         if r["decode_settled"] and eager:
             print(f"{label}: settled decode {r['decode_settled'] / eager:.2f}x the eager step's"

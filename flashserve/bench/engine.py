@@ -392,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.llama_cpp:
             llama_cpp_rows(ours, Path(tmp), table, args, R, plen, new1)
         L = args.prefill_len
-        eng = engine_for(ours, tmp, max_num_seqs=4, max_model_len=max(8192, L + 8))
+        # prefill runs eagerly: no decode step to compile for these rows
+        eng = engine_for(ours, tmp, max_num_seqs=4, max_model_len=max(8192, L + 8), enforce_eager=True)
         a, h = median_pair(lambda: fs_prefill_rate(eng, L, 1), lambda: hf_prefill_rate(hf, L, 1), R)
         table(f"prefill {L} tokens (V4, exact)", a, h)
     short, long_ = args.contexts
@@ -406,8 +407,8 @@ def main(argv: list[str] | None = None) -> int:
           unit="step/s", goal=0.8, vs=f"{short} context")
     v41 = load_model("tiny-v41", dtype=dtype, with_mtp=False)
     L = min(args.prefill_len, v41.cfg.max_position_embeddings - 8)
-    enc_engine = engine_for(v41, "tiny-v41", max_num_seqs=4)
-    exact_engine = engine_for(v41, "tiny-v41", max_num_seqs=4, exact_prefill=True)
+    enc_engine = engine_for(v41, "tiny-v41", max_num_seqs=4, enforce_eager=True)  # prefill only
+    exact_engine = engine_for(v41, "tiny-v41", max_num_seqs=4, exact_prefill=True, enforce_eager=True)
     enc, exact = median_pair(lambda: fs_prefill_rate(enc_engine, L, 1), lambda: fs_prefill_rate(exact_engine, L, 1), R)
     table(f"prefill {L} tokens (V4.1)", enc, exact, goal=1.6, vs="exact prefill")
     if args.json:

@@ -32,15 +32,19 @@ class EngineConfig:
     fake_quant: bool | None = None
     prefix_replay: str = "exact"  # prefix hit: "exact" rebuilds window state exactly; "window": the serving stacks' C−W rule
     threads: int | None = None  # torch intra-op threads, set at start-up (process-wide); None: engine/threads.py
-    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compiled on
-    # CUDA, eager on the CPU (the first compile takes about 2.5 minutes on 2 cores, 20 s from inductor's disk cache
-    # after, for a several times faster tiny-v41 step; the eager step serving while it compiles in the background
-    # runs at about a third of its speed: docs/engine-speed.md#compiled-in-the-background).
+    # Decode through a torch.compile'd fixed-shape step (False) or run that step eagerly (True). None: compiled; on
+    # the CPU compiled in the background (below) by a child process while the eager step serves, each graph then
+    # loaded here from what it saved (docs/engine-speed.md#compiled-in-the-background).
     enforce_eager: bool | None = None
     # Compile the decode step on a thread of its own while the engine serves with the eager step, switching to the
     # compiled step when it is done (True), or before serving (False). None: in the background on the CPU, before
     # serving on CUDA (where the CUDA graphs are recorded at start-up).
     background_compile: bool | None = None
+    # A background compile's work done by a child process that builds the same engine and saves each graph it
+    # compiles (True), leaving this process's interpreter to the serving thread: this process loads the graphs
+    # without tracing (engine/graphs/step_artifacts.py); or on the compiling thread alone (False). None: a child where this engine loads its model itself (a model passed in
+    # cannot be rebuilt there) and compiles with inductor (engine/graphs/compile_child.py).
+    compile_child: bool | None = None
     # On CUDA the compiled step is recorded as a CUDA graph per input shape and replayed (the same compiled graph
     # as without them); False calls the compiled graph. Ignored on the CPU and with enforce_eager.
     cuda_graphs: bool = True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import threading
@@ -23,6 +25,7 @@ from .engine_config import EngineConfig
 from .execution import plan_execution
 from .guided import Guides
 from .images import ImageInput, ImageLimits, ImageSpan, expand_placeholders, load_images
+from .graphs.compile_child import CompileChild
 from .graphs.decode_step import DecodeStep
 from .model_runner import ModelRunner
 from .sampling_params import QueueFullError, RequestError, SamplingParams
@@ -87,7 +90,7 @@ class LLMEngine:
                                    enable_prefix_caching=c.enable_prefix_caching,
                                    num_layers=cfg.num_hidden_layers, is_v41=cfg.is_v41,
                                    encoder_layers=cfg.decoder_start, prefix_replay=c.prefix_replay)
-        eager = c.enforce_eager if c.enforce_eager is not None else self.cache.device.type != "cuda"
+        eager = bool(c.enforce_eager)
         self.expert_caches = expert_caches(self.model)  # found once: stats() runs every step
         self.row_caches = row_caches(self.model)
         self.hybrid = hybrid_layers(self.model)  # experts split between the GPU and the host (gpu_experts)
@@ -103,10 +106,11 @@ class LLMEngine:
                                    int8_kernel=c.int8_kernel)
         if not eager and c.compile_cache is not None:  # inductor reads it when it first compiles
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(c.compile_cache)
+        child = self._compile_child(model is not None) if background else None
         step = DecodeStep(self.model, self.cache, max_num_seqs=c.max_num_seqs, enforce_eager=eager,
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),
-                          streams=bool(getattr(self.drafter, "streams", False)), background=background)
+                          streams=bool(getattr(self.drafter, "streams", False)), background=background, child=child)
         if warm_up:  # a sharded engine's ranks warm up together once all are ready (their steps' collectives)
             step.warm_up()
             self.plan.finish()
@@ -342,8 +346,31 @@ class LLMEngine:
         compiled step); whether decode steps are compiled now or from the next step on."""
         return self.runner.decode_step.wait_compiled(timeout)
 
+    def _compile_child(self, model_given: bool) -> CompileChild | None:
+        """The child process a background compile's work goes to (``compile_child``), or None: its options are this
+        engine's, with the step compiled in the foreground there, this engine's page count (the cache's shapes are
+        the graphs' shapes) and its threads."""
+        c = self.config
+        wanted = c.compile_child if c.compile_child is not None else (not model_given and
+                                                                        c.compile_backend == "inductor")
+        if not wanted:
+            return None
+        if model_given:
+            raise ConfigError("compile_child: a model passed to the engine cannot be rebuilt in a child process")
+        options = {**dataclasses.asdict(c), "enforce_eager": False, "background_compile": False,
+                   "compile_child": False, "num_pages": self.cache.num_pages, "threads": torch.get_num_threads(),
+                   "device": self.cache.device.type}
+        try:
+            json.dumps(options)
+        except TypeError as e:
+            log.info("the decode step compiles in this process: its options are not all JSON (%s)", e)
+            return None
+        return CompileChild(options)
+
     def shutdown(self) -> None:
-        """Nothing to release beyond this process's memory (the :class:`~.interface.Engine` interface)."""
+        """Ends the decode step's compiling child process, if one runs (the :class:`~.interface.Engine`
+        interface)."""
+        self.runner.decode_step.close()
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:

@@ -47,11 +47,14 @@ HELP = {
     "prefix_replay": "after a prefix-cache hit, rebuild window state exactly or by one window",
     "threads": f"torch intra-op threads (default: $OMP_NUM_THREADS, else one per physical core this process may "
                f"use: {default_threads()} here; a sharded engine divides them among its ranks)",
-    "enforce_eager": "decode eagerly, or through the torch.compile'd step with --no-enforce-eager (default: "
-                     "compiled on CUDA, eager on the CPU, where the first compile takes minutes)",
+    "enforce_eager": "decode eagerly instead of through the torch.compile'd step (default: compiled; on the CPU "
+                     "the eager step serves while the compiled one is made in the background)",
     "background_compile": "compile the decode step on a thread of its own while serving with the eager step, and "
                           "switch when it is done (default: on the CPU, where a first compile takes minutes; on "
                           "CUDA the step is compiled and its CUDA graphs recorded before serving)",
+    "compile_child": "with a background compile, do its work in a child process that builds the same engine and "
+                     "saves each compiled graph, which this process loads without tracing (default: when the engine "
+                     "loads its own model and compiles with inductor)",
     "compile_cache": "folder where the compiled decode step's kernels are kept for later starts (default: "
                      "$TORCHINDUCTOR_CACHE_DIR, else inductor's folder in the system's temporary one)",
     "cuda_graphs": "on CUDA, replay the compiled decode step as CUDA graphs (no effect on the CPU or with "

@@ -30,6 +30,7 @@ def released(tmp_path_factory) -> Path:
 
 
 def _engine(path: Path, **kw) -> LLMEngine:
+    kw.setdefault("enforce_eager", True)  # a weight budget decodes eagerly; the unbudgeted twin is compared eager
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_memory="64MiB", max_num_seqs=4,
                                   speculative_config=None, **kw))
 

@@ -147,10 +147,12 @@ def _as_from_a_terminal() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-@pytest.mark.parametrize("flags", [[], ["--no-enforce-eager"]], ids=["eager", "compiling in the background"])
+@pytest.mark.parametrize("flags", [["--enforce-eager"], [], ["--no-compile-child"]],
+                         ids=["eager", "compiling in a child process", "compiling on a thread"])
 def test_generate_ctrl_c_exits_130_without_traceback(flags, tmp_path):
     """Ctrl-C during a generation ends it with the shell's 130, its output flushed, no traceback, also while the
-    decode step compiles in the background (ending the interpreter under the compiling thread crashed it)."""
+    decode step compiles in the background, in a child process (the default) or on a thread of the process
+    (ending the interpreter under the compiling thread crashed it)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # a compile under way
     p = subprocess.Popen([sys.executable, "-m", "flashserve", "generate", MODEL, "hello", "--max-tokens", "4000",
                           "--ignore-eos", "--temperature", "0", *flags], stdout=subprocess.PIPE,

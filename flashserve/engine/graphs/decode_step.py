@@ -14,13 +14,15 @@ kernels.
 ``enforce_eager`` runs the same step without compiling or padding, as vLLM's switch does.
 
 A compiled step can also be compiled in the background (``background``, a compiled CPU step's default): the thread that
-serves never enters dynamo. A thread of its own runs the compiled regions once for each step *key* (bucket, rows a
-request computes, page-table width) on the cache's scratch slot and page: every bucket of one row first, then
-each key a step asks for that it has not run yet (rows to verify drafted tokens, a wider table as contexts grow;
-a new batch or rows shape compiles graphs, a new width only passes dynamo's guards). A step whose key has run
-there calls the compiled regions directly; any other runs eagerly (unpadded) and asks for its key. The forward
-mode is per thread (:mod:`flashserve.model.modes`), so the compiling thread traces the compiled implementations
-while the serving thread runs the eager ones; the thread ends when nothing is left to compile.
+serves never enters dynamo. A thread of its own takes each step *key* (bucket, rows a request computes, page-table
+width) in turn, on the cache's scratch slot and page: every bucket of one row first, then each key a step asks for
+that is not ready yet (rows to verify drafted tokens, a wider table as contexts grow). With a ``child``
+(:mod:`.compile_child`, the default where the engine loads its own model) a second process compiles each key and
+saves its graphs (:mod:`.step_artifacts`), and the thread only loads and installs them; without one the thread
+compiles through the regions itself. A step whose key is ready calls the compiled regions directly; any other runs
+eagerly (unpadded) and asks for its key. The forward mode is per thread (:mod:`flashserve.model.modes`), so a
+compiling thread traces the compiled implementations while the serving thread runs the eager ones; the thread ends
+when nothing is left to compile.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from ...model import modes
 from ...model.packed import PackedLinear
 from ..cache import KVCache
 from ..fixed_state import FixedBatchState
+from .compile_child import ChildFailed, CompileChild
 from .graph_call import CudaGraphCall, GraphRecorder
 from .inductor_passes import SinkInputWrites
 from .step_inputs import StepInputs
@@ -98,10 +101,12 @@ class DecodeStep:
 
     def __init__(self, model, cache: KVCache, *, max_num_seqs: int, enforce_eager: bool,
                  backend: str = "inductor", cuda_graphs: bool = True, capture: tuple[int, ...] = (),
-                 streams: bool = False, background: bool = False):
+                 streams: bool = False, background: bool = False, child: CompileChild | None = None):
         """``capture``: layers whose input features (mean over streams) the step also returns (DSpark);
         ``streams``: return the final streams instead (V4 MTP); ``background``: compile on a thread of its own
-        (:meth:`warm_up` starts it), each step eager until its shape is compiled."""
+        (:meth:`warm_up` starts it), each step eager until its shape is compiled; ``child``: with ``background``,
+        a process that compiles each key first, the thread then loading what it left in inductor's cache
+        (:mod:`.compile_child`)."""
         self.model, self.cache = model, cache
         self.capture, self.streams = capture, streams
         self.buckets = decode_buckets(max_num_seqs, one_row_graph=cache.device.type == "cpu")
@@ -130,6 +135,17 @@ class DecodeStep:
         self.warmup_s = 0.0
         self._started = 0.0
         self.background = background and self.regions is not None and not self.cuda_graphs
+        self.child = child if self.background else None
+        self.artifacts = None  # with a child: the graphs it saved, loaded here (and left by earlier starts)
+        if self.child is not None:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+            from .step_artifacts import StepArtifacts
+
+            self.artifacts = StepArtifacts(self.regions, os.path.join(cache_dir(), "flashserve-steps"))
+            self.child.artifacts = str(self.artifacts.root)
+        self.child_s = 0.0  # seconds the child compiled, and this process loaded what it compiled
+        self.loaded_s = 0.0
         # with ``background``: the step keys (bucket, rows, table width) the compiled regions serve directly,
         # those asked for, the compiling thread's queue of keys (its unfinished tasks: not run yet), and the shapes
         # (one request?, rows) with graphs; a failed compile leaves every key not run yet eager
@@ -187,18 +203,29 @@ class DecodeStep:
                 return b
         raise ValueError(f"{n} requests exceed the largest decode bucket ({self.buckets[-1]})")
 
+    def table_width(self, pages: int) -> int:
+        """Page-table columns a compiled step of ``pages`` reads (past a request's pages the columns name the scratch
+        page, as padding rows do): with CUDA graphs the next power of two (a recording per doubling); else the next
+        of four widths per doubling (5, 6, 7, 8, 10, 12, 14, 16, 20, ...: at most 1.25x the columns), so that a
+        growing context makes a new step key, which a compiling child process compiles and saves
+        (:mod:`.step_artifacts`), a few times per doubling rather than at every page."""
+        if self.regions is None:
+            return pages
+        if self.cuda_graphs:
+            return 1 << (pages - 1).bit_length()
+        step = 1 << max(0, (pages - 1).bit_length() - 3)
+        return -(-pages // step) * step
+
     @torch.inference_mode()  # inputs made as inference tensors always, so the compiled guards always match
     def inputs(self, ids: list[list[int]], start: list[int], slots: list[int], pages: list[int]) -> StepInputs:
         """Pad one step's rows to their bucket; ``pages``: how many pages each request holds (table columns
         past them name the scratch page, so padding rows past a request's pages write nowhere that is read)."""
         cache, dev = self.cache, self.cache.device
         B, R = len(ids), len(ids[0])
-        Bp, P = self.bucket(B), max(max(pages), self.min_pages)
+        Bp, P = self.bucket(B), self.table_width(max(max(pages), self.min_pages))
         compiled = self._compiled_for((Bp, R, P))
         if not compiled:
             Bp, P = B, max(pages)
-        if self.cuda_graphs:  # past the request's pages the columns name the scratch page, as padding rows do
-            P = 1 << (P - 1).bit_length()
         pad = Bp - B
         slot_t = torch.tensor(slots + [cache.scratch_slot] * pad, dtype=torch.long, device=dev)
         table = torch.full((Bp, P), cache.scratch_page, dtype=torch.long, device=dev)
@@ -299,6 +326,8 @@ class DecodeStep:
         """Queue ``key`` for the compiling thread, starting one if none runs."""
         with self._lock:
             self._queue.put(key)
+            if self.child is not None and not self.artifacts.has(key):
+                self.child.submit(key)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._compile_in_background, name="flashserve-compile",
                                                 daemon=True)
@@ -319,15 +348,29 @@ class DecodeStep:
                     key = self._queue.get_nowait()
                 except queue.Empty:
                     self._thread = None
-                    return
+                    ending = self.child.detach() if self.child is not None else (None, None)
+                    break
             b, rows, _ = key
             if self.compile_error is not None:  # after a failure nothing more is compiled
                 self._queue.task_done()
                 continue
             t0 = time.perf_counter()
+            loaded = self._load(key)  # saved by an earlier start
+            if not loaded and self.child is not None:
+                try:
+                    self.child_s += self.child.wait(key)["s"]
+                    loaded = self._load(key)
+                except ChildFailed as e:  # compiled here from now on
+                    log.warning("%s; the decode step compiles in this process from now on", e)
+                    with self._lock:
+                        child, self.child = self.child, None
+                    child.close()
             try:
-                with _COMPILING:
+                if loaded:  # no dynamo: the installed graphs run once, as a compiled key's first step does
                     self._forward(*self._scratch(key))
+                else:
+                    with _COMPILING:
+                        self._forward(*self._scratch(key))
             except BaseException as e:  # this key and every later one stay eager: slower, still correct
                 self.compile_error = e
                 self._queue.task_done()
@@ -345,10 +388,35 @@ class DecodeStep:
             if set(self.buckets) <= {k[0] for k in self._ready if k[1] == rows} and not self.warmup_s:
                 self.warmup_s = time.perf_counter() - self._started
                 log.info("decode step compiled in the background for buckets %s in %.1f s; steps of those shapes "
-                         "run compiled from now on", self.buckets, self.warmup_s)
+                         "run compiled from now on%s", self.buckets, self.warmup_s, self._child_said())
             elif new and self.warmup_s:
                 log.info("decode step compiled in the background for batches %s of %d rows in %.1f s",
                          "of 1" if b == 1 else "from 2", rows, time.perf_counter() - t0)
+        CompileChild.end(ending)
+
+    def _load(self, key: tuple[int, int, int]) -> bool:
+        """Install every region's graph for ``key`` from the artifacts (a child's, or an earlier start's)."""
+        if self.artifacts is None:
+            return False
+        t = time.perf_counter()
+        ok = self.artifacts.load(key)
+        self.loaded_s += time.perf_counter() - t
+        return ok
+
+    def _child_said(self) -> str:
+        if self.artifacts is None:
+            return ""
+        if not self.child_s:
+            return f" (loaded in {self.loaded_s:.1f} s from what earlier starts compiled)"
+        return (f" (a child process compiled for {self.child_s:.1f} s; loading its graphs here took "
+                f"{self.loaded_s:.1f} s)")
+
+    def close(self) -> None:
+        """End the compiling child process, if one runs (the engine's shutdown)."""
+        with self._lock:
+            child = self.child
+        if child is not None:
+            child.close()
 
     def state(self) -> str:
         """What decode steps run: "compiling" (in the background: a batch or rows shape asked for has no graphs

@@ -19,10 +19,13 @@ class GraphRecorder:
     call of a graph it made, so that a step can call that graph again without dynamo (:mod:`.regions`). Each graph
     takes the ``arenas`` it reads (:func:`.weight_arena.pack_weights`) instead of the weights inside them
     (:func:`.weight_arena.regroup_inputs`); the noted arguments are the graph's own. Calls are noted per thread
-    (a step compiling in the background calls graphs on its own thread while steps are served)."""
+    (a step compiling in the background calls graphs on its own thread while steps are served). With ``artifacts``
+    (inductor only) each graph is compiled by ``torch._inductor.standalone_compile`` as a self-contained artifact
+    that another process can load and call without dynamo (:mod:`.step_artifacts`)."""
 
     def __init__(self, backend: str, options: dict, arenas: list[torch.Tensor] = ()):
         self.backend, self.options, self.arenas = backend, options, list(arenas)
+        self.artifacts = False
         self._local = threading.local()
 
     @property
@@ -39,7 +42,10 @@ class GraphRecorder:
         gm, keep, used = regrouped or (gm, range(len(example_inputs)), [])
         gm.meta["size_sources"] = [None] * len(used) + [sources[i] for i in keep]
         inputs = [*used, *(example_inputs[i] for i in keep)]
-        if self.backend == "inductor":
+        if self.backend == "inductor" and self.artifacts:
+            compiled = torch._inductor.standalone_compile(gm, inputs, dynamic_shapes="from_tracing_context",
+                                                          options={"config_patches": self.options}, aot=True)
+        elif self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
             compiled = compile_fx(gm, inputs, config_patches=self.options)

@@ -225,6 +225,17 @@ class RegionCall:
         self._bound: dict[tuple, BoundCall | None] = {}  # (instance, input shapes) -> its call
         self.unplanned = False  # a graph could not be planned: each instance runs through dynamo
 
+    def plan(self, key: tuple) -> RegionPlan | None:
+        """The representative's graph for inputs ``key`` (None: not compiled, or not planned)."""
+        return self._plans.get(key)
+
+    def install(self, key: tuple, plan: RegionPlan) -> None:
+        """Use ``plan`` (a graph compiled elsewhere, :mod:`.step_artifacts`) for inputs ``key``: every instance
+        calls it directly, dynamo never runs for that key."""
+        self._plans[key] = plan
+        for k in [k for k in self._bound if k[1] == key]:
+            del self._bound[k]
+
     def add(self, instance: int, objects: tuple, tensors: dict[str, torch.Tensor]) -> None:
         if self.representative is None:
             self.representative = (instance, objects)
@@ -333,7 +344,7 @@ class RegionalStep:
     def __init__(self, model, cache, compile_fn: Callable, recorder, *, capture: tuple[int, ...] = (),
                  streams: bool = False):
         self.model, self.cache, self.capture, self.streams = model, cache, capture, streams
-        self.backend = recorder.backend
+        self.backend, self.recorder = recorder.backend, recorder
         cfg = model.cfg
         storage = cache.storage.layers
 
@@ -416,6 +427,20 @@ class RegionalStep:
         if self.capture:
             return logits, torch.stack(feats, dim=2)
         return logits, (x if self.streams else None)
+
+    def shared_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors a graph may read that no layer owns (the RoPE tables, a codec's table, the prologue's and
+        epilogue's weight arenas) by a name that is the same in every process that builds the same step."""
+        out: dict[str, torch.Tensor] = {}
+        for parts, arenas in self.model.__dict__.get("_weight_arenas", {}).items():
+            for i, a in enumerate(arenas):
+                out[f"model.arena[{parts}][{i}]"] = a
+        seen = {id(t) for t in out.values()}
+        for name, t in (*named_tensors(self.model, "model").items(), *named_tensors(self.cache, "cache").items()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[name] = t
+        return out
 
     def describe(self) -> str:
         """What is compiled, in words: the kinds of region, the layers they serve and where inductor keeps them."""

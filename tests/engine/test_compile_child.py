@@ -1,0 +1,143 @@
+"""A CPU engine's decode step compiled by a child process (the default where the engine loads its own model): the
+child compiles each step key and saves its graphs, the engine loads them and calls them without dynamo, with an
+eager engine's tokens; a later start loads them at once; a child that fails leaves the compile to the engine; a
+child whose parent has gone ends (flashserve/engine/graphs/compile_child.py, step_artifacts.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from flashserve.config import config_from_dict, preset_json
+from flashserve.config.checkpoint_layout import INT, checkpoint_layout
+from flashserve.engine import EngineConfig, LLMEngine, SamplingParams
+from flashserve.model.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.xdist_group("compile_child")  # one worker: the compiles would share two cores
+
+
+def _one_layer_checkpoint(path: Path) -> Path:
+    """A float32 tiny-v4 checkpoint of one window-attention layer, no MTP: four regions to compile."""
+    raw = preset_json("tiny-v4")
+    raw.get("text_config", raw).update(num_hidden_layers=1, compress_ratios=[0], num_nextn_predict_layers=0)
+    cfg = config_from_dict(raw)
+    g = torch.Generator().manual_seed(0)
+    src = {t.name: (torch.randint(0, cfg.n_routed_experts, t.shape, generator=g) if t.kind == INT
+                    else torch.randn(t.shape, generator=g) * 0.05) for t in checkpoint_layout(cfg, mtp=False)}
+    save_checkpoint(src, path, cfg, quantize=False)
+    return path
+
+
+def _engine(model: str, **kw) -> LLMEngine:
+    kw.setdefault("speculative_config", "off")
+    return LLMEngine(EngineConfig(model=model, max_num_seqs=1, threads=1, kv_memory="16MiB", **kw))
+
+
+def _greedy(engine: LLMEngine, prompt: list[int], n: int) -> list[int]:
+    engine.add_request("r", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                out = o.outputs[0].token_ids
+    return out
+
+
+def _compiled_here() -> int:
+    return sum(counters["aot_autograd"].values()) + counters["inductor"]["fxgraph_cache_miss"]
+
+
+def test_a_child_compiles_and_the_engine_loads_its_graphs_with_eager_tokens(tmp_path, monkeypatch, caplog):
+    """With no flags a CPU engine decodes eagerly at once; a child process compiles the step and saves its graphs,
+    which the engine loads and calls without tracing anything itself; a growing context's new table width is
+    compiled the same way; the tokens are the eager engine's. A second engine over the same cache loads the
+    saved graphs at once, with no child."""
+    model = str(_one_layer_checkpoint(tmp_path / "ckpt"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    prompt = [(7 * i) % 500 + 3 for i in range(120)]
+    expected = _greedy(_engine(model, enforce_eager=True), prompt, 20)  # crosses from 2 pages to 3
+    before = _compiled_here()
+    with caplog.at_level(logging.INFO, logger="flashserve.engine"):
+        engine = _engine(model)
+        step = engine.runner.decode_step
+        assert step.child is not None and step.state() == "compiling"
+        assert engine.wait_compiled(400) and engine.stats()["decode_step"] == "compiled"
+        assert _greedy(engine, prompt, 20) == expected
+        assert engine.wait_compiled(400)
+    assert _compiled_here() == before  # nothing traced or compiled in this process
+    assert step.child_s > 0 and step.loaded_s > 0
+    assert len(step._ready) >= 2  # the bucket's key, and a wider table's
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("decode step compiled in the background for buckets [1] in ") and "a child process "
+               "compiled for" in m for m in said)
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records), said
+
+    again = _engine(model)
+    assert again.wait_compiled(60) and again.runner.decode_step.child_s == 0  # loaded, not compiled
+    assert _greedy(again, prompt, 20) == expected
+    assert _compiled_here() == before
+
+
+def test_a_failed_child_leaves_the_compile_to_the_engine(caplog):
+    """A child that cannot build its engine answers every key with the reason; the engine says so, compiles the
+    step itself and decodes with the eager engine's tokens."""
+    prompt = list(range(20, 60))
+    expected = _greedy(_engine("tiny-v41", enforce_eager=True), prompt, 6)
+    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=1, threads=1, kv_memory="16MiB",
+                                    speculative_config="off", compile_backend="eager", compile_child=True),
+                       warm_up=False)
+    step = engine.runner.decode_step
+    step.child.options["model"] = "no-such-model"
+    with caplog.at_level(logging.WARNING, logger="flashserve.engine"):
+        step.warm_up()
+        assert engine.wait_compiled(120)
+    assert step.child is None and step.child_s == 0
+    assert any("the compiling child process failed: building its engine: ConfigError" in r.getMessage()
+               and "compiles in this process from now on" in r.getMessage() for r in caplog.records)
+    assert _greedy(engine, prompt, 6) == expected
+
+
+def test_a_model_passed_in_cannot_be_compiled_by_a_child():
+    from flashserve.config import ConfigError
+    from flashserve.model.loader import load_model
+
+    model = load_model("tiny-v41")
+    with pytest.raises(ConfigError, match="compile_child: a model passed to the engine cannot be rebuilt"):
+        LLMEngine(EngineConfig(model="tiny-v41", compile_child=True, kv_memory="16MiB"), model=model)
+
+
+CHILD_OF_A_GONE_PARENT = r"""
+import os, sys, time
+from flashserve.engine import EngineConfig, LLMEngine
+engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=1, threads=1, kv_memory="16MiB",
+                                speculative_config="off", compile_backend="eager", compile_child=True))
+print(engine.runner.decode_step.child._proc.pid, flush=True)
+time.sleep(2)  # the child is building its engine or compiling
+os._exit(0)
+"""
+
+
+def test_the_child_ends_when_its_parent_has_gone():
+    p = subprocess.run([sys.executable, "-c", CHILD_OF_A_GONE_PARENT], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert p.returncode == 0, p.stderr
+    pid = int(p.stdout.split()[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            break  # ended, not yet reaped by its new parent
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the compiling child {pid} outlived its parent by 30 s")
