@@ -112,7 +112,8 @@ class LLMEngine:
                           capture=self.drafter.capture if self.drafter else (),
                           streams=bool(getattr(self.drafter, "streams", False)), background=background, child=child)
         if warm_up:  # a sharded engine's ranks warm up together once all are ready (their steps' collectives)
-            step.warm_up()
+            # a model drafter drafts k tokens a step: its verification key compiled right after one row's
+            step.warm_up(verify_rows=1 + spec.num_speculative_tokens if with_mtp else None)
             self.plan.finish()
             log.info(self.plan.describe())
         self.encoder_only = cfg.is_v41 and not c.exact_prefill

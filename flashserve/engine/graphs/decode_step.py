@@ -284,12 +284,14 @@ class DecodeStep:
         return out.logits, (out.streams if self.streams else None)
 
     @torch.inference_mode()
-    def warm_up(self, rows: int = 1) -> float:
+    def warm_up(self, rows: int = 1, verify_rows: int | None = None) -> float:
         """Compile every bucket now (on the scratch slot and page) rather than at the first request of each
         size; returns and logs the seconds it took. An eager step runs the smallest and largest batch once, so
         that what its first steps set up (the w8a8 kernels' weights, torch's own lazy state) is done before the
         engine serves, not during its first request. With ``background`` the eager warm-up runs now and the
-        buckets are queued for the compiling thread (:meth:`wait_compiled` waits for it)."""
+        buckets are queued for the compiling thread (:meth:`wait_compiled` waits for it): a lone request's keys first
+        (one row, then ``verify_rows``, the rows a speculative step verifies), so that one agent runs compiled as soon
+        as can be, then the other buckets."""
         t0 = time.perf_counter()
         if self.background:
             for b in sorted({self.buckets[0], self.buckets[-1]}):
@@ -297,9 +299,12 @@ class DecodeStep:
             log.info("decode step (eager until compiled) warmed up in %.1f s; compiling in the background for "
                      "batches %s: %s", time.perf_counter() - t0, self.buckets, self.regions.describe())
             self._started = time.perf_counter()
-            for b in self.buckets:
-                self._asked.add((b, rows, self.min_pages))
-                self._submit((b, rows, self.min_pages))
+            first = [(self.buckets[0], rows, self.min_pages)]
+            if verify_rows is not None and verify_rows != rows:
+                first.append((self.buckets[0], verify_rows, self.min_pages))
+            for key in first + [(b, rows, self.min_pages) for b in self.buckets[1:]]:
+                self._asked.add(key)
+                self._submit(key)
             return time.perf_counter() - t0
         if self.regions is not None:
             log.info("compiling the decode step for batches %s: %s", self.buckets, self.regions.describe())
