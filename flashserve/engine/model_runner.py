@@ -47,7 +47,7 @@ class ModelRunner:
         """Logits [B, R, V] of ``rows`` (each sequence's pending token, then its drafts; shorter lists padded to
         the longest) from each sequence's ``num_computed``, and the captured features [B, R, layers, D]."""
         step = self.decode_step
-        R = max(len(r) for r in rows)
+        R = step.rows(max(len(r) for r in rows))
         ids = [r + [r[-1]] * (R - len(r)) for r in rows]
         inp = step.inputs(ids, [s.num_computed for s in seqs], [s.slot for s in seqs], [len(s.pages) for s in seqs])
         logits, feats = step(inp)

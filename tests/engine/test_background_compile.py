@@ -181,3 +181,24 @@ def test_the_cpu_compiles_in_the_background_unless_told_not_to(device_default, e
     assert default.wait_compiled(120) and default.stats()["decode_step"] == "compiled"
     eager = make_engine(model, "tiny-v41", enforce_eager=True, dtype="float32", max_num_seqs=1)
     assert eager.runner.decode_step.regions is None and eager.stats()["decode_step"] == "eager"
+
+
+def test_a_model_drafters_verification_steps_have_one_shape_with_the_eager_tokens():
+    """With DSpark every compiled verification step computes k+1 rows (a shorter draft padded, as a batch pads
+    shorter drafts to the longest): one graph and one key, not one per draft length; the tokens are the eager
+    engine's."""
+    from flashserve.model.loader import load_model
+
+    model = load_model("tiny-v41", dtype="float32")
+    spec = {"method": "dspark", "num_speculative_tokens": 3}
+    prompts = [prompt_of(30, seed=5)]
+    expected = run_greedy(make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, speculative_config=spec),
+                          prompts, 24)
+    engine = make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, speculative_config=spec,
+                         enforce_eager=False, compile_backend="eager")
+    tokens, shapes = _steps(engine, prompts, 24)
+    assert tokens == expected
+    drafted = engine.spec_stats.as_dict()
+    assert drafted["num_accepted_tokens"] < 3 * drafted["num_drafts"]  # not every draft whole: rows were padded
+    assert {R for _, R, _ in shapes} <= {1, 4} and 4 in {R for _, R, _ in shapes}
+    assert all(compiled for _, _, compiled in shapes)

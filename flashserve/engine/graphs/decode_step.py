@@ -136,6 +136,7 @@ class DecodeStep:
         self._started = 0.0
         self.background = background and self.regions is not None and not self.cuda_graphs
         self.child = child if self.background else None
+        self.verify_rows: int | None = None  # rows every verification step is padded to (warm_up says)
         self.artifacts = None  # with a child: the graphs it saved, loaded here (and left by earlier starts)
         if self.child is not None:
             from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -202,6 +203,14 @@ class DecodeStep:
             if b >= n:
                 return b
         raise ValueError(f"{n} requests exceed the largest decode bucket ({self.buckets[-1]})")
+
+    def rows(self, r: int) -> int:
+        """Rows a compiled step of ``r`` rows computes: with a model drafter every verification step has the same
+        rows (k+1; a shorter draft's padded as a batch pads shorter drafts to the longest), so that one graph and
+        one key serve them all instead of one for each draft length."""
+        if self.regions is not None and self.verify_rows is not None and 1 < r < self.verify_rows:
+            return self.verify_rows
+        return r
 
     def table_width(self, pages: int) -> int:
         """Page-table columns a compiled step of ``pages`` reads (past a request's pages the columns name the scratch
@@ -293,6 +302,7 @@ class DecodeStep:
         (one row, then ``verify_rows``, the rows a speculative step verifies), so that one agent runs compiled as soon
         as can be, then the other buckets."""
         t0 = time.perf_counter()
+        self.verify_rows = verify_rows
         if self.background:
             for b in sorted({self.buckets[0], self.buckets[-1]}):
                 self._eager(*self._scratch((b, rows, self.min_pages)))
