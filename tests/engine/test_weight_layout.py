@@ -74,7 +74,7 @@ def test_a_compiled_step_of_several_rows_multiplies_panel_copies_of_its_weights(
 
     model = _two_layer_model()
     with monkeypatch.context() as m:  # the layouts are chosen before the warm-up: its compile is not needed here
-        m.setattr(decode_step.DecodeStep, "warm_up", lambda self, rows=1: 0.0)
+        m.setattr(decode_step.DecodeStep, "warm_up", lambda self, rows=1, verify_rows=None: 0.0)
         make_engine(model, "tiny-v41", dtype="float32", max_num_seqs=1, enforce_eager=False, compile_backend="eager")
     assert blas.panels(model.head, "weight") is None
     assert model.head.weight.is_contiguous()

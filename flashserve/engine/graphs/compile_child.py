@@ -23,15 +23,11 @@ The child's side is :mod:`flashserve.engine.compile_worker`. Protocol, one JSON 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
 import tempfile
 import threading
-
-log = logging.getLogger("flashserve.engine")
-
 
 class ChildFailed(RuntimeError):
     """The child process could not build its engine, compile a key, or ended; the parent compiles on its own."""
