@@ -19,6 +19,16 @@ from flashserve.model.mapped_experts import NAMES, MappedExperts
 from flashserve.model.packed import EXPERT_FP4, PackedExperts
 
 
+def random_mxfp4_experts(E: int, D: int, I: int, g: torch.Generator) -> PackedExperts:
+    """``E`` MXFP4 experts of V4.1-Flash's shape with random codes and scales near 2^-7 (bench_moe_threads too)."""
+    experts = PackedExperts(E, D, I, 10.0, EXPERT_FP4)
+    for n in NAMES:
+        p = getattr(experts, f"{n}_packed")
+        p.qweight.copy_(torch.randint(0, 256, p.qweight.shape, generator=g, dtype=torch.uint8))
+        p.scale.copy_(torch.randint(118, 122, p.scale.shape, generator=g, dtype=torch.uint8))
+    return experts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experts", type=int, default=64)
@@ -29,11 +39,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     E, D, I, k = args.experts, 5120, 2304, 6
     g = torch.Generator().manual_seed(0)
-    stacked = PackedExperts(E, D, I, 10.0, EXPERT_FP4)
-    for n in NAMES:
-        p = getattr(stacked, f"{n}_packed")
-        p.qweight.copy_(torch.randint(0, 256, p.qweight.shape, generator=g, dtype=torch.uint8))
-        p.scale.copy_(torch.randint(118, 122, p.scale.shape, generator=g, dtype=torch.uint8))
+    stacked = random_mxfp4_experts(E, D, I, g)
     mapped = MappedExperts(stacked)
     for n in NAMES:
         p = getattr(stacked, f"{n}_packed")

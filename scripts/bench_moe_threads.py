@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_mapped_experts import random_mxfp4_experts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -39,11 +40,7 @@ def main() -> None:
     assert cpu_kernels.build() is not None, "the CPU kernels could not be built here"
     E, D, I, k = args.experts, 5120, 2304, 6
     g = torch.Generator().manual_seed(0)
-    experts = PackedExperts(E, D, I, 10.0, EXPERT_FP4)
-    for n in NAMES:
-        p = getattr(experts, f"{n}_packed")
-        p.qweight.copy_(torch.randint(0, 256, p.qweight.shape, generator=g, dtype=torch.uint8))
-        p.scale.copy_(torch.randint(118, 122, p.scale.shape, generator=g, dtype=torch.uint8))
+    experts = random_mxfp4_experts(E, D, I, g)
     per_expert = sum(getattr(experts, f"{n}_packed").qweight[0].numel() + getattr(experts, f"{n}_packed").scale[0]
                      .numel() for n in NAMES)
     print(f"{E} experts of {per_expert / 1e6:.1f} MB (MXFP4 with scales), top-{k}, "

@@ -12,7 +12,7 @@ the step cannot name), the parent compiles that key itself, from inductor's cach
 
 Keys are sent as they are queued and compiled in order, so the parent loads one key while the child compiles the
 next. The child ends when its stdin closes (the parent's compiling thread closes it when its queue is empty, or
-the parent ends), or when its parent process goes away; it runs in a session of its own, so a terminal's Ctrl-C
+the parent ends), or when its parent process goes away; it is detached from the terminal (`start_new_session`), so a Ctrl-C typed there
 reaches the parent only.
 
 The child's side is :mod:`flashserve.engine.compile_worker`. Protocol, one JSON object a line: the parent writes ``[bucket, rows, width]``; the child answers
