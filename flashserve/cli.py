@@ -163,14 +163,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The process's entry (``flashserve``, ``python -m flashserve``): :func:`main`, then the exit. A decode step
-    still compiling in the background is inside dynamo or a compiler, and ending the interpreter under it crashed
-    (SIGSEGV, seen after Ctrl-C): such a process ends at once, its output flushed, with the command's status."""
+    """The process's entry (``flashserve``, ``python -m flashserve``): :func:`main`, then the exit. Two exits end
+    the process at once, output flushed, with the command's status instead of the interpreter's teardown:
+    - a decode step still compiling in the background is inside dynamo or a compiler, and ending the interpreter
+      under it crashed (SIGSEGV, seen after Ctrl-C);
+    - after Ctrl-C (130): the interrupt may have landed in the middle of one of torch's imports (made lazily
+      while the engine is built), and the interpreter's teardown of those half-made modules ended the process by
+      SIGINT (status -2, seen under load) instead of with 130."""
+    import logging
     import os
     import threading
 
     code = main()
-    if any(t.name == "flashserve-compile" and t.is_alive() for t in threading.enumerate()):
+    if code == 130 or any(t.name == "flashserve-compile" and t.is_alive() for t in threading.enumerate()):
+        logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -174,13 +174,15 @@ LONG_WAIT = datetime.timedelta(days=365)
 
 
 def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.device, timeout: float,
-            host_store: bool = True, startup_timeout: float = 3600.0) -> Comm:
+            host_store: bool = True, startup_timeout: float = 3600.0, listen_fd: int | None = None) -> Comm:
     """Join the engine's process groups. Rank 0 hosts the store at ``addr:port`` unless torchrun's agent already
-    does (``host_store`` False). The store (the ranks' rendezvous) waits up to ``startup_timeout`` seconds for
-    the other ranks; the groups' operations, ``timeout``."""
+    does (``host_store`` False), on ``listen_fd`` where given (a socket already listening on ``port``, which the
+    store then owns). The store (the ranks' rendezvous) waits up to ``startup_timeout`` seconds for the other
+    ranks; the groups' operations, ``timeout``."""
     t = datetime.timedelta(seconds=timeout)
+    fd = {"master_listen_fd": listen_fd} if listen_fd is not None else {}
     store = dist.TCPStore(addr, port, layout.world, rank == 0 and host_store,
-                          timeout=datetime.timedelta(seconds=startup_timeout), wait_for_workers=False)
+                          timeout=datetime.timedelta(seconds=startup_timeout), wait_for_workers=False, **fd)
 
     def gloo(prefix: str, wait: datetime.timedelta):
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, layout.world, wait)

@@ -65,10 +65,18 @@ def torchrun_env() -> dict | None:
             "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+def _listening_socket() -> socket.socket:
+    """The store's socket, bound to a port the system picks and listening before any worker starts: rank 0's
+    store is built on it (``master_listen_fd``), so no other process can take the port between choosing it and
+    binding it, as happened with a port found free, closed, then bound again."""
+    s = socket.socket()
+    try:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.listen(128)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def _start_method(device: torch.device) -> str:
@@ -295,6 +303,7 @@ class ShardedEngine:
         self.exit_on_failure = False
         env = torchrun_env()
         self._env = env
+        listener = None
         device = _device(config, env["local_rank"] if env else 0)
         if env is not None:
             if env["world"] != layout.world:
@@ -302,7 +311,8 @@ class ShardedEngine:
                                   f"{layout.world}")
             addr, port, agent = env["addr"], env["port"], env["agent_store"]
         else:
-            addr, port, agent = "127.0.0.1", _free_port(), False
+            listener = _listening_socket()
+            addr, port, agent = "127.0.0.1", listener.getsockname()[1], False
             method = _start_method(device)
             if method == "fork":  # torch's lazy imports for building a model (seconds), paid once, before the fork
                 _build_on_meta(config)
@@ -314,7 +324,7 @@ class ShardedEngine:
                 p.start()
                 self.procs.append(p)
         try:
-            comm = self._connect(layout, addr, port, device, agent)
+            comm = self._connect(layout, addr, port, device, agent, listener)
             self.comm = comm
             self.local = build_rank_engine(config, layout, 0, comm)
             for r in range(1, layout.world):
@@ -347,14 +357,16 @@ class ShardedEngine:
                          name="flashserve-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------------ start-up
-    def _connect(self, layout, addr, port, device, agent) -> Comm:
-        """Join the groups while watching the spawned workers: one that dies while starting ends the wait."""
+    def _connect(self, layout, addr, port, device, agent, listener: socket.socket | None) -> Comm:
+        """Join the groups while watching the spawned workers: one that dies while starting ends the wait.
+        ``listener``: the store's bound socket, handed over to the store (which closes it)."""
         box: dict = {}
 
         def run():
             try:
                 box["comm"] = connect(layout, 0, addr, port, device, self.timeout, host_store=not agent,
-                                      startup_timeout=self.startup_timeout)
+                                      startup_timeout=self.startup_timeout,
+                                      listen_fd=listener.detach() if listener is not None else None)
             except BaseException as e:
                 box["error"] = e
 

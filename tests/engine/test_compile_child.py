@@ -105,6 +105,26 @@ def test_a_failed_child_leaves_the_compile_to_the_engine(caplog):
     assert _greedy(engine, prompt, 6) == expected
 
 
+def test_a_shutdown_ends_the_child_and_compiles_nothing_in_the_engine(caplog):
+    """Shutting the engine down while its child compiles ends the child, and the compiling thread stops: it does
+    not take the ended child for a failed one and start compiling in the engine's own process."""
+    engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=1, threads=1, kv_memory="16MiB",
+                                    speculative_config="off", compile_backend="eager", compile_child=True),
+                       warm_up=False)
+    step = engine.runner.decode_step
+    with caplog.at_level(logging.INFO, logger="flashserve.engine"):
+        step.warm_up()
+        proc = step.child._proc
+        engine.shutdown()
+        deadline = time.monotonic() + 30
+        while step._thread is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert step._thread is None, "the compiling thread outlived the shutdown by 30 s"
+    assert proc.poll() is not None
+    assert not step._ready and step.state() == "compiling"  # nothing compiled: every step stays eager
+    assert not any("compiles in this process" in r.getMessage() for r in caplog.records)
+
+
 def test_a_model_passed_in_cannot_be_compiled_by_a_child():
     from flashserve.config import ConfigError
     from flashserve.model.loader import load_model

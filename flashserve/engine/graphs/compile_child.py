@@ -75,7 +75,10 @@ class CompileChild:
         if proc is None:
             raise ChildFailed("no child process was started")
         while key not in self._done:
-            line = proc.stdout.readline()  # blocks without holding the interpreter's lock
+            try:
+                line = proc.stdout.readline()  # blocks without holding the interpreter's lock
+            except (OSError, ValueError):  # closed by close() on another thread
+                line = ""
             if not line:
                 proc.wait()
                 raise ChildFailed(f"the compiling child process ended (exit status {proc.returncode})"

@@ -157,6 +157,7 @@ class DecodeStep:
         self.compile_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the queue's consumer: started by whoever queues while there is none
+        self._closed = False  # the engine shut down: nothing more is compiled, here or in a child
 
     def _compile(self, backend: str) -> RegionalStep:
         """The step's regions (:mod:`.regions`), each kind compiled with guards on the tensors it is given only.
@@ -340,6 +341,8 @@ class DecodeStep:
     def _submit(self, key: tuple[int, int, int]) -> None:
         """Queue ``key`` for the compiling thread, starting one if none runs."""
         with self._lock:
+            if self._closed:
+                return
             self._queue.put(key)
             if self.child is not None and not self.artifacts.has(key):
                 self.child.submit(key)
@@ -366,7 +369,7 @@ class DecodeStep:
                     ending = self.child.detach() if self.child is not None else (None, None)
                     break
             b, rows, _ = key
-            if self.compile_error is not None:  # after a failure nothing more is compiled
+            if self.compile_error is not None or self._closed:  # after a failure or the shutdown: nothing more
                 self._queue.task_done()
                 continue
             t0 = time.perf_counter()
@@ -376,10 +379,14 @@ class DecodeStep:
                     self.child_s += self.child.wait(key)["s"]
                     loaded = self._load(key)
                 except ChildFailed as e:  # compiled here from now on
-                    log.warning("%s; the decode step compiles in this process from now on", e)
                     with self._lock:
                         child, self.child = self.child, None
-                    child.close()
+                    if child is not None:
+                        child.close()
+                    if self._closed:  # the shutdown ended the child: the queue is drained, not compiled here
+                        self._queue.task_done()
+                        continue
+                    log.warning("%s; the decode step compiles in this process from now on", e)
             try:
                 if loaded:  # no dynamo: the installed graphs run once, as a compiled key's first step does
                     self._forward(*self._scratch(key))
@@ -427,8 +434,9 @@ class DecodeStep:
                 f"{self.loaded_s:.1f} s)")
 
     def close(self) -> None:
-        """End the compiling child process, if one runs (the engine's shutdown)."""
+        """End the compiling child process, if one runs, and compile nothing more (the engine's shutdown)."""
         with self._lock:
+            self._closed = True
             child = self.child
         if child is not None:
             child.close()
