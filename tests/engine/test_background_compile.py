@@ -202,3 +202,23 @@ def test_a_model_drafters_verification_steps_have_one_shape_with_the_eager_token
     assert drafted["num_accepted_tokens"] < 3 * drafted["num_drafts"]  # not every draft whole: rows were padded
     assert {R for _, R, _ in shapes} <= {1, 4} and 4 in {R for _, R, _ in shapes}
     assert all(compiled for _, _, compiled in shapes)
+
+
+def test_the_warm_up_compiles_the_table_width_the_first_steps_ask_for(monkeypatch):
+    """Where the fewest pages a step reads is not itself a table width (9 pages: tables of 10 columns), the
+    warm-up compiles the width the first steps ask for: they run compiled, and no other key is queued."""
+    init = DecodeStep.__init__
+
+    def nine_pages(self, *a, **k):
+        init(self, *a, **k)
+        self.min_pages = 9
+
+    monkeypatch.setattr(DecodeStep, "__init__", nine_pages)
+    model = _model(preset_json("tiny-v41"))
+    engine = _engine(model, max_num_seqs=1)
+    step = engine.runner.decode_step
+    assert engine.wait_compiled(120)
+    warmed = set(step._asked)
+    _, shapes = _steps(engine, [prompt_of(9, seed=3)], 4)
+    assert step.table_width(9) == 10 and {k[2] for k in warmed} == {10}
+    assert all(c for *_, c in shapes) and step._asked == warmed

@@ -304,23 +304,24 @@ class DecodeStep:
         as can be, then the other buckets."""
         t0 = time.perf_counter()
         self.verify_rows = verify_rows
+        width = self.table_width(self.min_pages)  # the columns a step of the fewest pages asks for (inputs())
         if self.background:
             for b in sorted({self.buckets[0], self.buckets[-1]}):
-                self._eager(*self._scratch((b, rows, self.min_pages)))
+                self._eager(*self._scratch((b, rows, width)))
             log.info("decode step (eager until compiled) warmed up in %.1f s; compiling in the background for "
                      "batches %s: %s", time.perf_counter() - t0, self.buckets, self.regions.describe())
             self._started = time.perf_counter()
-            first = [(self.buckets[0], rows, self.min_pages)]
+            first = [(self.buckets[0], rows, width)]
             if verify_rows is not None and verify_rows != rows:
-                first.append((self.buckets[0], verify_rows, self.min_pages))
-            for key in first + [(b, rows, self.min_pages) for b in self.buckets[1:]]:
+                first.append((self.buckets[0], verify_rows, width))
+            for key in first + [(b, rows, width) for b in self.buckets[1:]]:
                 self._asked.add(key)
                 self._submit(key)
             return time.perf_counter() - t0
         if self.regions is not None:
             log.info("compiling the decode step for batches %s: %s", self.buckets, self.regions.describe())
         for b in self.buckets if self.regions is not None else sorted({self.buckets[0], self.buckets[-1]}):
-            inp = StepInputs(*self._scratch((b, rows, self.min_pages)), compiled=self.regions is not None)
+            inp = StepInputs(*self._scratch((b, rows, width)), compiled=self.regions is not None)
             for _ in range(2 if self.cuda_graphs else 1):  # compiled, then (CUDA) recorded
                 self(inp)
         self.warmup_s = time.perf_counter() - t0
