@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..cli_help import HelpFormatter
+from ..errors import UserError
 from ..engine.options import add_engine_args, engine_config
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a Ctrl-C'd command
@@ -60,6 +61,8 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.request_seed, stop=args.stop,
                             ignore_eos=args.ignore_eos, output_kind="delta")
+    if not args.prompt:
+        raise UserError("prompt: empty prompt")
     config = engine_config(args)
     params.validate(preflight.check(config).model_config.vocab_size)  # every flag, before loading
     from ..interrupts import deferred_interrupt

@@ -148,9 +148,10 @@ def test_cli_reports_user_errors_without_traceback(args, needle):
     assert needle in out.stderr and "Traceback" not in out.stderr
 
 
-def test_info_and_plan_commands_do_not_import_torch():
+def test_info_plan_and_a_refused_generate_do_not_import_torch():
     code = ("import sys, contextlib, io\nfrom flashserve.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):\n"
+            "    assert main(['generate', 'tiny-v41', '']) == 2\n"
             "    assert main(['info', 'deepseek-v41-flash', '--json']) == 0\n"
             "    assert main(['plan', '--model', 'deepseek-v41-flash', '--hardware', 'b200', '--gpus', '8', "
             "'--concurrency', '1', '--context', '4096', '--json']) == 0\n"
