@@ -15,9 +15,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # subprocesses (CLI, servers) too
+# inductor compiles in this process, not in a pool of its own (two more processes importing torch in every process
+# that compiles, on the suite's two cores)
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402  (after the environment its import reads)
+
 torch.set_num_threads(1)
 
 for sub in ("model", "engine", "server", "config", "plan"):

@@ -163,22 +163,21 @@ def test_a_forward_mode_is_per_thread():
     assert seen == {"thread": modes.COMPILED_CPU, "main": modes.EAGER}
 
 
-@pytest.mark.parametrize("device_default, expected", [(None, True), (False, False)])
-def test_the_cpu_compiles_in_the_background_unless_told_not_to(device_default, expected):
-    """A compiled CPU step compiles in the background unless ``background_compile=False`` (then before the engine
-    serves); with no flags the CPU engine's step is compiled in the background (here on a thread: a model passed to
-    the engine is not rebuilt by a child process), and ``enforce_eager`` compiles nothing."""
+def test_the_cpu_compiles_in_the_background_unless_told_not_to():
+    """With no flags the CPU engine's step is compiled in the background (here on a thread: a model passed to the
+    engine is not rebuilt by a child process); ``background_compile=False`` compiles it before the engine serves,
+    and ``enforce_eager`` compiles nothing."""
     model = _model(preset_json("tiny-v41"))
-    engine = make_engine(model, "tiny-v41", enforce_eager=False, background_compile=device_default,
-                         compile_backend="eager", dtype="float32", max_num_seqs=1)
-    step = engine.runner.decode_step
-    assert step.regions is not None and step.background is expected
-    assert engine.wait_compiled(120) and engine.stats()["decode_step"] == "compiled"
     default = make_engine(model, "tiny-v41", enforce_eager=None, background_compile=None, compile_backend="eager",
                           dtype="float32", max_num_seqs=1)
     step = default.runner.decode_step
     assert step.regions is not None and step.background and step.child is None
     assert default.wait_compiled(120) and default.stats()["decode_step"] == "compiled"
+    now = make_engine(model, "tiny-v41", enforce_eager=False, background_compile=False, compile_backend="eager",
+                      dtype="float32", max_num_seqs=1)
+    step = now.runner.decode_step
+    assert step.regions is not None and not step.background
+    assert now.stats()["decode_step"] == "compiled" and step.warmup_s > 0
     eager = make_engine(model, "tiny-v41", enforce_eager=True, dtype="float32", max_num_seqs=1)
     assert eager.runner.decode_step.regions is None and eager.stats()["decode_step"] == "eager"
 
