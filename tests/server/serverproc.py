@@ -49,7 +49,22 @@ class ServerProc:
 
 def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0,
                  env: dict[str, str] | None = None, model: str | None = MODEL) -> ServerProc:
-    """``flashserve serve MODEL`` (``model`` None: no MODEL, the embedded default as a user starts it)."""
+    """``flashserve serve MODEL`` (``model`` None: no MODEL, the embedded default as a user starts it). A port found
+    free can be taken by another process before the server binds it (the suite runs in parallel): a server that
+    says so is started again on another port."""
+    for _ in range(3):
+        try:
+            return _start_server(extra, api_key, timeout, env, model)
+        except _PortTaken:
+            continue
+    raise RuntimeError("three ports found free were taken before the server could bind them")
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _start_server(extra, api_key, timeout, env, model) -> ServerProc:
     port = free_port()
     fd, log_path = tempfile.mkstemp(prefix="flashserve-server-", suffix=".log")
     # the eager step unless a test asks for the compiled one (a compile is minutes of CPU on a cold cache)
@@ -68,6 +83,8 @@ def start_server(*extra: str, api_key: str | None = None, timeout: float = 120.0
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if "Address already in use" in srv.log():
+                raise _PortTaken(port)
             raise RuntimeError(f"server exited with {proc.returncode}:\n{srv.log()}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
