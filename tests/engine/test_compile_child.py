@@ -106,7 +106,7 @@ def test_a_failed_child_leaves_the_compile_to_the_engine(caplog):
 
 
 def test_a_shutdown_ends_the_child_and_compiles_nothing_in_the_engine(caplog):
-    """The child runs in the engine's session and a process group of its own. Shutting the engine down while its
+    """The child runs in the engine's scheduling group and a process group of its own. Shutting the engine down while its
     child compiles ends the child, and the compiling thread stops: it does not take the ended child for a failed
     one and start compiling in the engine's own process."""
     engine = LLMEngine(EngineConfig(model="tiny-v41", max_num_seqs=1, threads=1, kv_memory="16MiB",
@@ -116,9 +116,9 @@ def test_a_shutdown_ends_the_child_and_compiles_nothing_in_the_engine(caplog):
     with caplog.at_level(logging.INFO, logger="flashserve.engine"):
         step.warm_up()
         proc = step.child._proc
-        # the child shares the engine's session, so its lower priority counts against the engine (Linux schedules
-        # each session as a group of its own), and is in a process group of its own, so a Ctrl-C typed at the
-        # terminal reaches the engine only
+        # the child shares the engine's os.getsid, so its lower priority counts against the engine (Linux's
+        # autogroup schedules each setsid as a group of its own), and is in a process group of its own, so a
+        # Ctrl-C typed at the terminal reaches the engine only
         assert os.getsid(proc.pid) == os.getsid(0) and os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
         engine.shutdown()
         deadline = time.monotonic() + 30

@@ -13,8 +13,8 @@ the step cannot name), the parent compiles that key itself, from inductor's cach
 Keys are sent as they are queued and compiled in order, so the parent loads one key while the child compiles the
 next. The child ends when its stdin closes (the parent's compiling thread closes it when its queue is empty, or
 the parent ends), or when its parent process goes away. It runs in a process group of its own, so a Ctrl-C typed at
-the terminal reaches the parent only; not in a session of its own, which would also put it in a scheduling group of
-its own (Linux's autogroup, one per session), where its lower priority counts for nothing against the parent: a
+the terminal reaches the parent only; it is not started with `setsid`, which would also put it in a scheduling group
+of its own (Linux's autogroup, one per `setsid`), where its lower priority counts for nothing against the parent: a
 `generate` decoded at 1.2 tok/s beside such a child, 29 tok/s beside a compile on a thread.
 
 The child's side is :mod:`flashserve.engine.compile_worker`. Protocol, one JSON object a line: the parent writes ``[bucket, rows, width]``; the child answers
