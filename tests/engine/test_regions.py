@@ -123,3 +123,30 @@ def test_the_compile_cache_is_where_inductor_keeps_the_step(tmp_path, monkeypatc
                     "for 10 layers, a prologue and an epilogue (eager)"]
     engine.runner.decode_step.regions.backend = "inductor"
     assert str(tmp_path / "kernels") in engine.runner.decode_step.regions.describe()
+
+
+def test_saved_graphs_are_named_by_the_model_and_the_cache_they_were_compiled_for(tmp_path):
+    """A graph saved for one cache layout or model is never loaded for another: the window ring an engine keeps
+    rows for drafts in is longer with speculation than without, and a graph compiled for one took its length as a
+    constant (loaded for the other, a compiled kernel's bounds check aborted the process). Two engines built alike
+    name their graphs alike, so a later start still loads what an earlier one saved."""
+    from flashserve.engine.graphs.graph_call import GraphRecorder
+    from flashserve.engine.graphs.regions import RegionalStep
+    from flashserve.engine.graphs.step_artifacts import StepArtifacts
+
+    def names(model, name, **kw) -> list[str]:
+        kw = {"dtype": "float32", "cache_dtype": "packed", "max_num_seqs": 2, **kw}
+        engine = make_engine(model, name, **kw)
+        regions = RegionalStep(engine.model, engine.cache, torch.compile, GraphRecorder("eager", {}))
+        return [kind for kind, _ in StepArtifacts(regions, tmp_path)._kinds]
+
+    v41 = _model(preset_json("tiny-v41"))
+    ngram = {"method": "ngram", "num_speculative_tokens": 4}  # rows kept for 4 drafts
+    plain = names(v41, "tiny-v41")
+    assert names(v41, "tiny-v41") == plain
+    spec = names(v41, "tiny-v41", speculative_config=ngram)
+    assert len(spec) == len(plain) and not set(spec) & set(plain)
+    assert not set(names(v41, "tiny-v41", max_num_seqs=3)) & set(plain)  # slots: another cache layout
+    other = preset_json("tiny-v41")
+    other["text_config"]["rms_norm_eps"] = 1e-6  # another model: its epilogue's norm differs too
+    assert not set(names(_model(other), "tiny-v41")) & set(plain)

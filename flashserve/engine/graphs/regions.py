@@ -34,7 +34,7 @@ log = logging.getLogger("flashserve.engine")
 # attributes that name a layer rather than describe it: never part of a kind (the relations they imply are, as
 # :func:`layer_relations` states them)
 IDENTITY = frozenset({"layer", "main_key", "index_key", "src_main", "src_index"})
-_PLAIN = (int, float, bool, str, type(None))
+PLAIN = (int, float, bool, str, type(None))
 
 
 def named_tensors(root: Any, prefix: str, depth: int = 6) -> dict[str, torch.Tensor]:
@@ -66,7 +66,7 @@ def named_tensors(root: Any, prefix: str, depth: int = 6) -> dict[str, torch.Ten
         elif callable(obj) and getattr(obj, "__closure__", None):
             for k, c in enumerate(obj.__closure__):
                 walk(c.cell_contents, f"{path}<{k}>", d + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not isinstance(obj, _PLAIN):
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and not isinstance(obj, PLAIN):
             for k, v in vars(obj).items():
                 walk(v, f"{path}.{k}", d + 1)
 
@@ -86,7 +86,7 @@ def fingerprint(module: nn.Module) -> tuple:
                 continue
             if isinstance(v, torch.Tensor):
                 out.append((name, k, tuple(v.shape), v.dtype, v.stride()))
-            elif isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(e, _PLAIN) for e in v)):
+            elif isinstance(v, PLAIN) or (isinstance(v, tuple) and all(isinstance(e, PLAIN) for e in v)):
                 out.append((name, k, v))
         for k, t in (*m._parameters.items(), *m._buffers.items()):
             out.append((name, k, None if t is None else (tuple(t.shape), t.dtype, t.stride())))
@@ -327,7 +327,7 @@ def _part(block: nn.Module, parts: tuple[str, ...]) -> nn.Module:
     for k, v in vars(block).items():  # flags, and tensor attributes of the part (panel copies of its weights);
         # None is an absent submodule (an engram), told by the part's modules
         if k not in IDENTITY and not k.startswith("_") and v is not None and (
-                isinstance(v, _PLAIN) or (isinstance(v, torch.Tensor) and k.startswith(parts))):
+                isinstance(v, PLAIN) or (isinstance(v, torch.Tensor) and k.startswith(parts))):
             setattr(holder, k, v)
     return holder
 

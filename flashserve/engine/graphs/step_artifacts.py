@@ -9,9 +9,11 @@ guards, so its interpreter stays with the serving thread. The same files make a 
 first steps.
 
 Files are named by a hash of the kind (its fingerprint, layout and relations: what a graph may have taken as
-constant) and of everything else the code depends on: torch's version, the CPU's vector instruction set, the
-compile options and flashserve's own model and step sources. A kind whose files are missing or do not load is
-compiled again.
+constant) and of everything else the code depends on: the whole model's fingerprint and the cache's layout (the
+prologue and epilogue read the model's embedding and head; every region may take a size of the cache as a constant:
+its slots, its pages, the window rows kept for drafts, which the engine's options set), torch's version, the CPU's
+vector instruction set, the compile options and flashserve's own model and step sources. A kind whose files are
+missing or do not load is compiled again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .regions import RegionalStep, RegionPlan, Slot
+from .regions import PLAIN, RegionalStep, RegionPlan, Slot, fingerprint, named_tensors
 
 log = logging.getLogger("flashserve.engine")
 
@@ -43,6 +45,17 @@ def _sources_hash() -> str:
     return h.hexdigest()
 
 
+def geometry(regions: RegionalStep) -> tuple:
+    """What every region's graph may have taken as a constant beyond its kind: the model's fingerprint, and the
+    shape, dtype and strides of each cache storage tensor with the cache's sizes (the page table, which grows, is
+    an input of every step instead)."""
+    cache = regions.cache
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.stride())
+                    for name, t in named_tensors(cache.storage, "storage").items())
+    sizes = tuple(sorted((k, v) for k, v in vars(cache).items() if isinstance(v, PLAIN)))
+    return fingerprint(regions.model), tensors, sizes
+
+
 def _version(options: dict) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
@@ -58,7 +71,7 @@ class StepArtifacts:
 
     def __init__(self, regions: RegionalStep, root: str | os.PathLike):
         self.regions, self.root = regions, Path(root)
-        version = _version(regions.recorder.options)
+        version = (_version(regions.recorder.options), geometry(regions))
         self._kinds = [(hashlib.sha256(repr((kind, version)).encode()).hexdigest()[:24], call)
                        for kind, call in regions.kinds.items()]
         self._shared: dict[str, torch.Tensor] | None = None
