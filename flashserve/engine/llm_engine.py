@@ -251,7 +251,7 @@ class LLMEngine:
             start, out = s.num_computed, emitted[i]
             s.spec.record(len(s.draft), len(out) - 1)
             self.spec_stats.record(len(s.draft), len(out) - 1)
-            s.draft = []
+            s.draft, s.draft_probs = [], None
             for tid, lp in out:
                 self._append(s, tid, lp)
                 if s.finished:  # its slot and pages are free already
@@ -302,10 +302,11 @@ class LLMEngine:
         if not want:
             return
         k = self.spec.num_speculative_tokens
-        for s, d in zip(want, self.drafter.propose(want, k)):
+        for s, d in zip(want, self.drafter.propose(want, k, self.generator)):
             # never past the length limit or max_tokens: the last emitted token is the target's own
-            n = min(len(d), room - s.num_tokens, s.params.max_tokens - s.num_output - 1)
-            s.draft = list(d[:max(n, 0)])
+            n = max(min(len(d.tokens), room - s.num_tokens, s.params.max_tokens - s.num_output - 1), 0)
+            s.draft = list(d.tokens[:n])
+            s.draft_probs = None if d.probs is None else d.probs[:n]
 
     def _outputs(self, touched: dict[str, RequestGroup]) -> list[RequestOutput]:
         outputs = []

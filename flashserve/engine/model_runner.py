@@ -72,7 +72,8 @@ class ModelRunner:
                 out[i] = [(tid, lp)]
         for i, s in enumerate(seqs):
             if s.draft:
-                out[i] = [(t, None) for t in accept(logits[i], s.draft, s.params, s.generator or self.generator)]
+                out[i] = [(t, None) for t in accept(logits[i], s.draft, s.params, s.generator or self.generator,
+                                                   s.draft_probs)]
         return out, feats
 
     def sample_row(self, seq: Sequence, logits: torch.Tensor) -> SampleRow:

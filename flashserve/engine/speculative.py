@@ -4,8 +4,10 @@ A verification step runs ``1 + k`` rows per sequence through the decode step (th
 then :func:`accept` keeps the longest prefix the target agrees with plus one token of its own, so the output is
 the target's: token for token under greedy decoding, and in distribution under sampling (standard speculative
 rejection sampling: a draft ``d`` drawn from ``q`` is kept with probability ``min(1, p(d) / q(d))``, else a token
-is drawn from ``max(p - q, 0)`` normalised). Every drafter here drafts greedily (``q`` one-hot), which keeps that
-rule exact at any temperature. What the rejected rows wrote to the cache is rolled back by the engine
+is drawn from ``max(p - q, 0)`` normalised). The rule is exact for any ``q``: a drafter that drafts greedily
+has a one-hot ``q``; DSpark draws a sampled request's drafts from its own logits under the request's sampling
+options, so ``q`` is near ``p`` and a draft is kept with probability ``sum(min(p, q))`` rather than ``p(argmax q)``.
+What the rejected rows wrote to the cache is rolled back by the engine
 (:meth:`~flashserve.engine.cache.KVCache.rollback`).
 
 Drafters:
@@ -88,13 +90,15 @@ def speculation_allowed(params: SamplingParams) -> bool:
 
 
 def accept(logits: torch.Tensor, draft: list[int], params: SamplingParams,
-           generator: torch.Generator | None) -> list[int]:
+           generator: torch.Generator | None, q: torch.Tensor | None = None) -> list[int]:
     """The tokens one verification emits: accepted drafts, then the target's own token.
 
     ``logits`` [R, V]: the target's logits at the pending token's row and each draft's row (R >= len(draft) + 1;
-    rows past the draft are padding). Greedy: drafts equal to the target's argmax are kept. Sampling: rejection
-    sampling against a one-hot draft distribution (a kept draft has probability p(d); on rejection the token
-    comes from p with d removed), which emits exactly the target's distribution.
+    rows past the draft are padding). Greedy: drafts equal to the target's argmax are kept. Sampling: draft ``j``
+    is kept with probability ``min(1, p(d) / q(d))``, else the token comes from ``max(p - q, 0)`` normalised, which
+    emits exactly the target's distribution. ``q`` [>= len(draft), V]: the distribution each draft was drawn
+    from; None: one-hot on the draft (a greedy drafter), where a kept draft has probability p(d) and a rejection
+    draws from p with d removed.
     """
     k = len(draft)
     raw = logits[:k + 1] if logits.dtype == torch.float64 else logits[:k + 1].float()
@@ -107,19 +111,69 @@ def accept(logits: torch.Tensor, draft: list[int], params: SamplingParams,
             out.append(d)
         return out + [target[k]]
     probs = sampling_probs(raw, [params] * (k + 1))
-    u = torch.rand(k, generator=generator, dtype=probs.dtype, device=probs.device).tolist() if k else []
-    p_draft = probs[torch.arange(k, device=probs.device), torch.tensor(draft, device=probs.device)].tolist() if k else []
+    if not k:
+        return [int(torch.multinomial(probs[0], 1, generator=generator))]
+    u = torch.rand(k, generator=generator, dtype=probs.dtype, device=probs.device).tolist()
+    at = (torch.arange(k, device=probs.device), torch.tensor(draft, device=probs.device))
+    p_draft = probs[at].tolist()
+    q = None if q is None else q[:k].to(probs.dtype)
+    q_draft = [1.0] * k if q is None else q[at].tolist()
     out = []
     for j, d in enumerate(draft):
-        if u[j] < p_draft[j]:
+        if u[j] * q_draft[j] < p_draft[j]:
             out.append(d)
             continue
-        residual = probs[j].clone()
-        residual[d] = 0.0
-        if float(residual.sum()) <= 0.0:  # p was all on d: cannot happen once u < p(d) = 1 fails; guard anyway
-            return out + [d]
+        if q is None:
+            residual = probs[j].clone()
+            residual[d] = 0.0
+        else:
+            residual = (probs[j] - q[j]).clamp_min(0.0)
+        if float(residual.sum()) <= 0.0:  # p <= q everywhere means p == q: every draft is kept; guard anyway
+            residual = probs[j]
         return out + [int(torch.multinomial(residual, 1, generator=generator))]
     return out + [int(torch.multinomial(probs[k], 1, generator=generator))]
+
+
+@dataclass
+class Proposal:
+    """A sequence's drafts and, for drafts drawn at random, the distribution each was drawn from."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), V] q of each draft; None: each draft is the drafter's argmax
+
+
+class DraftPicker:
+    """How a drafter picks each draft for ``seqs``: the argmax for greedy requests; for sampled ones a draw from
+    the request's own sampling distribution (its temperature, top-k, top-p, min-p) over the drafter's logits, with
+    the request's generator (else ``generator``). ``probs`` keeps what was drawn from: one [S, V] tensor per draft
+    position, S = the sampled requests (``rows``, their indices in ``seqs``)."""
+
+    def __init__(self, seqs: list, generator: torch.Generator | None):
+        self.rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        self.params = [seqs[i].params for i in self.rows]
+        self.generators = [seqs[i].generator or generator for i in self.rows]
+        self.probs: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Tokens [B] for the drafter's logits [B, V]."""
+        tokens = logits.argmax(-1)
+        if not self.rows:
+            return tokens
+        q = sampling_probs(logits[self.rows].float(), self.params)  # [S, V]
+        gens = self.generators
+        if all(g is gens[0] for g in gens):
+            drawn = torch.multinomial(q, 1, generator=gens[0])[:, 0]
+        else:
+            drawn = torch.cat([torch.multinomial(q[r], 1, generator=g) for r, g in enumerate(gens)])
+        tokens[self.rows] = drawn.to(tokens.device)
+        self.probs.append(q)
+        return tokens
+
+    def drawn_from(self, k: int) -> dict[int, torch.Tensor]:
+        """Index in ``seqs`` -> the distributions [k, V] its first ``k`` drafts were drawn from (sampled only)."""
+        if not self.rows:
+            return {}
+        return dict(zip(self.rows, torch.stack(self.probs, 1)[:, :k].unbind(0)))
 
 
 class Drafter(Protocol):
@@ -130,8 +184,9 @@ class Drafter(Protocol):
     def observe(self, seqs: list, starts: list[int], counts: list[int], feats: torch.Tensor | None) -> None:
         """``counts[i]`` verified rows of ``seqs[i]`` from position ``starts[i]``; ``feats`` [B, R, layers, D]."""
 
-    def propose(self, seqs: list, k: int) -> list[list[int]]:
-        """Up to ``k`` drafted tokens after each sequence's pending token."""
+    def propose(self, seqs: list, k: int, generator: torch.Generator | None = None) -> list[Proposal]:
+        """Up to ``k`` drafted tokens after each sequence's pending token (random draws, if any, from each
+        sequence's generator, else ``generator``)."""
 
     def prefill_rows(self, seq, start: int, n: int) -> int:
         """How many of a prefill chunk's last rows (positions [start, start + n)) to observe."""
@@ -172,12 +227,12 @@ class NgramDrafter:
     def prefill_rows(self, seq, start: int, n: int) -> int:
         return 0
 
-    def propose(self, seqs: list, k: int) -> list[list[int]]:
+    def propose(self, seqs: list, k: int, generator: torch.Generator | None = None) -> list[Proposal]:
         out = []
         for s in seqs:
             if s.ngram is None:
                 s.ngram = NgramIndex(self.lo, self.hi)
-            out.append(s.ngram.lookup(s.tokens, k))
+            out.append(Proposal(s.ngram.lookup(s.tokens, k)))
         return out
 
 
@@ -213,7 +268,7 @@ class DSparkDrafter:
         self.cache.storage.draft_keys[slots, pos % self.W] = keys.to(self.cache.storage.draft_keys.dtype)
 
     @torch.inference_mode()
-    def propose(self, seqs: list, k: int) -> list[list[int]]:
+    def propose(self, seqs: list, k: int, generator: torch.Generator | None = None) -> list[Proposal]:
         if not seqs:
             return []
         store = self.cache.storage.draft_keys
@@ -224,12 +279,14 @@ class DSparkDrafter:
         keys = store[slots[:, None], ctx_pos % self.W].to(self.model.dtype)
         ctx_pos = torch.where(ctx_pos >= 0, ctx_pos, -1)
         first = torch.tensor([s.tokens[s.num_computed] for s in seqs], dtype=torch.long, device=dev)
-        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end, first)
+        pick = DraftPicker(seqs, generator)
+        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end, first, pick=pick if pick.rows else None)
         tokens, conf = d.tokens[:, :k].tolist(), d.confidence[:, :k].tolist()
+        q = pick.drawn_from(k)  # [k, V] per sampled sequence
         out = []
-        for t, c in zip(tokens, conf):
+        for i, (t, c) in enumerate(zip(tokens, conf)):
             n = next((j for j, x in enumerate(c) if x < self.threshold), len(t))
-            out.append(t[:n])
+            out.append(Proposal(t[:n], q[i][:n] if i in q else None))
         return out
 
 
@@ -278,7 +335,7 @@ class MTPDrafter:
                 s.mtp_next = (x[j, -1], int(logits[j, -1].argmax()))
 
     @torch.inference_mode()
-    def propose(self, seqs: list, k: int) -> list[list[int]]:
+    def propose(self, seqs: list, k: int, generator: torch.Generator | None = None) -> list[Proposal]:
         ready = [s for s in seqs if getattr(s, "mtp_next", None) is not None]
         out = {id(s): [] for s in seqs}
         if ready:
@@ -294,7 +351,7 @@ class MTPDrafter:
                 x = x[:, -1:]
                 for s, t in zip(ready, tok):
                     out[id(s)].append(t)
-        return [out[id(s)] for s in seqs]
+        return [Proposal(out[id(s)]) for s in seqs]
 
 
 def make_drafter(spec: SpeculativeConfig, model, cache) -> Drafter:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -135,9 +136,11 @@ class DSparkStages(nn.ModuleList):
         return collapse(x, pre)
 
     def draft_block(self, model: nn.Module, keys: torch.Tensor, ctx_pos: torch.Tensor, block_start: torch.Tensor,
-                    first_token: torch.Tensor, *, fake_quant: bool | None = None) -> Draft:
+                    first_token: torch.Tensor, *, fake_quant: bool | None = None,
+                    pick: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Draft:
         """Draft one block at positions ``block_start`` [B] + 0..k-1 over context keys [B,T,stages,hd] at
-        ``ctx_pos`` [B,T] (−1: no key), ``first_token`` [B] leading the block; greedy Markov chain."""
+        ``ctx_pos`` [B,T] (−1: no key), ``first_token`` [B] leading the block. Each draft is ``pick(logits [B,V])``
+        -> tokens [B], fed to the Markov head for the next one; by default the argmax (a greedy chain)."""
         k = self.cfg.dspark_block_size
         last = self[-1]
         h = self.block_states(model, keys, ctx_pos, block_start, first_token, fake_quant=fake_quant)
@@ -149,7 +152,7 @@ class DSparkStages(nn.ModuleList):
             m = markov.embed(prev)
             logits = base[:, i] + fp32(markov.head(m))
             c = torch.sigmoid(last.confidence_head.proj(torch.cat([h[:, i], m.to(h.dtype)], dim=-1))).squeeze(-1)
-            prev = logits.argmax(-1)
+            prev = logits.argmax(-1) if pick is None else pick(logits)
             out_tokens.append(prev)
             out_logits.append(logits)
             conf.append(fp32(c))

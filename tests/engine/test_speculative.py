@@ -9,7 +9,7 @@ import torch
 from flashserve.config import ConfigError
 from flashserve.engine import EngineConfig, SamplingParams
 from flashserve.engine.spec_config import SpeculativeConfig
-from flashserve.engine.speculative import NgramIndex, accept
+from flashserve.engine.speculative import NgramIndex, Proposal, accept
 
 from engine_helpers import make_engine, prompt_of, run_greedy
 
@@ -82,6 +82,40 @@ def test_speculative_sampling_reproduces_the_target_distribution():
     assert b_first > CHI2_3DOF_1E4, b_first
 
 
+def test_drafts_drawn_from_the_drafters_distribution_keep_the_target_distribution():
+    """Drafts drawn at random from q (as DSpark drafts a sampled request's) and verified against q: the emitted
+    token is distributed as p, and a draft is kept with probability sum(min(p, q)), more often than p(argmax q)
+    (a greedy draft of the same drafter) and than sum(p * q) (the same drawn drafts verified as one-hot, q=None:
+    exact too, but it keeps fewer)."""
+    g = torch.Generator().manual_seed(1)
+    T = 0.7
+    target = torch.tensor([[1.0, 0.4, -0.3, -1.2], [0.2, 0.1, 0.0, -0.1]], dtype=torch.float64)
+    q = torch.softmax(torch.tensor([0.6, 0.9, -0.4, -1.0], dtype=torch.float64) / T, -1)
+    p = torch.softmax(target[0] / T, -1)
+    params = SamplingParams(temperature=T)
+    N = 12000
+
+    def run(pass_q: bool):
+        first, kept = [0] * 4, 0
+        for _ in range(N):
+            d = int(torch.multinomial(q, 1, generator=g))
+            out = accept(target, [d], params, g, q[None] if pass_q else None)
+            first[out[0]] += 1
+            kept += len(out) == 2
+        return _chi2(first, p.tolist()), kept / N
+
+    chi, rate = run(True)
+    assert chi < CHI2_3DOF_1E4, chi
+    expected = float(torch.minimum(p, q).sum())
+    assert abs(rate - expected) < 4 * (expected * (1 - expected) / N) ** 0.5, (rate, expected)
+    assert expected > float(p[q.argmax()]) + 0.1  # the point of drawing drafts: more of them are kept
+    chi_onehot, rate_onehot = run(False)
+    assert chi_onehot < CHI2_3DOF_1E4, chi_onehot
+    onehot = float((p * q).sum())
+    assert abs(rate_onehot - onehot) < 4 * (onehot * (1 - onehot) / N) ** 0.5, (rate_onehot, onehot)
+    assert expected > onehot + 0.1
+
+
 # ---------------------------------------------------------------- drafters
 def test_ngram_index_drafts_what_followed_the_latest_earlier_occurrence():
     idx = NgramIndex(1, 3)
@@ -107,7 +141,7 @@ class OracleDrafter:
     def prefill_rows(self, *a) -> int:
         return 0
 
-    def propose(self, seqs, k):
+    def propose(self, seqs, k, generator=None):
         out = []
         for s in seqs:
             ref = self.cont[s.group.request_id]
@@ -116,7 +150,7 @@ class OracleDrafter:
             if d and self.n % 3:
                 j = self.n % len(d)
                 d[j] = (d[j] + 1) % 500 + 1  # not the greedy token
-            out.append(d)
+            out.append(Proposal(d))
         return out
 
 
@@ -171,6 +205,35 @@ def test_dspark_drafts_what_the_reference_drafter_drafts(models):
         out = model(torch.tensor([seq.tokens[:end]]), capture=tuple(cfg.dspark_target_layer_ids))
         ref = model.mtp.draft(model, out.features, torch.arange(end)[None], torch.tensor([seq.tokens[end]]))
         assert seq.draft == ref.tokens[0].tolist(), f"after {steps} step(s)"
+
+
+@torch.inference_mode()
+def test_dspark_draws_a_sampled_requests_drafts_from_its_own_sampling_distribution(models):
+    """Beside a greedy request (its drafts the drafter's argmax, no distribution), a sampled request's drafts are
+    drawn from the drafter's logits under the request's temperature and top-k: each comes with the distribution
+    it was drawn from (a probability row with at most top-k tokens, the draft among them), and repeated drafting
+    does not always give the argmax."""
+    name = "tiny-v41"
+    model = models(name, with_mtp=True)
+    eng = make_engine(model, name, speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+    eng.add_request("g", prompt_of(21, seed=5), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    eng.add_request("s", prompt_of(17, seed=6), SamplingParams(max_tokens=40, temperature=1.5, top_k=20, seed=3,
+                                                                ignore_eos=True))
+    while not all(s.prefill_done for s in eng.scheduler.running) or len(eng.scheduler.running) < 2:
+        eng.step()
+    seqs = sorted(eng.scheduler.running, key=lambda s: s.group.request_id)  # g, s
+    V = model.cfg.vocab_size
+    differs = 0
+    for _ in range(8):
+        greedy, sampled = eng.drafter.propose(seqs, 5, eng.generator)
+        assert greedy.probs is None and len(greedy.tokens) == 5
+        q = sampled.probs
+        assert q.shape == (5, V) and torch.allclose(q.sum(-1), torch.ones(5), atol=1e-5)
+        assert ((q > 0).sum(-1) <= 20).all()
+        drafted = torch.tensor(sampled.tokens)
+        assert (q[torch.arange(5), drafted] > 0).all()
+        differs += int((drafted != q.argmax(-1)).any())
+    assert differs > 0
 
 
 @torch.inference_mode()
@@ -264,14 +327,15 @@ def test_after_rejected_drafts_the_cache_equals_a_run_that_never_drafted(models,
     assert checked >= 5
 
 
-def test_sampled_speculation_runs_seeded_and_reproducibly(models):
+@pytest.mark.parametrize("method", ["ngram", "dspark"])
+def test_sampled_speculation_runs_seeded_and_reproducibly(models, method):
     name = "tiny-v41"
-    model = models(name)
+    model = models(name, with_mtp=True)
     rep = prompt_of(8, seed=9) * 4
     sp = SamplingParams(max_tokens=24, temperature=0.8, top_k=50, seed=123, ignore_eos=True)
 
     def run():
-        eng = make_engine(model, name, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+        eng = make_engine(model, name, speculative_config={"method": method, "num_speculative_tokens": 3})
         eng.add_request("a", rep, sp)
         while eng.has_unfinished_requests():
             for out in eng.step():
