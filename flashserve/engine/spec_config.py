@@ -13,6 +13,7 @@ from typing import Any
 from ..config import PRESET_JSON, ConfigError, load_config
 
 METHODS = ("ngram", "mtp", "dspark")
+DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")  # vLLM's names
 AUTO, OFF = "auto", "off"  # the default: a checkpoint's own drafter when it ships one; no speculation
 MTP_DEFAULT_TOKENS = 1  # V4's MTP block, chained: one draft a step unless asked for more (vLLM's default)
 
@@ -36,6 +37,10 @@ class SpeculativeConfig:
     # no drafts while more sequences than this decode together (vLLM's name); None: the measured default
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     confidence_threshold: float = 0.0  # dspark: stop the block at the first draft the confidence head rates lower
+    # dspark, for sampled requests: "probabilistic" draws each draft from the drafter's distribution under the
+    # request's sampling options and verifies against it; "greedy" drafts the argmax (vLLM's default). Measured on
+    # the embedded model at temperature 1, mean acceptance length 3.2 against 1.2 (docs/speculative.md).
+    draft_sample_method: str = "probabilistic"
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None,
@@ -79,6 +84,9 @@ class SpeculativeConfig:
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d < 1):
             raise ConfigError(f"speculative_config.disable_by_batch_size: {d!r} must be a positive integer")
+        if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
+            raise ConfigError(f"speculative_config.draft_sample_method: {self.draft_sample_method!r} is not one of "
+                              f"{', '.join(DRAFT_SAMPLE_METHODS)}")
         c = self.confidence_threshold
         if not isinstance(c, (int, float)) or not 0.0 <= c < 1.0:
             raise ConfigError(f"speculative_config.confidence_threshold: {c!r} must be in [0, 1)")

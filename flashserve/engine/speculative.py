@@ -246,6 +246,7 @@ class DSparkDrafter:
         self.model, self.cache, self.cfg = model, cache, cfg
         self.capture = tuple(cfg.dspark_target_layer_ids)
         self.threshold = spec.confidence_threshold
+        self.probabilistic = spec.draft_sample_method == "probabilistic"
         self.W = cfg.sliding_window
 
     def prefill_rows(self, seq, start: int, n: int) -> int:
@@ -279,7 +280,7 @@ class DSparkDrafter:
         keys = store[slots[:, None], ctx_pos % self.W].to(self.model.dtype)
         ctx_pos = torch.where(ctx_pos >= 0, ctx_pos, -1)
         first = torch.tensor([s.tokens[s.num_computed] for s in seqs], dtype=torch.long, device=dev)
-        pick = DraftPicker(seqs, generator)
+        pick = DraftPicker(seqs if self.probabilistic else [], generator)
         d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end, first, pick=pick if pick.rows else None)
         tokens, conf = d.tokens[:, :k].tolist(), d.confidence[:, :k].tolist()
         q = pick.drawn_from(k)  # [k, V] per sampled sequence

@@ -12,9 +12,9 @@ def test_reports_each_method_and_batch_size_over_several_prompts(tmp_path, monke
     seen: list[tuple[int, int]] = []
     run_once = spec.run_once
 
-    def counting(engine, prompts, batch, max_tokens):
+    def counting(engine, prompts, batch, max_tokens, temperature):
         seen.append((len(prompts), batch))
-        return run_once(engine, prompts, batch, max_tokens)
+        return run_once(engine, prompts, batch, max_tokens, temperature)
 
     monkeypatch.setattr(spec, "run_once", counting)
     out = tmp_path / "spec.json"
@@ -34,6 +34,17 @@ def test_reports_each_method_and_batch_size_over_several_prompts(tmp_path, monke
     timed = [n for n, b in seen if b == 1][2:]  # after the two warm-ups: three prompts, one at a time
     assert timed == [3, 3]
     assert [n for n, b in seen if b == 2][2:] == [2, 2]  # whole groups of the batch size
+
+
+def test_sampled_runs_report_one_dspark_row_per_draft_sample_method(tmp_path):
+    out = tmp_path / "spec.json"
+    assert spec.main(["--model", "tiny-v41", "--methods", "none,dspark", "--batch-sizes", "1", "--num-prompts", "2",
+                      "--max-tokens", "4", "--repeats", "1", "--threads", "1", "--enforce-eager", "--temperature",
+                      "1.0", "--draft-sample-methods", "probabilistic,greedy", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["temperature"] == 1.0 and summary["draft_sample_methods"] == ["probabilistic", "greedy"]
+    assert [r["method"] for r in summary["results"]] == ["none", "dspark[probabilistic]", "dspark[greedy]"]
+    assert all(1.0 <= r["mean_acceptance_length"] <= 6.0 for r in summary["results"][1:])
 
 
 def test_refuses_bad_counts():

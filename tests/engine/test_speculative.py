@@ -212,16 +212,20 @@ def test_dspark_draws_a_sampled_requests_drafts_from_its_own_sampling_distributi
     """Beside a greedy request (its drafts the drafter's argmax, no distribution), a sampled request's drafts are
     drawn from the drafter's logits under the request's temperature and top-k: each comes with the distribution
     it was drawn from (a probability row with at most top-k tokens, the draft among them), and repeated drafting
-    does not always give the argmax."""
+    does not always give the argmax. With ``draft_sample_method: greedy`` every draft is the argmax."""
     name = "tiny-v41"
     model = models(name, with_mtp=True)
-    eng = make_engine(model, name, speculative_config={"method": "dspark", "num_speculative_tokens": 5})
-    eng.add_request("g", prompt_of(21, seed=5), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    eng.add_request("s", prompt_of(17, seed=6), SamplingParams(max_tokens=40, temperature=1.5, top_k=20, seed=3,
-                                                                ignore_eos=True))
-    while not all(s.prefill_done for s in eng.scheduler.running) or len(eng.scheduler.running) < 2:
-        eng.step()
-    seqs = sorted(eng.scheduler.running, key=lambda s: s.group.request_id)  # g, s
+
+    def decoding(**spec):
+        eng = make_engine(model, name, speculative_config={"method": "dspark", "num_speculative_tokens": 5, **spec})
+        eng.add_request("g", prompt_of(21, seed=5), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+        eng.add_request("s", prompt_of(17, seed=6), SamplingParams(max_tokens=40, temperature=1.5, top_k=20, seed=3,
+                                                                    ignore_eos=True))
+        while len(eng.scheduler.running) < 2 or not all(s.prefill_done for s in eng.scheduler.running):
+            eng.step()
+        return eng, sorted(eng.scheduler.running, key=lambda s: s.group.request_id)  # g, s
+
+    eng, seqs = decoding()
     V = model.cfg.vocab_size
     differs = 0
     for _ in range(8):
@@ -234,6 +238,9 @@ def test_dspark_draws_a_sampled_requests_drafts_from_its_own_sampling_distributi
         assert (q[torch.arange(5), drafted] > 0).all()
         differs += int((drafted != q.argmax(-1)).any())
     assert differs > 0
+    eng, seqs = decoding(draft_sample_method="greedy")
+    first, again = (eng.drafter.propose(seqs, 5, eng.generator)[1] for _ in range(2))
+    assert first.probs is None and len(first.tokens) == 5 and first.tokens == again.tokens
 
 
 @torch.inference_mode()
@@ -417,6 +424,8 @@ def test_acceptance_statistics_per_request_and_in_aggregate(models):
     ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
      "prompt_lookup_min"),
     ("{method: ngram}", "not valid JSON"),
+    ('{"method": "dspark", "num_speculative_tokens": 2, "draft_sample_method": "random"}',
+     "draft_sample_method: 'random' is not one of probabilistic, greedy"),
 ])
 def test_speculative_config_is_checked(value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
