@@ -98,7 +98,7 @@ class Sequence:
         self.draft: list[int] = []  # drafted tokens after the pending one, verified at the next step
         self.draft_probs = None  # [>= len(draft), V] what each draft was drawn from; None: the drafter's argmax
         self.ngram = None  # the n-gram drafter's index of this sequence's tokens
-        self.mtp_next = None  # the MTP drafter's (output streams, first draft) after its last catch-up
+        self.mtp_next = None  # the MTP drafter's (output streams, logits of the first draft) after its last catch-up
         self.spec = SpecStats()  # speculative decoding's acceptance counts
 
     @property

@@ -5,7 +5,7 @@ then :func:`accept` keeps the longest prefix the target agrees with plus one tok
 the target's: token for token under greedy decoding, and in distribution under sampling (standard speculative
 rejection sampling: a draft ``d`` drawn from ``q`` is kept with probability ``min(1, p(d) / q(d))``, else a token
 is drawn from ``max(p - q, 0)`` normalised). The rule is exact for any ``q``: a drafter that drafts greedily
-has a one-hot ``q``; DSpark draws a sampled request's drafts from its own logits under the request's sampling
+has a one-hot ``q``; DSpark and MTP draw a sampled request's drafts from their logits under the request's sampling
 options, so ``q`` is near ``p`` and a draft is kept with probability ``sum(min(p, q))`` rather than ``p(argmax q)``.
 What the rejected rows wrote to the cache is rolled back by the engine
 (:meth:`~flashserve.engine.cache.KVCache.rollback`).
@@ -296,7 +296,7 @@ class MTPDrafter:
     with spare rows like the backbone's) holds one row per verified position: ``h_proj(streams at t) + e_proj(token
     t+1)`` through the block. After each verification the block catches up on the verified rows, whose last row drafts
     the first token; each further draft is one row fed with the block's own output streams. Those chained rows are
-    speculative: the next catch-up rewrites their positions."""
+    speculative: the next catch-up rewrites their positions. Each draft is picked as :class:`DraftPicker` says."""
 
     capture: tuple[int, ...] = ()
     streams = True
@@ -305,6 +305,7 @@ class MTPDrafter:
         if model.mtp is None:
             raise ValueError("this checkpoint has no MTP weights (mtp.*): speculative method 'mtp' needs them")
         self.model, self.cache, self.W = model, cache, model.cfg.sliding_window
+        self.probabilistic = spec.draft_sample_method == "probabilistic"
 
     def prefill_rows(self, seq, start: int, n: int) -> int:
         """Rows of a prefill chunk [start, start + n) to catch up on: those within a window of the prompt's end
@@ -333,26 +334,31 @@ class MTPDrafter:
             ids = [s.tokens[starts[i] + 1:starts[i] + 1 + c] for i, s in zip(idx, sub)]
             logits, x = self._block(sub, feats[idx, :c], ids, [starts[i] for i in idx])
             for j, s in enumerate(sub):
-                s.mtp_next = (x[j, -1], int(logits[j, -1].argmax()))
+                s.mtp_next = (x[j, -1], logits[j, -1])  # the first draft is picked from these when proposing
 
     @torch.inference_mode()
     def propose(self, seqs: list, k: int, generator: torch.Generator | None = None) -> list[Proposal]:
         ready = [s for s in seqs if getattr(s, "mtp_next", None) is not None]
-        out = {id(s): [] for s in seqs}
-        if ready:
-            x = torch.stack([s.mtp_next[0] for s in ready])[:, None]  # [B, 1, n, D]
-            tok = [s.mtp_next[1] for s in ready]
-            for s, t in zip(ready, tok):
-                out[id(s)].append(t)
-                s.mtp_next = None  # consumed: the next catch-up makes a new one
-            pos = [s.num_computed for s in ready]  # the pending token's position: the first chained row's
-            for j in range(1, k):
-                logits, x = self._block(ready, x, [[t] for t in tok], [p + j - 1 for p in pos])
-                tok = logits[:, -1].argmax(-1).tolist()
-                x = x[:, -1:]
-                for s, t in zip(ready, tok):
-                    out[id(s)].append(t)
-        return [Proposal(out[id(s)]) for s in seqs]
+        out = {id(s): Proposal([]) for s in seqs}
+        if not ready:
+            return [out[id(s)] for s in seqs]
+        pick = DraftPicker(ready if self.probabilistic else [], generator)
+        x = torch.stack([s.mtp_next[0] for s in ready])[:, None]  # [B, 1, n, D]
+        tok = pick(torch.stack([s.mtp_next[1] for s in ready])).tolist()
+        for s in ready:
+            s.mtp_next = None  # consumed: the next catch-up makes a new one
+        drafts = [[t] for t in tok]
+        pos = [s.num_computed for s in ready]  # the pending token's position: the first chained row's
+        for j in range(1, k):
+            logits, x = self._block(ready, x, [[t] for t in tok], [p + j - 1 for p in pos])
+            tok = pick(logits[:, -1]).tolist()
+            x = x[:, -1:]
+            for d, t in zip(drafts, tok):
+                d.append(t)
+        q = pick.drawn_from(k)
+        for i, s in enumerate(ready):
+            out[id(s)] = Proposal(drafts[i], q.get(i))
+        return [out[id(s)] for s in seqs]
 
 
 def make_drafter(spec: SpeculativeConfig, model, cache) -> Drafter:

@@ -207,40 +207,42 @@ def test_dspark_drafts_what_the_reference_drafter_drafts(models):
         assert seq.draft == ref.tokens[0].tolist(), f"after {steps} step(s)"
 
 
-@torch.inference_mode()
-def test_dspark_draws_a_sampled_requests_drafts_from_its_own_sampling_distribution(models):
+@pytest.mark.parametrize("name,method", [("tiny-v41", "dspark"), ("tiny-v4", "mtp")])
+def test_a_sampled_requests_drafts_are_drawn_from_the_drafters_sampling_distribution(models, name, method):
     """Beside a greedy request (its drafts the drafter's argmax, no distribution), a sampled request's drafts are
     drawn from the drafter's logits under the request's temperature and top-k: each comes with the distribution
-    it was drawn from (a probability row with at most top-k tokens, the draft among them), and repeated drafting
-    does not always give the argmax. With ``draft_sample_method: greedy`` every draft is the argmax."""
-    name = "tiny-v41"
+    it was drawn from (a probability row with at most top-k tokens, the draft among them), and the drafts are not
+    always the argmax. With ``draft_sample_method: greedy`` no draft comes with a distribution."""
     model = models(name, with_mtp=True)
-
-    def decoding(**spec):
-        eng = make_engine(model, name, speculative_config={"method": "dspark", "num_speculative_tokens": 5, **spec})
-        eng.add_request("g", prompt_of(21, seed=5), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-        eng.add_request("s", prompt_of(17, seed=6), SamplingParams(max_tokens=40, temperature=1.5, top_k=20, seed=3,
-                                                                    ignore_eos=True))
-        while len(eng.scheduler.running) < 2 or not all(s.prefill_done for s in eng.scheduler.running):
-            eng.step()
-        return eng, sorted(eng.scheduler.running, key=lambda s: s.group.request_id)  # g, s
-
-    eng, seqs = decoding()
     V = model.cfg.vocab_size
+
+    def drafts(**spec) -> list[tuple]:
+        """(greedy request's draft, its distribution, sampled request's draft, its distribution) after each step"""
+        eng = make_engine(model, name, speculative_config={"method": method, "num_speculative_tokens": 3, **spec})
+        eng.add_request("g", prompt_of(21, seed=5), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        eng.add_request("s", prompt_of(17, seed=6), SamplingParams(max_tokens=30, temperature=1.5, top_k=20, seed=3,
+                                                                    ignore_eos=True))
+        seen = []
+        for _ in range(12):
+            eng.step()
+            by_id = {s.group.request_id: s for s in eng.scheduler.running}
+            if set(by_id) == {"g", "s"} and by_id["s"].draft:
+                g, s = by_id["g"], by_id["s"]
+                seen.append((list(g.draft), g.draft_probs, list(s.draft), s.draft_probs))
+        assert len(seen) >= 4
+        return seen
+
     differs = 0
-    for _ in range(8):
-        greedy, sampled = eng.drafter.propose(seqs, 5, eng.generator)
-        assert greedy.probs is None and len(greedy.tokens) == 5
-        q = sampled.probs
-        assert q.shape == (5, V) and torch.allclose(q.sum(-1), torch.ones(5), atol=1e-5)
+    for g_draft, g_probs, s_draft, q in drafts():
+        assert g_probs is None
+        n = len(s_draft)
+        assert q.shape == (n, V) and torch.allclose(q.sum(-1), torch.ones(n), atol=1e-5)
         assert ((q > 0).sum(-1) <= 20).all()
-        drafted = torch.tensor(sampled.tokens)
-        assert (q[torch.arange(5), drafted] > 0).all()
+        drafted = torch.tensor(s_draft)
+        assert (q[torch.arange(n), drafted] > 0).all()
         differs += int((drafted != q.argmax(-1)).any())
     assert differs > 0
-    eng, seqs = decoding(draft_sample_method="greedy")
-    first, again = (eng.drafter.propose(seqs, 5, eng.generator)[1] for _ in range(2))
-    assert first.probs is None and len(first.tokens) == 5 and first.tokens == again.tokens
+    assert all(g_probs is None and q is None for _, g_probs, _, q in drafts(draft_sample_method="greedy"))
 
 
 @torch.inference_mode()
