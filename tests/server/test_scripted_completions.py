@@ -8,6 +8,7 @@ the HTTP request and response bodies, SSE framing, parsing and finish reasons ar
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
@@ -112,13 +113,17 @@ def test_cut_off_after_one_complete_call(client):
     body = dict(model="tiny-v41", max_tokens=n, messages=kw["messages"],
                 tools=[{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}])
     ant = anthropic.Anthropic(base_url="http://testserver", api_key="unused", http_client=_SCRIPT["http"])
-    old, _SCRIPT["ids"] = _SCRIPT["ids"], ids
-    try:
-        r = client.chat.completions.create(**kw)
-        chunks = list(client.chat.completions.create(stream=True, **kw))
-        m = ant.messages.create(**body)
+    def streamed_message():
         with ant.messages.stream(**body) as stream:
-            final = stream.get_final_message()
+            return stream.get_final_message()
+
+    old, _SCRIPT["ids"] = _SCRIPT["ids"], ids
+    try:  # the four requests at once: the engine decodes them in one batch
+        with ThreadPoolExecutor(4) as pool:
+            r, chunks, m, final = [f.result() for f in (
+                pool.submit(client.chat.completions.create, **kw),
+                pool.submit(lambda: list(client.chat.completions.create(stream=True, **kw))),
+                pool.submit(ant.messages.create, **body), pool.submit(streamed_message))]
     finally:
         _SCRIPT["ids"] = old
 
