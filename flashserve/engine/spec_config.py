@@ -135,5 +135,6 @@ def describe(spec: SpeculativeConfig | None, value: Any) -> str:
         why = "the checkpoint ships no drafter" if value == AUTO else "off"
         return f"speculative decoding: none ({why})"
     origin = "the checkpoint's own drafter; --speculative-config off turns it off" if value == AUTO else "as asked"
-    return (f"speculative decoding: {spec.method}, {spec.num_speculative_tokens} tokens a step, off above "
+    drawn = f", sampled requests' drafts {spec.draft_sample_method}" if spec.method in ("dspark", "mtp") else ""
+    return (f"speculative decoding: {spec.method}, {spec.num_speculative_tokens} tokens a step{drawn}, off above "
             f"{spec.disable_by_batch_size} sequences ({origin})")

@@ -478,7 +478,8 @@ def test_a_checkpoint_that_ships_its_drafter_speculates_by_default(tmp_path, cap
     with caplog.at_level(logging.INFO, logger="flashserve"):
         on = LLMEngine(EngineConfig(model=default_model(), **kw))
     assert (on.spec.method, on.spec.num_speculative_tokens) == ("dspark", on.model_config.dspark_block_size)
-    assert "speculative decoding: dspark, 5 tokens a step" in caplog.text and "--speculative-config off" in caplog.text
+    assert "speculative decoding: dspark, 5 tokens a step, sampled requests' drafts probabilistic" in caplog.text
+    assert "--speculative-config off" in caplog.text
     off = LLMEngine(EngineConfig(model=default_model(), speculative_config="off", **kw))
     assert off.spec is None and off.drafter is None
     prompt = off.tokenizer.encode("def fibonacci(n):")
