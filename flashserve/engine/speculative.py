@@ -143,13 +143,14 @@ class Proposal:
 
 
 class DraftPicker:
-    """How a drafter picks each draft for ``seqs``: the argmax for greedy requests; for sampled ones a draw from
-    the request's own sampling distribution (its temperature, top-k, top-p, min-p) over the drafter's logits, with
-    the request's generator (else ``generator``). ``probs`` keeps what was drawn from: one [S, V] tensor per draft
-    position, S = the sampled requests (``rows``, their indices in ``seqs``)."""
+    """How a drafter picks each draft for ``seqs``: the argmax for greedy requests (and for every request unless
+    ``draw``: ``draft_sample_method`` "greedy"); for sampled ones a draw from the request's own sampling
+    distribution (its temperature, top-k, top-p, min-p) over the drafter's logits, with the request's generator
+    (else ``generator``). ``probs`` keeps what was drawn from: one [S, V] tensor per draft position, S = the
+    sampled requests (``rows``, their indices in ``seqs``)."""
 
-    def __init__(self, seqs: list, generator: torch.Generator | None):
-        self.rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    def __init__(self, seqs: list, generator: torch.Generator | None, draw: bool = True):
+        self.rows = [i for i, s in enumerate(seqs) if draw and not s.params.greedy]
         self.params = [seqs[i].params for i in self.rows]
         self.generators = [seqs[i].generator or generator for i in self.rows]
         self.probs: list[torch.Tensor] = []
@@ -280,8 +281,8 @@ class DSparkDrafter:
         keys = store[slots[:, None], ctx_pos % self.W].to(self.model.dtype)
         ctx_pos = torch.where(ctx_pos >= 0, ctx_pos, -1)
         first = torch.tensor([s.tokens[s.num_computed] for s in seqs], dtype=torch.long, device=dev)
-        pick = DraftPicker(seqs if self.probabilistic else [], generator)
-        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end, first, pick=pick if pick.rows else None)
+        pick = DraftPicker(seqs, generator, self.probabilistic)
+        d = self.model.mtp.draft_block(self.model, keys, ctx_pos, end, first, pick=pick)
         tokens, conf = d.tokens[:, :k].tolist(), d.confidence[:, :k].tolist()
         q = pick.drawn_from(k)  # [k, V] per sampled sequence
         out = []
@@ -342,7 +343,7 @@ class MTPDrafter:
         out = {id(s): Proposal([]) for s in seqs}
         if not ready:
             return [out[id(s)] for s in seqs]
-        pick = DraftPicker(ready if self.probabilistic else [], generator)
+        pick = DraftPicker(ready, generator, self.probabilistic)
         x = torch.stack([s.mtp_next[0] for s in ready])[:, None]  # [B, 1, n, D]
         tok = pick(torch.stack([s.mtp_next[1] for s in ready])).tolist()
         for s in ready:
