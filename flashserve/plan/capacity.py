@@ -50,7 +50,7 @@ def capacity(dep: Deployment, ctx: float) -> Capacity:
     if dep.draft_tokens and d.kind != "none":
         weights += d.dense_params * wb_d / dep.tp + d.layers * d.n_experts * d.expert_params * wb_e / dep.gpus
     workspace = hw.hbm_usable_bytes * eff.workspace_fraction
-    host = m.host_params * (1.0 + 1.0 / 32)  # FP8 rows + one UE8M0 scale per 32 values
+    host = 0.0 if dep.tables_on_disk else m.host_params * (1.0 + 1.0 / 32)  # FP8 rows + a UE8M0 scale per 32
     in_device = host / dep.gpus if hw.unified else 0.0
     budget = hw.hbm_usable_bytes - workspace - weights - in_device
     per_seq = m.sequence_bytes(ctx)

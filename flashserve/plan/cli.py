@@ -6,7 +6,8 @@ Actions: ``run`` (default), ``sweep``, ``published``, ``seed``, ``verdict``. Bad
 one line naming the field. ``--hardware`` takes a preset or a machine JSON file (checked before any work);
 ``--gpu-memory``, ``--host-memory`` and the like set a machine's fields over its preset or file;
 ``--resident-experts``, ``--host-experts`` and ``--host-expert-compute`` place a machine's routed experts across
-device memory, host memory and disk (:mod:`flashserve.plan.tiers`).
+device memory, host memory and disk, ``--expert-hit-rate`` and ``--tier-overlap`` say how an engine's cache and
+prefetching serve them (:mod:`flashserve.plan.tiers`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-expert-compute", default=None, choices=("cpu", "gpu"),
                    help="who computes the host-memory experts: cpu (default: CPU expert kernels at host "
                         "bandwidth) or gpu (moved over the GPU link)")
+    p.add_argument("--expert-hit-rate", type=float, default=None, metavar="H",
+                   help="measured fraction (0-1) of selected experts found resident, as an engine's expert cache "
+                        "reports it (default: the uniform prior, resident experts / experts per layer); the misses "
+                        "split over host memory and disk by their experts")
+    p.add_argument("--tier-overlap", default=None, choices=("summed", "overlapped"),
+                   help="how the tiers' times combine in a step: summed (default: each layer waits for its "
+                        "experts) or overlapped (the slowest tier: engines that prefetch or run CPU and GPU at "
+                        "once)")
+    p.add_argument("--engram-tables", default=None, choices=("memory", "disk"),
+                   help="where V4.1's engram tables live on a machine: memory (default: host memory beside a GPU, "
+                        "else the unified or host memory) or disk (each token's rows read from disk, as ds4 and "
+                        "colibri keep them)")
+    p.add_argument("--memory-bound-only", action="store_true",
+                   help="on a machine whose device lists no FLOP/s (Apple, AMD unified parts): time the step by its "
+                        "memory, disk and links only, an upper bound on speed (decode at low concurrency)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="TOKENS",
+                   help="prompt tokens per prefill step where experts are off the device: each chunk reads or moves "
+                        "the experts it touches once (llama.cpp's -ub, default 512; vLLM's --max-num-batched-tokens)")
     p.add_argument("--gpus", type=int, default=8,
                    help="decode GPUs (all GPUs when prefill is co-located; a machine's own GPU count unless "
                         "given)")
@@ -143,7 +162,10 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         draft_tokens=a.draft_tokens, prefix_hit_rate=a.prefix_hit_rate, cost_per_gpu_hour=a.cost_per_gpu_hour,
         overrides=overrides, stack=a.stack, hardware_overrides=_machine_overrides(a),
         resident_experts=getattr(a, "resident_experts", None), host_experts=getattr(a, "host_experts", None),
-        host_expert_compute=getattr(a, "host_expert_compute", None))
+        host_expert_compute=getattr(a, "host_expert_compute", None),
+        expert_hit_rate=getattr(a, "expert_hit_rate", None), tier_overlap=getattr(a, "tier_overlap", None),
+        prefill_chunk=getattr(a, "prefill_chunk", 512), engram_tables=getattr(a, "engram_tables", None),
+        memory_bound_only=bool(getattr(a, "memory_bound_only", False)))
 
 
 def _machine_overrides(a: argparse.Namespace) -> dict[str, float]:

@@ -12,12 +12,18 @@ from .errors import PlanError
 #   q3_k    llama.cpp Q3_K: 256 weights in 110 bytes (64 of low 2 bits, 32 of high bits, 12 of 6-bit scales,
 #           one fp16): 3.4375 bits per weight
 #   3.0bpw  a mix its report states as 3.0 bits per weight, scales included
+#   iq2_xxs-q2_k  ds4's published V4.1 "Q2" file: gate and up projections in llama.cpp IQ2_XXS (256 weights in
+#           66 bytes: 2.0625 bits), down in Q2_K: (2 x 2.0625 + 2.625) / 3 = 2.25 bits per weight over the three
+#           equal-sized projections (142.4 GiB of V4.1-Flash's routed experts, as its model card states)
 Q2_K_BPW = 84 * 8 / 256  # 2.625
 Q3_K_BPW = 110 * 8 / 256  # 3.4375
+IQ2_XXS_BPW = 66 * 8 / 256  # 2.0625
+DS4_Q2_BPW = (2 * IQ2_XXS_BPW + Q2_K_BPW) / 3  # 2.25
 WEIGHT_BYTES: dict[str, float] = {"fp4": 0.5 + 1 / 32, "fp8": 1.0, "bf16": 2.0, "fp32": 4.0,
-                                  "q2_k": Q2_K_BPW / 8, "q3_k": Q3_K_BPW / 8, "3.0bpw": 3.0 / 8}
+                                  "q2_k": Q2_K_BPW / 8, "q3_k": Q3_K_BPW / 8, "3.0bpw": 3.0 / 8,
+                                  "iq2_xxs-q2_k": DS4_Q2_BPW / 8}
 # expert widths below one byte that the checkpoint does not ship: dense weights stay FP8 beside them
-SUB_BYTE_EXPERTS = ("fp4", "q2_k", "q3_k", "3.0bpw")
+SUB_BYTE_EXPERTS = ("fp4", "q2_k", "q3_k", "3.0bpw", "iq2_xxs-q2_k")
 
 # A GEMM with weights in dtype X runs at the peak named here; the hardware falls back to the next entry when
 # it lacks the first (Hopper has no FP4 tensor cores: W4A8 runs at the FP8 rate).
@@ -31,6 +37,7 @@ PEAK_ORDER: dict[str, tuple[str, ...]] = {
     "q2_k": ("fp8", "bf16", "fp32"),
     "q3_k": ("fp8", "bf16", "fp32"),
     "3.0bpw": ("fp8", "bf16", "fp32"),
+    "iq2_xxs-q2_k": ("fp8", "bf16", "fp32"),
 }
 
 KV_DTYPES = ("fp4", "fp8", "bf16")

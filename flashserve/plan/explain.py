@@ -109,8 +109,16 @@ def _tier_rows(r: PlanResult) -> Iterator[Row]:
         bw = f"at {row['bandwidth_gbs']:,.4g} GB/s x {row['efficiency']:.3g}: " if row["bandwidth_gbs"] else ""
         yield "tiers", f"{row['tier']}: bytes per token", _g(row["bytes_per_token"], "B"), row["holds"]
         yield "tiers", f"{row['tier']}: time", f"{row['time_ms']:.3f} ms", f"{bw}{row['work']}"
-    yield ("tiers", "step time (tiers summed)", f"{t['step_time_ms']:.3f} ms",
-           f"bottleneck: {t['bottleneck']}; a single decode stream waits for each tier in turn")
+    summed = t["combined"] == "summed"
+    yield ("tiers", f"step time (tiers {t['combined']})", f"{t['step_time_ms']:.3f} ms",
+           f"bottleneck: {t['bottleneck']}; " + ("a single decode stream waits for each tier in turn" if summed
+                                                 else "the tiers run at once: the slowest sets the step"))
+    pt = r.prefill.tiers
+    if pt is not None:
+        who = {"cpu": f"CPU kernels ({pt.host_bound}-bound)", "link": "moved over the GPU link", "": "none"}[pt.host_path]
+        yield ("tiers", "prefill: off-device experts", f"{(pt.t_host + pt.t_disk) * 1e6:,.1f} us/token",
+               f"chunks of {pt.chunk} tokens touch {pt.experts_touched_per_layer:,.1f} experts a layer; host "
+               f"{pt.t_host * 1e6:,.1f} us ({who}), disk {pt.t_disk * 1e6:,.1f} us, {pt.overlap}")
 
 
 def _stack_row(r: PlanResult) -> Row:

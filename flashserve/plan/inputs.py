@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .dtypes import KV_DTYPES, WEIGHT_BYTES
 from .errors import PlanError
 from .machine import OVERRIDE_FIELDS, flag_of
-from .tiers import HOST_COMPUTE
+from .tiers import ENGRAM_TABLES, HOST_COMPUTE, TIER_OVERLAP
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class PlanInputs:
     resident_experts: int | None = None  # in the memory of the device that computes
     host_experts: int | None = None  # in host memory beside a discrete GPU
     host_expert_compute: str | None = None  # "cpu" (default: CPU expert kernels) or "gpu" (over the link)
+    expert_hit_rate: float | None = None  # measured share of selected experts found resident (None: uniform)
+    tier_overlap: str | None = None  # "summed" (default) or "overlapped": how the tiers' times combine
+    prefill_chunk: int = 512  # prompt tokens per prefill step where experts are off the device (llama.cpp -ub)
+    engram_tables: str | None = None  # "memory" (default: host or unified memory) or "disk" (rows read from disk)
+    memory_bound_only: bool = False  # a device without published FLOP/s: time the step without its compute
 
     def resolved_context(self) -> float:
         return float(self.context) if self.context is not None else self.prompt_len + self.output_len / 2
@@ -147,6 +152,13 @@ def validate(inp: PlanInputs) -> None:
     if inp.host_expert_compute is not None and inp.host_expert_compute not in HOST_COMPUTE:
         raise PlanError("--host-expert-compute", f"unknown {inp.host_expert_compute!r}; choose one of "
                         f"{', '.join(HOST_COMPUTE)}")
+    _positive_int(inp.prefill_chunk, "--prefill-chunk")
+    if inp.expert_hit_rate is not None:
+        _number(inp.expert_hit_rate, "--expert-hit-rate", 0.0, 1.0)
+    if inp.engram_tables is not None and inp.engram_tables not in ENGRAM_TABLES:
+        raise PlanError("--engram-tables", f"unknown {inp.engram_tables!r}; choose one of {', '.join(ENGRAM_TABLES)}")
+    if inp.tier_overlap is not None and inp.tier_overlap not in TIER_OVERLAP:
+        raise PlanError("--tier-overlap", f"unknown {inp.tier_overlap!r}; choose one of {', '.join(TIER_OVERLAP)}")
     for key, value in inp.hardware_overrides.items():
         if key not in OVERRIDE_FIELDS:
             raise PlanError(flag_of(key), f"is not a machine field; known: {', '.join(OVERRIDE_FIELDS)}")

@@ -41,7 +41,7 @@ SCHEMA: dict[str, dict[str, str]] = {
     "gpu": {"model": TEXT, "count": INTEGER, "memory_gib": NUMBER, "bandwidth_gbs": NUMBER, "tflops": SECTION},
     "gpu.tflops": {d: NUMBER for d in TFLOPS_DTYPES},
     "host": {"cpu": TEXT, "memory_gib": NUMBER, "bandwidth_gbs": NUMBER, "channels": INTEGER, "mts": NUMBER,
-             "cpu_cores": INTEGER, "expert_tflops": NUMBER},
+             "cpu_cores": INTEGER, "expert_tflops": NUMBER, "expert_gbs": NUMBER},
     "link": {"pcie_gen": INTEGER, "lanes": INTEGER, "bandwidth_gbs": NUMBER},
     "disk": {"read_gbs": NUMBER, "iops": NUMBER},
 }
@@ -77,6 +77,7 @@ class Machine:
     host_mts: float | None = None
     cpu_cores: int | None = None
     expert_tflops: float | None = None
+    expert_gbs: float | None = None  # measured read rate of the CPU's expert kernels over host memory
     pcie_gen: int | None = None
     pcie_lanes: int | None = None
     link_bandwidth_gbs: float | None = None  # given, or derived from the PCIe generation and lanes
@@ -133,7 +134,7 @@ class Machine:
                       bandwidth_gbs=self.gpu_bandwidth_gbs, tflops=dict(self.gpu_tflops))
         host = section(cpu=self.cpu, memory_gib=self.host_memory_gib, bandwidth_gbs=self.host_bandwidth_gbs,
                        channels=self.host_channels, mts=self.host_mts, cpu_cores=self.cpu_cores,
-                       expert_tflops=self.expert_tflops)
+                       expert_tflops=self.expert_tflops, expert_gbs=self.expert_gbs)
         link = section(pcie_gen=self.pcie_gen, lanes=self.pcie_lanes, bandwidth_gbs=self.link_bandwidth_gbs)
         disk = section(read_gbs=self.disk_read_gbs, iops=self.disk_iops)
         for key, value in (("gpu", gpu), ("host", host), ("link", link), ("disk", disk)):
@@ -292,6 +293,7 @@ def parse_machine(raw: Any, name: str, where: str = "", require_source: bool = F
         gpu_tflops=dict(gpu.get("tflops", {})), cpu=host.get("cpu", ""), host_memory_gib=host.get("memory_gib"),
         host_bandwidth_gbs=host.get("bandwidth_gbs"), host_channels=host.get("channels"),
         host_mts=host.get("mts"), cpu_cores=host.get("cpu_cores"), expert_tflops=host.get("expert_tflops"),
+        expert_gbs=host.get("expert_gbs"),
         pcie_gen=link.get("pcie_gen"), pcie_lanes=link.get("lanes"), link_bandwidth_gbs=link.get("bandwidth_gbs"),
         disk_read_gbs=disk.get("read_gbs"), disk_iops=disk.get("iops"), efficiency=profile, origin=origin,
         source=top.get("source", ""), sources=sources, derived=tuple(derived),

@@ -131,6 +131,7 @@ class ModelTerms:
     draft: DraftTerms
     route_groups: int = 1  # expert groups of group-limited routing (1: none)
     route_topk_groups: int = 1  # groups a token may pick its experts from
+    host_reads_per_token: float = 0.0  # separate rows gathered per decode token (engram lookups)
     notes: tuple[str, ...] = ()
 
     @property

@@ -335,7 +335,7 @@ def speed_gaps(dep: Deployment) -> list[str]:
     fall back on), with what its description says was not published. Empty when it can (and for datacenter
     presets)."""
     m = dep.hw.machine
-    if m is None:
+    if m is None or dep.untimed_compute:
         return []
     attn = "bf16" if dep.model.kv_dtype == "bf16" else "fp8"
     needed = dict.fromkeys((dep.dense_dtype, dep.expert_dtype, attn))
@@ -347,7 +347,8 @@ def speed_gaps(dep: Deployment) -> list[str]:
     have = ", ".join(f"{d} {v:g}" for d, v in m.device_tflops.items()) or "none"
     device = "CPU" if m.kind == "cpu" else "GPU"
     return [f"no FLOP/s for the {'/'.join(missing)} GEMMs on the {device} of {m.name} (TFLOP/s given: {have})"
-            + (f"; not published: {'; '.join(notes)}" if notes else "") + f"; give {where} in a machine file"]
+            + (f"; not published: {'; '.join(notes)}" if notes else "") + f"; give {where} in a machine file, or "
+            "time the step by memory alone with --memory-bound-only (an upper bound on speed)"]
 
 
 def machine_summary(dep: Deployment) -> dict[str, object]:
@@ -376,9 +377,20 @@ def machine_planned(dep: Deployment) -> list[str]:
             out.append(f"{pl.disk} routed experts per layer read from disk when selected (no cache credited), "
                        "then computed as " + ("the host-memory experts are" if m.kind == "gpu"
                                               else "the resident experts are"))
-        out.append("a selected expert is in a tier with probability (its experts per layer) / "
-                   f"{pl.n_experts} (uniform routing); the tiers' times are summed")
-    if dep.model.host_params:
+        if pl.hit_rate is None:
+            out.append("a selected expert is in a tier with probability (its experts per layer) / "
+                       f"{pl.n_experts} (uniform routing)")
+        else:
+            out.append(f"a selected expert is resident with the measured hit rate {pl.hit_rate:.3g}; a miss is in "
+                       "host memory or on disk in proportion to their experts")
+        out.append("the tiers' times are " + ("summed (each layer waits for its experts)" if pl.overlap == "summed"
+                                              else "overlapped (the step takes its slowest tier)"))
+        out.append(f"prefill in chunks of {pl.prefill_chunk} prompt tokens, each touching most experts of a layer: the "
+                   "off-device experts are computed by the CPU, moved over the link or read from disk once a chunk")
+    if dep.model.host_params and dep.tables_on_disk:
+        out.append("engram tables on disk: each decode token's rows read from it (bytes at the disk's read "
+                   "bandwidth, and one read per row at its IOPS, each where given)")
+    elif dep.model.host_params:
         out.append({"gpu": "engram rows read from host memory over the GPU's link",
                     "unified": "engram tables in the same unified memory, counted against it",
                     "cpu": "engram tables in the same host memory"}[m.kind])
@@ -404,8 +416,19 @@ def machine_not_planned(dep: Deployment) -> list[str]:
         out.append("experts in host memory or on disk: none placed there (--resident-experts, --host-experts "
                    "place them; docs/plan.md section 2)")
     else:
-        out.append("prefill and TTFT: computed as if every expert were on the device")
-        out.append("a measured hit rate of an engine's expert cache, and prefetching that overlaps the tiers")
+        if m.kind == "gpu" and pl.host + pl.disk and pl.host_compute == "cpu" and m.expert_tflops is None:
+            out.append("the CPU's expert-kernel FLOP/s (host.expert_tflops): prefill's CPU experts are timed by one "
+                       "read of host memory per chunk only, a lower bound on their time")
+        if pl.hit_rate is None:
+            out.append("a measured hit rate of an engine's expert cache (--expert-hit-rate): routing is uniform")
+    if dep.tables_on_disk and (m.disk_read_gbs is None or m.disk_iops is None):
+        missing = " and ".join(x for x, v in (("read bandwidth", m.disk_read_gbs), ("IOPS", m.disk_iops)) if v is None)
+        out.append(f"the disk's {missing}: the engram rows read from disk are timed without "
+                   f"{'them' if ' and ' in missing else 'it'} (about {dep.model.host_row_bytes_per_token / 1e3:.0f} KB "
+                   f"in {dep.model.host_reads_per_token:.0f} reads a token)")
+    if dep.untimed_compute:
+        out.append("the device's compute: its FLOP/s are not given, so the step is timed by memory, disk and "
+                   "links alone (--memory-bound-only: an upper bound on speed)")
     out.append("dense layers or the KV cache in host memory")
     if unused:
         out.append(f"{', '.join(unused)}: read from the description, not used by the prediction")
@@ -420,7 +443,7 @@ def tier_summary(r: PlanResult) -> dict[str, object]:
     m, pl = dep.hw.machine, dep.placement
     assert m is not None
     tokens = r.inputs.concurrency * r.accept_length  # output tokens per step, the whole machine
-    t_body = s.t_step - s.t_host - s.t_disk - s.t_overhead
+    t_body = s.t_device
     resident = pl.resident if pl else dep.model.n_experts
     name = {"gpu": "GPU memory", "unified": "unified memory", "cpu": "host memory"}[m.kind]
     rows = [{"tier": name, "holds": f"attention, dense and shared weights, KV cache, {resident} of "
@@ -447,7 +470,7 @@ def tier_summary(r: PlanResult) -> dict[str, object]:
     for row in rows:
         row["bytes_per_token"] = row["bytes_per_step"] / tokens
     top = max(rows, key=lambda row: row["time_ms"])
-    return {"tiers": rows, "combined": "summed", "step_time_ms": s.t_step * 1e3, "bottleneck": top["tier"],
+    return {"tiers": rows, "combined": pl.overlap if pl else "summed", "step_time_ms": s.t_step * 1e3, "bottleneck": top["tier"],
             "decode_tokens_per_s_per_agent": r.accept_length / s.t_step,
             "placement": pl.as_dict() if pl else None}
 
@@ -470,13 +493,31 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
     stack = resolve_stack(inp.stack, model.family, hw.name if hw.machine is None else "")
     eff = hw.efficiency.with_overrides(**{**(stack.terms if stack else {}), **inp.overrides})
     placement = resolve_placement(inp.resident_experts, inp.host_experts, inp.host_expert_compute,
-                                  model.n_experts, hw.machine.kind if hw.machine else None, hw.name)
+                                  model.n_experts, hw.machine.kind if hw.machine else None, hw.name,
+                                  inp.expert_hit_rate, inp.tier_overlap, inp.prefill_chunk)
     if placement is not None:
         _check_tiers(placement, hw)
+    tables_on_disk = _tables_on_disk(inp, model, hw)
+    if inp.memory_bound_only and hw.machine is None:
+        raise PlanError("--memory-bound-only", f"is for a machine whose device lists no FLOP/s; the datacenter "
+                        f"preset {hw.name} lists them")
     return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
                       dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
                       dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
-                      stack=stack.name if stack else None, placement=placement)
+                      stack=stack.name if stack else None, placement=placement, tables_on_disk=tables_on_disk,
+                      untimed_compute=inp.memory_bound_only)
+
+
+def _tables_on_disk(inp: PlanInputs, model: ModelTerms, hw: Hardware) -> bool:
+    """``--engram-tables disk``, checked: a machine, a model with tables, a disk bandwidth to read them at."""
+    if inp.engram_tables in (None, "memory"):
+        return False
+    if hw.machine is None:
+        raise PlanError("--engram-tables", f"places the tables on a machine's disk; on the datacenter preset "
+                        f"{hw.name} they are in host memory")
+    if not model.host_params:
+        raise PlanError("--engram-tables", f"{model.name} has no engram tables")
+    return True
 
 
 def _check_tiers(pl: ExpertPlacement, hw: Hardware) -> None:
@@ -486,10 +527,11 @@ def _check_tiers(pl: ExpertPlacement, hw: Hardware) -> None:
     if pl.disk and m.disk_read_gbs is None:
         raise PlanError("--disk-bandwidth", f"{pl.disk} experts per layer are read from disk and {m.name} gives no "
                         "disk read bandwidth: pass --disk-bandwidth GB/S, or disk.read_gbs in a machine file")
-    if m.kind == "gpu" and pl.host + pl.disk and pl.host_compute == "cpu" and m.host_bandwidth_gbs is None:
+    if (m.kind == "gpu" and pl.host + pl.disk and pl.host_compute == "cpu" and m.host_bandwidth_gbs is None
+            and m.expert_gbs is None):
         raise PlanError("--host-bandwidth", f"the CPU computes {pl.host + pl.disk} experts per layer from host "
                         f"memory and {m.name} gives no host bandwidth: pass --host-bandwidth GB/S, or host.channels "
-                        "and host.mts in a machine file")
+                        "and host.mts (or the CPU expert kernels' measured host.expert_gbs) in a machine file")
 
 
 def _check_machine(inp: PlanInputs, hw: Hardware) -> None:

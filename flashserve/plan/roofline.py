@@ -1,7 +1,8 @@
 """One decode step on one GPU: bytes moved, FLOPs, link traffic, overheads, and the step time.
 
 step time = max(t_mem, t_flop) combined with t_comm (a fraction ``comm_overlap`` hidden, the rest added)
-            + t_host + t_disk (routed experts placed off the device of a machine: :mod:`flashserve.plan.tiers`)
+            + t_host + t_disk (routed experts placed off the device of a machine: :mod:`flashserve.plan.tiers`;
+              the largest of the three instead of the sum where the tiers overlap)
             + layers × layer overhead + passes × pass overhead (+ one fixed speculative-step cost when drafting).
 All terms are per GPU of the busiest attention-DP rank (sequences are dealt round-robin; every MoE layer
 synchronises all ranks); experts are spread evenly over EP ranks.
@@ -36,6 +37,8 @@ class Deployment:
     draft_tokens: int = 0
     stack: str | None = None  # serving-stack profile laid over the hardware's efficiency terms
     placement: ExpertPlacement | None = None  # routed experts by tier on a machine (None: all on the device)
+    tables_on_disk: bool = False  # engram tables on a machine's disk: each token's rows read from it
+    untimed_compute: bool = False  # the device lists no FLOP/s: its compute is not timed (memory-bound only)
 
     @property
     def ep_link(self) -> tuple[str, float]:
@@ -79,6 +82,8 @@ class DecodeStep:
     t_host: float = 0.0  # host-memory expert work: CPU kernels, or the transfer over the link
     t_disk: float = 0.0
     host_path: str = ""  # "cpu" or "link": who does the host tier's work ("" without one)
+    t_device: float = 0.0  # the device's own work: memory, compute and links combined (no tier, no overhead)
+    t_disk_tables: float = 0.0  # of t_disk: engram rows read from disk (tables on disk)
 
     @property
     def bytes_total(self) -> float:
@@ -89,6 +94,8 @@ class DecodeStep:
 
 
 def _peak(dep: Deployment, dtype: str) -> float:
+    if dep.untimed_compute and not dep.hw.has_peak(PEAK_ORDER[dtype]):
+        return math.inf  # FLOP/s not published: the compute term is left out (--memory-bound-only)
     return dep.hw.peak(dtype, PEAK_ORDER[dtype]) * dep.eff.eta_flop
 
 
@@ -148,6 +155,14 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
         reductions = 1 if dep.ep > 1 else 2
         comm_tp = reductions * m.n_layers * b * rows * m.hidden_size * 2.0 * 2.0 * (dep.tp - 1) / dep.tp
     comm_host = b * rows * m.host_row_bytes_per_token / dep.tp  # engram rows, prefetchable
+    t_tables = 0.0
+    if dep.tables_on_disk:  # read from the disk instead, each row a read of its own
+        machine = dep.hw.machine
+        assert machine is not None
+        reads = b * rows * m.host_reads_per_token
+        t_tables = ((comm_host / (machine.disk_read_gbs * GB) if machine.disk_read_gbs else 0.0)
+                    + (reads / machine.disk_iops if machine.disk_iops else 0.0))
+        comm_host = 0.0
     link, bw = dep.ep_link
     host_bw = hw.host_link_bw if hw.host_link_bw > 0 else hw.hbm_bw
     t_comm = (comm_ep / (bw * eff.eta_comm) + comm_tp / (hw.scaleup_bw * eff.eta_comm)
@@ -159,23 +174,38 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     t_spec = eff.spec_step_overhead_us * 1e-6 if passes else 0.0  # fixed cost of a speculative step
     t_over = (layers * eff.layer_overhead_us + (1 + passes) * eff.pass_overhead_us) * 1e-6 + t_spec
     terms = {"memory": t_mem, "compute": t_flop, "communication": t_comm, "overhead": t_over}
-    t_host = t_disk = 0.0
-    if tier is not None:  # summed after the device's work: a decode stream waits for its experts
-        t_host, t_disk = tier["t_host"], tier["t_disk"]
-        terms["disk"] = t_disk
+    t_host, t_disk = 0.0, t_tables
+    t_tiers = t_body + t_tables
+    if tier is not None:  # after the device's work (a decode stream waits for its experts), or beside it
+        t_host, t_disk = tier["t_host"], tier["t_disk"] + t_tables
         if tier["host_path"]:
             terms["host" if tier["host_path"] == "cpu" else "link"] = t_host
+        overlapped = dep.placement is not None and dep.placement.overlap == "overlapped"
+        t_tiers = max(t_body, t_host, t_disk) if overlapped else t_body + t_host + t_disk
+    if t_disk:
+        terms["disk"] = t_disk
     return DecodeStep(
         sequences_per_rank=b, rows_per_sequence=rows, distinct_experts_per_layer=distinct,
         bytes_dense=bytes_dense, bytes_experts=bytes_experts, bytes_kv=bytes_kv, bytes_draft=bytes_draft,
         flops_dense=flops_dense, flops_experts=flops_experts, flops_attention=flops_attn,
         flops_draft=flops_draft_dense + flops_draft_exp + flops_draft_attn,
         comm_bytes_ep=comm_ep, comm_bytes_tp=comm_tp, comm_bytes_host=comm_host, comm_link=link,
-        t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_body + t_host + t_disk + t_over,
+        t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_tiers + t_over, t_device=t_body,
         bound=max(terms, key=terms.get), t_spec_fixed=t_spec, bytes_kv_rows=bytes_kv_rows,
         **({k: tier[k] for k in ("bytes_host_experts", "bytes_disk_experts", "flops_host_experts", "t_host",
-                                 "t_disk", "host_path")} if tier is not None else {}),
+                                 "host_path")} if tier is not None else {}),
+        t_disk=t_disk, t_disk_tables=t_tables,
     )
+
+
+def host_expert_rate(dep: Deployment) -> float:
+    """Bytes/s at which the CPU's expert kernels read host memory: the machine's measured rate
+    (``host.expert_gbs``, no efficiency term), else host bandwidth x ``eta_host_mem``."""
+    m = dep.hw.machine
+    assert m is not None
+    if m.expert_gbs:
+        return m.expert_gbs * GB
+    return (m.host_bandwidth_gbs or 0.0) * GB * dep.eff.host_mem_efficiency
 
 
 def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict | None:
@@ -185,8 +215,8 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
     Under uniform routing a fraction resident/E of the bytes is read from device memory, host/E from host
     memory and disk/E from disk; an expert read from disk is then computed as one in memory (host memory beside
     a discrete GPU, the device memory otherwise). Host-memory experts are read by the CPU expert kernels at
-    host bandwidth x eta_host_mem (eta_mem where the profile has none; their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the
-    two), or under ``gpu`` moved over each GPU's link (its share) at link bandwidth x eta_comm and read again
+    their measured rate (host.expert_gbs) or host bandwidth x eta_host_mem (eta_mem where the profile has none;
+    their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the two), or under ``gpu`` moved over each GPU's link (its share) at link bandwidth x eta_comm and read again
     from GPU memory. The disk is read at its stated bandwidth (no efficiency term)."""
     pl, m, eff = dep.placement, dep.hw.machine, dep.eff
     if pl is None or m is None:
@@ -201,7 +231,7 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
         return out
     off = experts_bytes * (f_host + f_disk)
     if pl.host_compute == "cpu":
-        t_read = off / ((m.host_bandwidth_gbs or 0.0) * GB * eff.host_mem_efficiency) if off else 0.0
+        t_read = off / host_expert_rate(dep) if off else 0.0
         flops_cpu = experts_flops * (f_host + f_disk)
         t_cpu = flops_cpu / (m.expert_tflops * TERA * eff.eta_flop) if m.expert_tflops and flops_cpu else 0.0
         out.update(bytes_device=experts_bytes * f_res / dep.gpus, flops_device=experts_flops * f_res / dep.gpus,

@@ -274,6 +274,18 @@ RF7 = "docs/reference-figures.md §7"
 LOCAL_MACHINES = Path(__file__).with_name("local_machines")
 FREETOKEN_444 = "https://github.com/FlashML-org/FreeToken/issues/444"
 FREETOKEN_RESIDENT = 30  # experts per layer kept on the GPU: the issue does not state its hybrid split
+OFFLOAD_3090 = "https://github.com/0xSero/dsv41-flash-offload"
+OFFLOAD_RESIDENT = 10  # the VRAM expert cache: about 395 of 15,360 experts (D130), about 10 per layer
+OFFLOAD_HIT = 2.5 / 6  # "only about 3.5 experts per layer miss the VRAM cache" of the 6 a token selects
+DS4_1073 = "https://github.com/antirez/ds4/pull/1073"
+DS4_1036 = "https://github.com/antirez/ds4/pull/1036"
+# ds4's V4.1 "Q2" file (download target ds41f-q2): IQ2_XXS gate/up, Q2_K down (142.4 GiB of routed experts),
+# Q8_0 attention, shared experts and head, engram rows raw FP8 on disk
+DS4_Q2 = "iq2_xxs-q2_k"
+DS4_Q2_BASIS = ("stated: ds4's published V4.1 Q2 file: IQ2_XXS routed gate/up, Q2_K routed down (2.25 bits per "
+                "weight, 142.4 GiB of experts), Q8_0 dense parts (planned as FP8: 6% fewer dense bytes)")
+# Strix Halo's dynamic expert cache: 88.88 GB of the 152.9 GB of routed experts at 2.25 bits, per layer of 384
+STRIX_RESIDENT = int(88.88e9 / (543_581_798_400 * 2.25 / 8 / 384))  # 223
 
 
 @dataclass(frozen=True)
@@ -281,10 +293,11 @@ class PublishedLocal:
     """A published decode speed of V4/V4.1-Flash on one local machine and the deployment the planner assumes
     for it. ``decode`` is tokens/s summed over the ``concurrency`` streams (decode timed apart from TTFT, as the
     reports time it). ``inputs`` is None when the planner cannot express the point; ``reason`` says why.
-    ``role``: ``fit`` (set the machine profile's host-tier term), ``held_out``, or ``not_predicted``.
-    ``weight_dtype`` is the planner's expert width for the report's quantization (``dtypes.WEIGHT_BYTES``;
-    None where the report states none) and ``weight_dtype_basis`` says whether the report states it or it is
-    an assumption, and why."""
+    ``role``: ``fit`` (sets a local profile's term), ``held_out`` (no term fitted to its decode speed; the
+    machine's measured component rates its report gives, such as a CPU kernel's read rate, are machine facts),
+    or ``not_predicted``. ``weight_dtype`` is the planner's expert width for the report's quantization
+    (``dtypes.WEIGHT_BYTES``; None where the report states none) and ``weight_dtype_basis`` says whether the
+    report states it or it is an assumption, and why."""
 
     name: str
     source: str
@@ -302,18 +315,35 @@ def _local_machine(name: str) -> str:
     return str(LOCAL_MACHINES / f"{name}.json")
 
 
-def _freetoken(concurrency: int, decode: float, role: str, row: str) -> PublishedLocal:
+def _freetoken(concurrency: int, decode: float, row: str) -> PublishedLocal:
     return PublishedLocal(
         f"freetoken-5090-rome-v4flash-c{concurrency}",
         f"{RF7}: {FREETOKEN_444} (FreeToken hybrid backend, measured: {row})",
         "V4-Flash, RTX 5090 + EPYC Rome (8-ch DDR4-3200, 251 GiB), hybrid CPU/GPU experts", decode, concurrency,
-        role,
+        "held_out",
         PlanInputs(model="deepseek-v4-flash", hardware=_local_machine("rtx5090-epyc-rome-8ch-ddr4"), gpus=1,
                    weight_dtype="fp4", concurrency=concurrency, resident_experts=FREETOKEN_RESIDENT),
         f"released MXFP4 experts and FP8 dense weights; {FREETOKEN_RESIDENT} of 256 experts per layer on the GPU, "
-        "the rest computed by CPU expert kernels (the split is not published; the prediction moves under 10% "
-        "between 0 and 36 resident); prompt 1,024 and output 1,024 tokens assumed (not published)",
+        "the rest computed by the CPU expert kernel at its measured 110.3 GB/s (`ft bench bw`, same issue; the "
+        "split is not published, the prediction moves under 10% between 0 and 36 resident); uniform routing; "
+        "prompt 1,024 and output 1,024 tokens assumed (not published)",
         "fp4", "stated: the released MXFP4 experts")
+
+
+def _offload_3090(concurrency: int, decode: float) -> PublishedLocal:
+    return PublishedLocal(
+        f"vllm-3090-7443p-v41-c{concurrency}",
+        f"{RF7}: {OFFLOAD_3090} (README, default run D141: 19.3 / 24.0 / 26.6 tok/s at 1 / 2 / 4 streams)",
+        "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4, 503 GiB) + NVMe, 3.0 bpw", decode, concurrency, "held_out",
+        PlanInputs(model="deepseek-v41-flash", hardware=_local_machine("rtx3090-epyc-7443p-8ch-ddr4"), gpus=1,
+                   weight_dtype="3.0bpw", concurrency=concurrency, resident_experts=OFFLOAD_RESIDENT,
+                   expert_hit_rate=OFFLOAD_HIT),
+        f"every routed expert in host memory (190.5 GiB, pinned), a VRAM cache of about {OFFLOAD_RESIDENT} per "
+        f"layer (about 395 slots, D130) hit at {OFFLOAD_HIT:.3f} (\"only about 3.5 experts per layer miss\"); the "
+        "CPU computes the misses at the rate its README states (3.5 experts of 13.3 MB in about 1 ms a layer: "
+        "46.6 GB/s); engram rows from the page cache; prompt 1,024 and output 1,024 tokens assumed (the README "
+        "gives no decode context for these figures)",
+        "3.0bpw", "stated: EXL3 3.0 bits per weight")
 
 
 def _not_predicted(name: str, setup: str, decode: float, concurrency: int, source: str, reason: str,
@@ -322,69 +352,66 @@ def _not_predicted(name: str, setup: str, decode: float, concurrency: int, sourc
                           weight_dtype, basis)
 
 
-# V4.1-Flash's sizes at the 2- and 3-bit widths, as the reasons below state them (hand arithmetic, checked in
-# tests/plan/test_plan_published_local.py): 40 MoE layers x 384 routed experts x 3 x 5,120 x 2,304 weights =
-# 543.6 B routed weights (8.49 B read per decode token: 6 per layer); at Q2_K (84 bytes per 256) 178.4 GB, 2.79 GB
-# per token; at 3.0 bpw 203.8 GB, 3.19 GB per token. Beside them: 8.3 GB of other weights (FP8) and the engram
-# tables, 202.8 GB (FP8).
-Q2_ASSUMED = ("assumption: the report says only \"Q2\"; read as llama.cpp Q2_K, 2.625 bits per weight (q2_k), "
-              "the 2-bit K-quant")
-Q2_BASIS = "assumption: the report says only \"Q2\"; llama.cpp Q2_K's 2.625 bits per weight (84 bytes per 256)"
 PUBLISHED_LOCAL: tuple[PublishedLocal, ...] = (
-    _freetoken(1, 25.7, "fit", "24.5-26.9 tok/s single stream; midpoint 25.7"),
-    _freetoken(8, 65.6, "held_out", "65.6 tok/s aggregate at 8 concurrent"),
-    _not_predicted("vllm-3090-7443p-v41-c1", "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4) + NVMe, 3.0 bpw", 19.3, 1,
-                   "0xSero/dsv41-flash-offload",
-                   "experts at 3.0 bpw (3.0bpw: 203.8 GB, 3.19 GB read per decode token) do not fit the RTX 3090's "
-                   "24 GiB, and the report does not state where the rest live (host memory or NVMe), the host "
-                   "memory fitted (epyc-ddr4-8ch leaves it out: it depends on the DIMMs), whether the CPU or the GPU "
-                   "(over PCIe) computes the experts off the GPU, nor the NVMe's read bandwidth for V4.1's engram "
-                   "rows",
-                   "3.0bpw", "stated: 3.0 bits per weight"),
-    _not_predicted("vllm-3090-7443p-v41-c4", "V4.1, 1x RTX 3090 + EPYC 7443P (8-ch DDR4) + NVMe, 3.0 bpw", 26.6, 4,
-                   "0xSero/dsv41-flash-offload", "as at concurrency 1", "3.0bpw", "stated: 3.0 bits per weight"),
+    _freetoken(1, 25.7, "24.5-26.9 tok/s single stream; midpoint 25.7"),
+    _freetoken(8, 65.6, "65.6 tok/s aggregate at 8 concurrent"),
+    _offload_3090(1, 19.3),
+    _offload_3090(2, 24.0),
+    _offload_3090(4, 26.6),
+    PublishedLocal(
+        "ds4-m3-ultra-v41-q2", f"{RF7}: {DS4_1073} (plain decode 37.12, 37.10, 37.08 tok/s, 200 tokens)",
+        "V4.1, M3 Ultra 256 GB, Q2 (ds4, resident, engram on disk)", 37.1, 1, "fit",
+        PlanInputs(model="deepseek-v41-flash", hardware=_local_machine("apple-m3-ultra-256gb"), gpus=1,
+                   weight_dtype=DS4_Q2, concurrency=1, engram_tables="disk", memory_bound_only=True),
+        "every weight resident in the unified memory, the engram tables on the internal SSD (ds4 keeps them "
+        "disk-only; the rows' reads are not timed: Apple states no SSD bandwidth or IOPS); Apple publishes no GPU "
+        "FLOP/s, so the step is timed by memory alone and the profile's eta_mem, fitted here, carries ds4's "
+        "kernels; prompt 1,024 and output 1,024 tokens assumed (a short prompt in the report)",
+        DS4_Q2, DS4_Q2_BASIS),
+    PublishedLocal(
+        "ds4-strix-halo-v41-q2-ssd", f"{RF7}: {DS4_1036} (decode ~9-10 tok/s; midpoint 9.5)",
+        "V4.1, Strix Halo 128 GB, Q2, SSD streaming (ds4, RAID-0 of 3 NVMe, 13.5 GB/s)", 9.5, 1, "held_out",
+        PlanInputs(model="deepseek-v41-flash", hardware=_local_machine("strix-halo-128gb-raid0"), gpus=1,
+                   weight_dtype=DS4_Q2, concurrency=1, engram_tables="disk", memory_bound_only=True,
+                   resident_experts=STRIX_RESIDENT),
+        f"the dynamic expert cache of 88.88 GB holds {STRIX_RESIDENT} of 384 experts per layer (uniform "
+        "routing: the report gives no hit rate); misses read from the RAID at its stated 13.5 GB/s; the tiers "
+        "summed (whether ds4 overlaps its SSD reads with compute is not stated: overlapped, the prediction is "
+        "+27%); engram tables disk-only; memory-bound (AMD publishes no FLOP/s for the Radeon 8060S) at the "
+        "local-unified profile fitted on the M3 Ultra point (same engine and file)",
+        DS4_Q2, DS4_Q2_BASIS),
     _not_predicted("llamacpp-5975wx-2gpu-v41", "V4.1, Threadripper 5975WX + 2 GPUs, experts on CPU", 17.7, 1,
-                   "ggml-org/llama.cpp issue 28696",
-                   "the two GPUs, the memory fitted and the quantization are not stated"),
+                   "ggml-org/llama.cpp PR 28696 (measured on vcruz305/llama.cpp's runtime/deepseek41 branch)",
+                   "the two GPUs, the memory channels and speed, and the quantization are not stated (a 32-core, "
+                   "251 GB box; 17.7 without and 22.8 with DSpark block 3)"),
     _not_predicted("llamacpp-dgx-spark-v41-q2k", "V4.1, one DGX Spark, Q2_K over mmap", 2.8, 1,
-                   "ggml-org/llama.cpp issue 28696",
-                   "Q2_K experts (q2_k, 2.625 bits per weight: 178.4 GB) with the other weights (8.3 GB) and the "
-                   "engram tables (202.8 GB) exceed the 128 GB unified memory, so mmap pages them from the NVMe "
-                   "drive, whose read bandwidth NVIDIA does not publish (dgx-spark: disk.read_gbs not published); "
-                   "NVIDIA lists no FP8 or BF16 FLOP/s for the GB10 GPU either (only FP4), the rate of the FP8 "
-                   "dense and the widened 2-bit expert GEMMs",
+                   "ggml-org/llama.cpp PR 28696",
+                   "-cmoe with -lm mmap: the 246.3 GiB Q2_K file (engram tables included) pages from the NVMe "
+                   "drive into 121.7 GiB of usable memory, so each token's speed is set by which pages the page "
+                   "cache keeps and by the drive's random reads (3.5k IOPS at queue depth 1 measured on the same "
+                   "box class, 0xSero/local-ai-registry); the planner models neither the page cache nor faulted "
+                   "reads, and NVIDIA lists no read bandwidth for the drive nor FP8/BF16 FLOP/s for the GB10",
                    "q2_k", "stated: Q2_K"),
-    _not_predicted("ds4-m3-ultra-v41-q2", "V4.1, M3 Ultra 256 GB, Q2", 37.1, 1, "antirez/ds4 issue 1073",
-                   Q2_ASSUMED + "; at that width the routed experts (178.4 GB) and the other weights (8.3 GB) fit "
-                   "the 256 GB unified memory only with the engram tables (202.8 GB) on disk, as ds4 keeps them; "
-                   "the planner does not plan the tables on disk (it counts them in the unified memory), and Apple "
-                   "publishes no FLOP/s for the M3 Ultra GPU (apple-m3-ultra: gpu.tflops not published), which the "
-                   "planner's compute term needs",
-                   "q2_k", Q2_BASIS),
-    _not_predicted("ds4-strix-halo-v41-q2-ssd", "V4.1, Strix Halo 128 GB, Q2, SSD streaming", 9.5, 1,
-                   "antirez/ds4 issue 1036",
-                   Q2_ASSUMED + "; at that width the routed experts (178.4 GB) exceed the 128 GB unified memory and "
-                   "are streamed from the SSD, whose read bandwidth the report does not state (strix-halo: "
-                   "disk.read_gbs not published, the disk is the system builder's choice); AMD publishes no FLOP/s "
-                   "for the Radeon 8060S either (strix-halo: gpu.tflops not published)",
-                   "q2_k", Q2_BASIS),
     _not_predicted("sglang-4x-dgx-spark-v41-tp4", "V4.1, 4x DGX Spark, TP4, DSpark, engram on NVMe", 39.4, 1,
-                   "0xSero/local-ai-registry issue 55",
-                   "four machines in TP4: the planner's machines are one box (no link between machines)"),
+                   "0xSero/local-ai-registry PR 55",
+                   "four machines in TP4 over RoCE: the planner's machines are one box (no link between machines)"),
     _not_predicted("ktransformers-5090-2x6138-v4flash", "V4-Flash, RTX 5090 + 2x Xeon Gold 6138, ktransformers", 28.0,
-                   1, "kvcache-ai/ktransformers issue 2088",
-                   "the host memory fitted and the hot experts kept on the GPU are not stated (the machine is "
-                   "described in local_machines/rtx5090-2x-xeon-gold-6138.json; the planner refuses it without "
-                   "host memory)"),
-    _not_predicted("ik-llamacpp-epyc-9v45-v4flash", "V4-Flash, EPYC 9V45, CPU only", 9.7, 1,
-                   "ikawrakow/ik_llama.cpp issue 1752",
-                   "the EPYC 9V45 is not in AMD's public product specifications: its memory channels, speed and "
-                   "cores would be invented; the quantization is not stated"),
+                   1, "kvcache-ai/ktransformers PR 2088",
+                   "the run routes each token to 4 experts instead of the model's 6 (the planner has no "
+                   "routing override), and the memory channels populated for its 256 GB of DDR4-2400 are not "
+                   "stated (local_machines/rtx5090-2x-xeon-gold-6138.json describes the sockets)"),
+    _not_predicted("ik-llamacpp-epyc-9v45-v4flash", "V4-Flash, EPYC 9V45 (32 cores, ~186 GB/s triad), CPU only", 9.7,
+                   1, "ikawrakow/ik_llama.cpp issue 1752",
+                   "measured with mainline llama.cpp, which its author profiled as compute-bound (the memory bus "
+                   "about 60% idle); the CPU's expert-kernel FLOP/s are not stated, and a memory-bound plan "
+                   "(--memory-bound-only) is only an upper bound on that speed; the UD-Q4 mix (145 GB) has no "
+                   "width of its own in the planner"),
     _not_predicted("llamacpp-pro6000-half-cpu-v4flash",
                    "V4-Flash, RTX PRO 6000 + 768 GB RAM, about half the expert layers on CPU", 42.4, 1,
-                   "ggml-org/llama.cpp issue 25784",
-                   "the host CPU and its memory channels are not stated: no host bandwidth for the CPU tier"),
+                   "ggml-org/llama.cpp PR 25784",
+                   "the host CPU and its memory channels and speed are not stated (NUMA NPS=4 suggests an EPYC): no "
+                   "host bandwidth for the 19 of 43 layers whose experts run on the CPU"),
     _not_predicted("sglang-4x-h200-v4flash-dspark", "V4-Flash, 4x H200, DSpark, C1", 1000.0 / 1.72, 1,
-                   "sgl-project/sglang issue 33109",
+                   "sgl-project/sglang PR 33109",
                    "the planner has no V4-Flash DSpark drafter (V4.1's stands in only for speed-up ratios)"),
 )

@@ -9,7 +9,9 @@ cache credited). Attention, dense and shared weights, the drafter and the KV cac
 
 Routing is taken as uniform (the prior): a selected expert is in a tier with probability (experts of the layer
 in that tier) / (experts of the layer), so the distinct experts a step touches split over the tiers in those
-proportions.
+proportions. An engine's expert cache measures better: ``--expert-hit-rate H`` (flashserve's
+``flashserve_expert_cache_{hits,misses}_total``, or what another engine reports) replaces the prior for the
+resident tier, and the misses split over host memory and disk in proportion to the experts each holds.
 
 Host-memory experts are computed either by CPU expert kernels reading host memory (``cpu``, the default, as
 ktransformers and llama.cpp ``-ot``/``--n-cpu-moe`` do) or moved over the GPU link and computed on the GPU
@@ -17,18 +19,24 @@ ktransformers and llama.cpp ``-ot``/``--n-cpu-moe`` do) or moved over the GPU li
 count once in the disk tier and once more in the tier that computes it (host memory under ``cpu``, the link
 under ``gpu``, the device memory on a unified or GPU-less machine).
 
-The tiers' times are summed, not overlapped: a single decode stream waits for its experts layer by layer, and
-the engines modelled here do not prefetch the next layer's routed experts.
+The tiers' times are summed by default: a single decode stream waits for its experts layer by layer, as
+llama.cpp's ``--n-cpu-moe`` and a memory-mapped checkpoint do. ``--tier-overlap overlapped`` takes the slowest
+tier instead, for engines that run the tiers at once (ktransformers computes the CPU experts while the GPU runs
+attention and the shared expert of the next micro-batch; SGLang's offload prefetches the next layer's experts;
+ds4 stages SSD reads ahead): the step is then as long as its slowest tier.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import PlanError
 
 HOST_COMPUTE = ("cpu", "gpu")
 DEFAULT_HOST_COMPUTE = "cpu"
+TIER_OVERLAP = ("summed", "overlapped")
+ENGRAM_TABLES = ("memory", "disk")  # where V4.1's engram tables live on a machine
+DEFAULT_TIER_OVERLAP = "summed"
 
 
 @dataclass(frozen=True)
@@ -39,34 +47,62 @@ class ExpertPlacement:
     host: int
     disk: int
     host_compute: str = DEFAULT_HOST_COMPUTE  # "cpu": CPU kernels at host bandwidth; "gpu": over the link
+    hit_rate: float | None = None  # measured fraction of selected experts found resident (None: uniform prior)
+    overlap: str = DEFAULT_TIER_OVERLAP  # "summed": tiers one after another; "overlapped": the slowest tier
+    prefill_chunk: int = 512  # prompt tokens per prefill step (each reads or moves the experts it touches once)
 
     @property
     def n_experts(self) -> int:
         return self.resident + self.host + self.disk
 
     def fraction(self, tier: str) -> float:
-        """Probability under uniform routing that a selected expert sits in ``tier``."""
-        return getattr(self, tier) / self.n_experts
+        """Probability that a selected expert sits in ``tier``: the tier's share of the layer's experts under
+        uniform routing, or the measured hit rate for the resident tier (the misses split over host memory
+        and disk by their experts)."""
+        if self.hit_rate is None:
+            return getattr(self, tier) / self.n_experts
+        if tier == "resident":
+            return self.hit_rate
+        return (1.0 - self.hit_rate) * getattr(self, tier) / (self.host + self.disk)
+
+    def routing(self) -> str:
+        if self.hit_rate is None:
+            return "uniform prior: hit fraction = experts in the tier / experts per layer"
+        return f"measured hit rate {self.hit_rate:.3g} of the resident tier; misses split by experts per tier"
 
     def as_dict(self) -> dict[str, object]:
         return {"resident_experts_per_layer": self.resident, "host_experts_per_layer": self.host,
                 "disk_experts_per_layer": self.disk, "experts_per_layer": self.n_experts,
-                "host_expert_compute": self.host_compute, "routing": "uniform prior: hit fraction = experts in "
-                "the tier / experts per layer", "tiers_combined": "summed"}
+                "host_expert_compute": self.host_compute, "routing": self.routing(),
+                "expert_hit_rate": self.hit_rate, "tiers_combined": self.overlap,
+                "prefill_chunk": self.prefill_chunk}
 
 
 def resolve_placement(resident: int | None, host: int | None, compute: str | None, n_experts: int,
-                      machine_kind: str | None, machine_name: str) -> ExpertPlacement | None:
-    """The placement the flags ask for (None: every expert on the device, as without the flags).
+                      machine_kind: str | None, machine_name: str, hit_rate: float | None = None,
+                      overlap: str | None = None, prefill_chunk: int = 512) -> ExpertPlacement | None:
+    """The placement the flags ask for (None: every expert on the device, as without the flags), with the
+    measured hit rate and the tiers' overlap when given.
 
     On a discrete-GPU machine ``--resident-experts N`` alone puts the rest in host memory, ``--host-experts M``
     alone keeps the rest on the GPU, both put what is left on disk. On a unified or GPU-less machine there is
     no separate host memory: the experts not resident are on disk."""
     if resident is None and host is None:
-        if compute is not None:
-            raise PlanError("--host-expert-compute", "needs --resident-experts or --host-experts (with neither, "
-                            "every expert is on the device)")
+        for flag, value in (("--host-expert-compute", compute), ("--expert-hit-rate", hit_rate),
+                            ("--tier-overlap", overlap)):
+            if value is not None:
+                raise PlanError(flag, "needs --resident-experts or --host-experts (with neither, every expert is "
+                                "on the device)")
         return None
+    placement = _counts(resident, host, compute, n_experts, machine_kind, machine_name)
+    if hit_rate is not None and placement.host + placement.disk == 0:
+        raise PlanError("--expert-hit-rate", f"every one of the {n_experts} experts per layer is resident: "
+                        "nothing is missed (leave the hit rate out)")
+    return replace(placement, hit_rate=hit_rate, overlap=overlap or DEFAULT_TIER_OVERLAP, prefill_chunk=prefill_chunk)
+
+
+def _counts(resident: int | None, host: int | None, compute: str | None, n_experts: int,
+            machine_kind: str | None, machine_name: str) -> ExpertPlacement:
     flag = "--resident-experts" if resident is not None else "--host-experts"
     if machine_kind is None:
         raise PlanError(flag, f"places experts on a machine (a machine preset or a JSON file given to --hardware); "

@@ -90,10 +90,11 @@ def v4_terms(cfg: Any, arith: Any, name: str, kv_dtype: str) -> ModelTerms:
     prefill_layers = cfg.decoder_start if cfg.is_v41 else n
     dense_prefill = arith.params_active_prefill - prefill_layers * cfg.num_experts_per_tok * expert
     dense_total = arith.params_total - n * cfg.n_routed_experts * expert
-    engram_rows = 0.0
+    engram_rows = engram_reads = 0.0
     if cfg.engram_layer_ids:
         lookups = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-        engram_rows = len(cfg.engram_layer_ids) * lookups * (cfg.engram_head_dim + cfg.engram_head_dim / 32)
+        engram_reads = float(len(cfg.engram_layer_ids) * lookups)
+        engram_rows = engram_reads * (cfg.engram_head_dim + cfg.engram_head_dim / 32)
     state = n * cfg.sliding_window * window
     if cfg.is_v41:
         state += cfg.num_nextn_predict_layers * cfg.sliding_window * window  # DSpark stage windows
@@ -107,7 +108,7 @@ def v4_terms(cfg: Any, arith: Any, name: str, kv_dtype: str) -> ModelTerms:
         dense_params_decode=dense_decode, dense_params_total=dense_total,
         prefill_layers=prefill_layers, prefill_moe_layers=prefill_layers, dense_params_prefill=dense_prefill,
         params_total=arith.params_total, host_params=arith.by_part.get("engram_table", 0),
-        host_row_bytes_per_token=engram_rows,
+        host_row_bytes_per_token=engram_rows, host_reads_per_token=engram_reads,
         attention=_layers(cfg, main, index, window, n),
         prefill_attention=_layers(cfg, main, index, window, prefill_layers),
         kv_bytes_per_token=_kv_per_token(cfg, main, index), state_bytes_per_sequence=float(state),
