@@ -46,7 +46,7 @@ def capacity(dep: Deployment, ctx: float) -> Capacity:
     resident = m.n_experts if pl is None else pl.resident
     routed = m.routed_params_total * wb_e / dep.gpus if pl is None else resident * per_expert / dep.gpus
     host_experts = 0.0 if pl is None else pl.host * per_expert
-    weights = m.dense_params_total * wb_d / dep.tp + routed
+    weights = dep.dense_weight_bytes(m.dense_params_total, m.head_params + m.embed_params) / dep.tp + routed
     if dep.draft_tokens and d.kind != "none":
         weights += d.dense_params * wb_d / dep.tp + d.layers * d.n_experts * d.expert_params * wb_e / dep.gpus
     workspace = hw.hbm_usable_bytes * eff.workspace_fraction

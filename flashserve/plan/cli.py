@@ -121,6 +121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="routed-expert dtype: fp4 (MXFP4), fp8, bf16, fp32, or a 2-/3-bit width as the local ports "
                         "name it: q2_k (2.625 bits per weight), q3_k (3.4375), 3.0bpw; dense weights stay FP8 "
                         "beside fp4 and the 2-/3-bit widths")
+    p.add_argument("--head-dtype", default=None, choices=("fp8", "bf16", "fp32"),
+                   help="the LM head and token embeddings' storage, where it differs from the other dense weights "
+                        "(V4/V4.1: the released checkpoint keeps them bf16; an engine computing in fp32 reads fp32)")
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
     p.add_argument("--context", type=int, default=None, help="mean KV length while decoding (default prompt + output/2)")
@@ -165,7 +168,7 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         host_expert_compute=getattr(a, "host_expert_compute", None),
         expert_hit_rate=getattr(a, "expert_hit_rate", None), tier_overlap=getattr(a, "tier_overlap", None),
         prefill_chunk=getattr(a, "prefill_chunk", 512), engram_tables=getattr(a, "engram_tables", None),
-        memory_bound_only=bool(getattr(a, "memory_bound_only", False)))
+        memory_bound_only=bool(getattr(a, "memory_bound_only", False)), head_dtype=getattr(a, "head_dtype", None))
 
 
 def _machine_overrides(a: argparse.Namespace) -> dict[str, float]:

@@ -41,6 +41,7 @@ PEAK_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 KV_DTYPES = ("fp4", "fp8", "bf16")
+HEAD_DTYPES = ("fp8", "bf16", "fp32")  # the LM head and embeddings (released V4/V4.1: bf16)
 
 
 def weight_bytes(dtype: str, field: str = "--weight-dtype") -> float:

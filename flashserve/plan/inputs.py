@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .dtypes import KV_DTYPES, WEIGHT_BYTES
+from .dtypes import HEAD_DTYPES, KV_DTYPES, WEIGHT_BYTES
 from .errors import PlanError
 from .machine import OVERRIDE_FIELDS, flag_of
 from .tiers import ENGRAM_TABLES, HOST_COMPUTE, TIER_OVERLAP
@@ -49,6 +49,7 @@ class PlanInputs:
     prefill_chunk: int = 512  # prompt tokens per prefill step where experts are off the device (llama.cpp -ub)
     engram_tables: str | None = None  # "memory" (default: host or unified memory) or "disk" (rows read from disk)
     memory_bound_only: bool = False  # a device without published FLOP/s: time the step without its compute
+    head_dtype: str | None = None  # the LM head and embeddings' storage (None: the dense weights' dtype)
 
     def resolved_context(self) -> float:
         return float(self.context) if self.context is not None else self.prompt_len + self.output_len / 2
@@ -153,6 +154,8 @@ def validate(inp: PlanInputs) -> None:
         raise PlanError("--host-expert-compute", f"unknown {inp.host_expert_compute!r}; choose one of "
                         f"{', '.join(HOST_COMPUTE)}")
     _positive_int(inp.prefill_chunk, "--prefill-chunk")
+    if inp.head_dtype is not None and inp.head_dtype not in HEAD_DTYPES:
+        raise PlanError("--head-dtype", f"unknown dtype {inp.head_dtype!r}; choose one of {', '.join(HEAD_DTYPES)}")
     if inp.expert_hit_rate is not None:
         _number(inp.expert_hit_rate, "--expert-hit-rate", 0.0, 1.0)
     if inp.engram_tables is not None and inp.engram_tables not in ENGRAM_TABLES:

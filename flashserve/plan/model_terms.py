@@ -132,6 +132,8 @@ class ModelTerms:
     route_groups: int = 1  # expert groups of group-limited routing (1: none)
     route_topk_groups: int = 1  # groups a token may pick its experts from
     host_reads_per_token: float = 0.0  # separate rows gathered per decode token (engram lookups)
+    head_params: int = 0  # of dense_params_decode: the LM head (0: not separated, as for V3)
+    embed_params: int = 0  # of dense_params_total: the token embeddings (0: not separated)
     notes: tuple[str, ...] = ()
 
     @property

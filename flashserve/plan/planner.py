@@ -501,11 +501,13 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
     if inp.memory_bound_only and hw.machine is None:
         raise PlanError("--memory-bound-only", f"is for a machine whose device lists no FLOP/s; the datacenter "
                         f"preset {hw.name} lists them")
+    if inp.head_dtype is not None and not model.head_params:
+        raise PlanError("--head-dtype", f"{model.name}'s terms do not separate its LM head (V4 and V4.1 do)")
     return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
                       dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
                       dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
                       stack=stack.name if stack else None, placement=placement, tables_on_disk=tables_on_disk,
-                      untimed_compute=inp.memory_bound_only)
+                      untimed_compute=inp.memory_bound_only, head_dtype=inp.head_dtype)
 
 
 def _tables_on_disk(inp: PlanInputs, model: ModelTerms, hw: Hardware) -> bool:

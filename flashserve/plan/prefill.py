@@ -136,7 +136,7 @@ def prefill_terms(dep: Deployment, prompt_len: int, hit_rate: float, instance_gp
                 else hw.peak(dep.dense_dtype, PEAK_ORDER[dep.dense_dtype]) * eff.eta_flop)
     gpu_s = uncached * t_tok + replay / peak_mix
     per_token = gpu_s / uncached if uncached else t_tok
-    weights = (m.dense_params_total * WEIGHT_BYTES[dep.dense_dtype] / dep.tp
+    weights = (dep.dense_weight_bytes(m.dense_params_total, m.head_params + m.embed_params) / dep.tp
                + m.routed_params_total * WEIGHT_BYTES[dep.expert_dtype] / dep.gpus)
     t_weights = weights / (hw.hbm_bw * eff.eta_mem)  # one pass over the weights bounds a short prompt
     t_over = (m.prefill_layers * eff.layer_overhead_us + eff.pass_overhead_us) * 1e-6

@@ -39,6 +39,14 @@ class Deployment:
     placement: ExpertPlacement | None = None  # routed experts by tier on a machine (None: all on the device)
     tables_on_disk: bool = False  # engram tables on a machine's disk: each token's rows read from it
     untimed_compute: bool = False  # the device lists no FLOP/s: its compute is not timed (memory-bound only)
+    head_dtype: str | None = None  # the LM head and embeddings' dtype (None: dense_dtype)
+
+    def dense_weight_bytes(self, params: float, head: float) -> float:
+        """Bytes of ``params`` dense weights of which ``head`` are the LM head or embeddings (at head_dtype)."""
+        wb_d = WEIGHT_BYTES[self.dense_dtype]
+        if self.head_dtype is None:
+            return params * wb_d
+        return (params - head) * wb_d + head * WEIGHT_BYTES[self.head_dtype]
 
     @property
     def ep_link(self) -> tuple[str, float]:
@@ -108,14 +116,16 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     tokens = concurrency * rows  # rows entering every MoE layer, all GPUs together
     distinct = expected_distinct_experts(m.n_experts, m.top_k, tokens)
 
-    bytes_dense = m.dense_params_decode * wb_d / dep.tp
+    bytes_dense = dep.dense_weight_bytes(m.dense_params_decode, m.head_params) / dep.tp
     experts_all = m.n_moe_layers * distinct * m.expert_params * wb_e  # every tier, the whole deployment
     bytes_experts = experts_all / dep.gpus
     # an MQA/MLA latent is read by every TP rank of its sequence; sparse layers gather window and selected
     # entries per query row, so verification rows multiply them (model_terms.LayerAttention.row_bytes)
     bytes_kv = b * m.kv_read_bytes(ctx, rows)
     bytes_kv_rows = b * (rows - 1) * sum(layer.row_bytes(ctx) for layer in m.attention)
-    flops_dense = 2.0 * m.dense_params_decode * b * rows / dep.tp
+    head = m.head_params if dep.head_dtype is not None else 0  # computed at the head dtype's rate
+    flops_dense = 2.0 * (m.dense_params_decode - head) * b * rows / dep.tp
+    flops_head = 2.0 * head * b * rows / dep.tp
     flops_experts = 2.0 * m.n_moe_layers * m.top_k * m.expert_params * tokens / dep.gpus
     tier = _tiers(dep, experts_all, flops_experts * dep.gpus)
     if tier is not None:
@@ -140,6 +150,7 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     t_mem = (bytes_dense + bytes_experts + bytes_kv + bytes_draft) / (hw.hbm_bw * eff.eta_mem)
     attn_dtype = "bf16" if m.kv_dtype == "bf16" else "fp8"
     t_flop = ((flops_dense + flops_draft_dense) / _peak(dep, dep.dense_dtype)
+              + (flops_head / _peak(dep, dep.head_dtype) if flops_head else 0.0)
               + (flops_experts + flops_draft_exp) / _peak(dep, dep.expert_dtype)
               + (flops_attn + flops_draft_attn) / _peak(dep, attn_dtype))
 
@@ -187,7 +198,7 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     return DecodeStep(
         sequences_per_rank=b, rows_per_sequence=rows, distinct_experts_per_layer=distinct,
         bytes_dense=bytes_dense, bytes_experts=bytes_experts, bytes_kv=bytes_kv, bytes_draft=bytes_draft,
-        flops_dense=flops_dense, flops_experts=flops_experts, flops_attention=flops_attn,
+        flops_dense=flops_dense + flops_head, flops_experts=flops_experts, flops_attention=flops_attn,
         flops_draft=flops_draft_dense + flops_draft_exp + flops_draft_attn,
         comm_bytes_ep=comm_ep, comm_bytes_tp=comm_tp, comm_bytes_host=comm_host, comm_link=link,
         t_mem=t_mem, t_flop=t_flop, t_comm=t_comm, t_overhead=t_over, t_step=t_tiers + t_over, t_device=t_body,

@@ -109,6 +109,7 @@ def v4_terms(cfg: Any, arith: Any, name: str, kv_dtype: str) -> ModelTerms:
         prefill_layers=prefill_layers, prefill_moe_layers=prefill_layers, dense_params_prefill=dense_prefill,
         params_total=arith.params_total, host_params=arith.by_part.get("engram_table", 0),
         host_row_bytes_per_token=engram_rows, host_reads_per_token=engram_reads,
+        head_params=head, embed_params=arith.by_part.get("embed", 0),
         attention=_layers(cfg, main, index, window, n),
         prefill_attention=_layers(cfg, main, index, window, prefill_layers),
         kv_bytes_per_token=_kv_per_token(cfg, main, index), state_bytes_per_sequence=float(state),

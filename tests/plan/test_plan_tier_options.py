@@ -203,3 +203,21 @@ def test_option_refusals(tmp_path, capsys, argv, flag, message) -> None:
 def test_machine_options_refused_on_a_datacenter_preset(capsys, argv, flag) -> None:
     assert main(["--hardware", "h200", "--model", "deepseek-v41-flash", *argv]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_the_head_dtype_counts_the_lm_head_apart(tmp_path, capsys) -> None:
+    """V4.1 ships its LM head (vocabulary x hidden) and embeddings in bf16; an engine computing in fp32 reads
+    the head as fp32. Only the head's bytes change, by its parameter count x
+    (4 - 1) bytes against FP8 dense weights, and the fit counts the embeddings likewise."""
+    cfg = load_config("deepseek-v41-flash")
+    head = cfg.vocab_size * cfg.hidden_size
+    box = _write(tmp_path, {**BOX, "gpu": {**BOX["gpu"], "memory_gib": 1024,
+                                           "tflops": {**BOX["gpu"]["tflops"], "fp32": 1e6}}})
+    base = ["--hardware", box, "--model", "deepseek-v41-flash", "--context", str(CTX), *TERMS]
+    fp8 = _plan(capsys, base)
+    fp32 = _plan(capsys, [*base, "--head-dtype", "fp32"])
+    assert fp32["step"]["bytes_dense"] - fp8["step"]["bytes_dense"] == pytest.approx(head * 3.0, rel=1e-9)
+    assert fp32["capacity"]["weight_bytes_per_gpu"] - fp8["capacity"]["weight_bytes_per_gpu"] == pytest.approx(
+        2 * head * 3.0, rel=1e-9)  # the embeddings are as large as the head (not tied)
+    assert main(["--hardware", box, "--model", "deepseek-r1", "--head-dtype", "fp32"]) == 2
+    assert "--head-dtype" in capsys.readouterr().err
