@@ -456,6 +456,31 @@ def test_fp8_pair_products_equal_the_decoded_weights_on_every_path(isa, N, K, bl
     assert _rel(cpu_kernels.fp8_pairs_eager(x, experts, q, s, block, block, isa), want) <= 1e-6
 
 
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_fp8_weights_are_decoded_exactly_at_every_scale(isa):
+    """Each weight the kernel multiplies is e4m3(code) x 2^(b - 127) to the bit, for every E4M3 code and scales
+    from the subnormal 2^-127 to 2^127 (where the 2^8 the AVX2 path folds into the scale would overflow): one-hot
+    rows of x read the weights back one column at a time."""
+    from flashserve.model.packed import Format
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
+    scales = torch.tensor([0, 1, 100, 127, 200, 246, 247, 250, 254], dtype=torch.uint8)
+    N, K = len(scales) * 8, 32 * 8  # 8 matrix rows per scale, each row 256 codes
+    q = codes[torch.arange(N * K) % len(codes)].reshape(N, K)
+    big = scales.repeat_interleave(8) >= 247
+    q[big] &= 0xBF  # exponent below 8 (values under 2): finite weights at 2^120..2^127, so 0 x weight stays 0
+    s = scales.reshape(-1, 1).expand(len(scales), K // 32).contiguous()
+
+    pw = PackedWeights((N, K), Format("fp8", 8, 32))
+    pw.qweight.copy_(q)
+    pw.scale.copy_(s)
+    want = pw.dequantize(torch.float32)
+    assert torch.isfinite(want).all() and (want[big] != 0).any()
+    x = torch.eye(K)
+    got = cpu_kernels.fp8_pairs_eager(x, torch.zeros(K, dtype=torch.long), q[None], s[None], 8, 32, isa)
+    assert torch.equal(got.T, want)
+
+
 def test_fp8_pair_products_do_not_depend_on_threads_or_rows_and_refuse_mismatches():
     pw = _fp8(300, 256, 128, seed=9)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9))

@@ -61,6 +61,29 @@ inline __m256 e4m3x8(const uint8_t* q) {
 }
 #endif
 
+#if defined(FS_AVX2) && defined(__F16C__)
+// sixteen E4M3 codes as float32 times 2^-8, through IEEE halves: a code's sign moved to bit 15 and its exponent
+// and mantissa to bits 13..7 make a half worth the code's value times 2^-8, subnormals included (both formats'
+// subnormals have the exponent field 0; 0x7F gives 480 x 2^-8, as e4m3() gives 480), and F16C widens halves to
+// float32 exactly. Two instructions fewer per value than e4m3x8's integer arithmetic: one dense layer of
+// V4.1-Flash's size at one row, 2 threads, about 1.5x.
+inline void e4m3x16_scaled_down(const uint8_t* q, __m256& lo, __m256& hi) {
+    const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(v, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000)));
+    const __m256i rest = _mm256_and_si256(_mm256_slli_epi16(v, 7), _mm256_set1_epi16(0x3F80));
+    const __m256i h = _mm256_or_si256(sign, rest);
+    lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// eight weights: halves (the codes times 2^-8) times their block's scale, with the 2^8 folded into the scale where
+// the product stays a finite float (b <= 246), which is exact, so each weight equals e4m3(code) * e8m0(b)
+inline __m256 scaled(__m256 halves, uint8_t b) {
+    if (b <= 246) return _mm256_mul_ps(halves, _mm256_set1_ps(e8m0(b) * 256.f));
+    return _mm256_mul_ps(_mm256_mul_ps(halves, _mm256_set1_ps(256.f)), _mm256_set1_ps(e8m0(b)));
+}
+#endif
+
 #if defined(FS_AVX512)
 // sixteen E4M3 codes as float32, the same values as e4m3()
 inline __m512 e4m3x16(const uint8_t* q) {
@@ -116,6 +139,24 @@ inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb,
     __m256 acc[J][R];
     for (int64_t j = 0; j < J; ++j)
         for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+#if defined(FS_AVX2) && defined(__F16C__)
+    // sixteen columns at a time, each lane's sum taking the same terms in the same order as eight at a time
+    for (; k + 16 <= K; k += 16) {
+        __m256 wl[J], wh[J];
+        for (int64_t j = 0; j < J; ++j) {
+            e4m3x16_scaled_down(q + j * K + k, wl[j], wh[j]);
+            wl[j] = scaled(wl[j], sc[j][k / cb]);
+            wh[j] = scaled(wh[j], sc[j][(k + 8) / cb]);
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const __m256 xl = _mm256_loadu_ps(xs[r] + k), xh = _mm256_loadu_ps(xs[r] + k + 8);
+            for (int64_t j = 0; j < J; ++j) {
+                acc[j][r] = _mm256_fmadd_ps(wl[j], xl, acc[j][r]);
+                acc[j][r] = _mm256_fmadd_ps(wh[j], xh, acc[j][r]);
+            }
+        }
+    }
+#endif
     for (; k + 8 <= K; k += 8) {
         __m256 w[J];
         for (int64_t j = 0; j < J; ++j)
