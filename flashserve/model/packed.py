@@ -365,12 +365,15 @@ class PackedLinear(_PackedMatrix):
             return cpu_kernels.fp8_linear(x, p.qweight, p.scale, p.fmt.row_block, p.fmt.col_block).to(x.dtype)
         return blas.linear(x, p.dequantize(x.dtype))
 
-    def fp8_kernel(self, x: torch.Tensor) -> bool:
+    def fp8_kernel(self, x: torch.Tensor, groups: int = 1) -> bool:
         """Whether ``x``'s product reads this layer's FP8 bytes as stored (:func:`cpu_kernels.fp8_pairs`): block
-        FP8 on a CPU that built the kernel, at most :data:`FP8_KERNEL_ROWS` rows (a decode step's; a prompt's
-        rows decode the matrix once and multiply it with torch's product)."""
+        FP8 on a CPU that built the kernel, at most :data:`FP8_KERNEL_ROWS` rows each matrix reads (a decode
+        step's; a prompt's rows decode the matrix once and multiply it with torch's product). With ``groups``
+        row groups (:meth:`grouped`) each group's matrix reads x's rows of that group: tokens, not tokens x
+        groups."""
         fmt = self.packed.fmt
-        return (fmt.name == FP8 and x.device.type == "cpu" and x.numel() <= FP8_KERNEL_ROWS * x.shape[-1]
+        return (fmt.name == FP8 and x.device.type == "cpu"
+                and x.numel() <= FP8_KERNEL_ROWS * groups * x.shape[-1]
                 and fmt.col_block % 8 == 0 and cpu_kernels.fp8_pairs_available())
 
     @modes.per_mode
@@ -391,7 +394,7 @@ class PackedLinear(_PackedMatrix):
         p = self.packed
         G, K = x.shape[-2], x.shape[-1]
         Ng = p.shape[0] // G
-        if self.fp8_kernel(x) and Ng % p.fmt.row_block == 0:  # group g: matrix g of the FP8 kernel
+        if self.fp8_kernel(x, G) and Ng % p.fmt.row_block == 0:  # group g: matrix g of the FP8 kernel
             q, sc = p.qweight.view(G, Ng, K), p.scale.view(G, Ng // p.fmt.row_block, -1)
             groups = torch.arange(G, device=x.device).repeat(x.numel() // (G * K))
             y = cpu_kernels.fp8_pairs(x.reshape(-1, K), groups, q, sc, p.fmt.row_block, p.fmt.col_block)

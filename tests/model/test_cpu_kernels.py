@@ -523,12 +523,19 @@ def test_fp8_layers_multiply_decode_rows_as_stored_and_prompts_as_decoded():
     x = torch.randn(70, 256, generator=torch.Generator().manual_seed(5))
     import unittest.mock as mock
 
+    rows = packed.FP8_KERNEL_ROWS  # tokens: each group's matrix reads this many rows
+    xg = torch.randn(rows + 1, 4, 64, generator=torch.Generator().manual_seed(7))
     with mock.patch.object(cpu_kernels, "fp8_pairs", counting):
         few = lin(x[:packed.FP8_KERNEL_ROWS])
         many = lin(x)
         grouped = wo.grouped(x[:3].view(3, 4, 64))
-    assert calls == [packed.FP8_KERNEL_ROWS, 3 * 4]
+        batch = wo.grouped(xg[:rows])  # a decode batch: rows x 4 pairs, still read as stored
+        prompt = wo.grouped(xg)  # one token more: decoded
+    assert calls == [packed.FP8_KERNEL_ROWS, 3 * 4, rows * 4]
     torch.testing.assert_close(few, x[:packed.FP8_KERNEL_ROWS] @ w.T, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(many, x @ w.T, rtol=1e-5, atol=1e-5)
-    want = torch.einsum("tgk,gnk->tgn", x[:3].view(3, 4, 64), wo.packed.dequantize(torch.float32).view(4, 64, 64))
+    wg = wo.packed.dequantize(torch.float32).view(4, 64, 64)
+    want = torch.einsum("tgk,gnk->tgn", x[:3].view(3, 4, 64), wg)
     torch.testing.assert_close(grouped, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batch, torch.einsum("tgk,gnk->tgn", xg[:rows], wg), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(prompt, torch.einsum("tgk,gnk->tgn", xg, wg), rtol=1e-5, atol=1e-5)
