@@ -160,7 +160,8 @@ def _einsum_compiled_on_cpu(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.
 def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias). Eager: OpenBLAS where :func:`takes` says so, torch otherwise. In a compiled
     CPU step: one row :func:`reduce_linear`, several float32 rows over ``panels`` (``w``'s copy from
-    :func:`make_panels`, None where it has none) :func:`~flashserve.model.cpu_kernels.dense_rows`."""
+    :func:`make_panels`, None where it has none) :func:`~flashserve.model.cpu_kernels.dense_rows`, and one row
+    too where the panels are bfloat16 (half the bytes of the float32 weight)."""
     if not takes(x, w):
         return F.linear(x, w)
     flat = x.reshape(-1, x.shape[-1])
@@ -174,8 +175,11 @@ def _linear_compiled(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | No
 
 @linear.variant(COMPILED_CPU)
 def _linear_compiled_on_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
-    if one_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype:
+    if one_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype and not (
+            panels is not None and panels.dtype == torch.bfloat16 and x.dtype == torch.float32):
         return reduce_linear(x, w)
+    # several rows, or one row where the panels are bfloat16 (a bf16 checkpoint's weight, such as DeepSeek's LM
+    # head, computed in float32): the panels hold the same values in half the bytes of the weight itself
     if panels is not None and x.dtype == torch.float32:
         flat = x.reshape(-1, x.shape[-1])
         return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
@@ -244,9 +248,9 @@ def make_panels(module: nn.Module, name: str) -> bool:
     """Copy ``module.<name>`` (a float32 CPU weight [N, K]) into the column panels that
     :func:`~flashserve.model.cpu_kernels.dense_rows` reads, as the buffer ``<name>_panels``. The engine does it
     at start-up for a compiled CPU step of several rows; the copy costs the weight's bytes again (each panel
-    padded to 16 columns), and one-row or eager steps keep reading the weight itself. The panels are bfloat16
-    when that holds every value exactly (a checkpoint stored in bf16, as DeepSeek releases its LM head): half
-    the bytes to stream, the same products. A large float32 weight on an AVX2 CPU gets stream panels
+    padded to 16 columns), and eager steps keep reading the weight itself. The panels are bfloat16 when that
+    holds every value exactly (a checkpoint stored in bf16, as DeepSeek releases its LM head): half the bytes to
+    stream, the same products, so one-row compiled steps read them too (other one-row steps read the weight). A large float32 weight on an AVX2 CPU gets stream panels
     (:func:`~flashserve.model.cpu_kernels.streams`), read once a call. False, changing nothing, for a weight it
     does not take or where the kernel is not available."""
     w = getattr(module, name)

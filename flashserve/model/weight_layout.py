@@ -19,8 +19,9 @@ A compiled CPU step of several rows (a batch, or speculative verification) multi
 through copies in column panels made once at start-up (:func:`prepack_for_rows`,
 :func:`flashserve.model.blas.make_panels`): torch's ``mm`` repacks the weight inside MKL on every call (the LM
 head at 16 rows, 2 threads: 8.8 ms against 1.7). The weights a layer multiplies one input by share one copy,
-multiplied in one call. The copies cost the weights' bytes again; one-row and eager steps keep the weights as
-they are.
+multiplied in one call. The copies cost the weights' bytes again; eager steps keep the weights as they are, and
+one-row steps too unless the copy is bfloat16 (a bf16 checkpoint's LM head in a float32 engine: half the bytes
+of the weight).
 """
 
 from __future__ import annotations

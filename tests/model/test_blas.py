@@ -340,6 +340,25 @@ def test_a_weights_panels_serve_several_compiled_rows_with_torchs_values():
         assert _rel(lin(x), F.linear(x, lin.weight, lin.bias)) < 1e-6  # eager: torch's own product
 
 
+def test_one_compiled_row_reads_bfloat16_panels_of_a_bf16_weight():
+    """A float32 weight whose values bfloat16 holds (a bf16 checkpoint's LM head computed in float32) gets
+    bfloat16 panels: one row of a compiled CPU step reads them (half the weight's bytes) instead of the weight,
+    with F.linear's values to float32 rounding."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    head = blas.Linear(64, 40, bias=False)
+    head.weight.data = head.weight.data.bfloat16().float().t().contiguous().t()  # column-major, as a tall head
+    assert blas.make_panels(head, "weight") and blas.panels(head, "weight").dtype == torch.bfloat16
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        f = compile_as_step(lambda x: head(torch.tanh(x)), dynamic=False, options={"cpp_wrapper": True})
+        x = torch.randn(1, 64)
+        got, (code,) = run_and_get_code(f, x)
+        assert "flashserve::dense_rows" in code
+        assert _rel(got, F.linear(torch.tanh(x), head.weight)) < 1e-6
+
+
 def test_one_row_products_of_weights_that_stream_from_memory_take_every_thread(monkeypatch):
     """OpenBLAS (one thread) makes one-row float32 products of weights up to ``OPENBLAS_MAX_VALUES``; larger ones,
     which stream from memory, go to torch's product on every thread; the values agree either way."""
