@@ -55,14 +55,20 @@ def disk_read_bandwidth(folder: Path, limit: int = 2 << 30) -> float:
 
 
 def step_bytes(model, batch: int) -> tuple[int, dict[str, int]]:
-    """Bytes one decode step of ``batch`` tokens reads, by part: dense tensors whole, each layer's routed experts
-    by the expected number a batch picks (uniform routing: E (1 - (1 - k/E)^batch)), ``batch`` embedding rows."""
+    """Bytes one decode step of ``batch`` tokens reads, by part: dense tensors whole (a weight with bfloat16
+    panels by its panels), each layer's routed experts by the expected number a batch picks (uniform routing:
+    E (1 - (1 - k/E)^batch)), ``batch`` embedding rows."""
+    import torch
+
     from flashserve.model.moe import Experts
 
     cfg = model.cfg
     parts: dict[str, int] = {}
     expert_modules = {name for name, m in model.named_modules() if isinstance(m, Experts)}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name in [n for n in tensors if n.endswith("_panels") and tensors[n].dtype == torch.bfloat16]:
+        tensors.pop(name.removesuffix("_panels"), None)  # decode rows read a bf16 weight's panels, not the weight
+    for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         if any(name.startswith(e + ".") for e in expert_modules):
             E, k = cfg.n_routed_experts, cfg.num_experts_per_tok

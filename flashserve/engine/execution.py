@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model import cpu_kernels, modes, packed
-from ..model.weight_layout import column_major_tall_weights, join_int8_rows, prepack_for_rows
+from ..model.weight_layout import bf16_panels_for_decode, column_major_tall_weights, join_int8_rows, prepack_for_rows
 from .engine_config import INT8_KERNELS
 
 log = logging.getLogger("flashserve.engine")
@@ -80,6 +80,8 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
                                       "measured" if int8_rows else "no int8 weights"))
     if not compiled:  # torch's one-row products over the LM head run ~2x faster column-major
         plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
+        if device == "cpu":  # a bf16 head read as bf16: half the bytes of its float32 copy
+            plan.relayouts["bfloat16 panels of bf16 weights"] = bf16_panels_for_decode(model)
     elif device == "cpu":  # a compiled CPU step's own products want them row-major (blas)
         plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
         if rows > 1:

@@ -162,10 +162,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None)
     CPU step: one row :func:`reduce_linear`, several float32 rows over ``panels`` (``w``'s copy from
     :func:`make_panels`, None where it has none) :func:`~flashserve.model.cpu_kernels.dense_rows`, and one row
     too where the panels are bfloat16 (half the bytes of the float32 weight)."""
+    if bf16_rows(x, panels):
+        flat = x.reshape(-1, x.shape[-1])
+        return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
     if not takes(x, w):
         return F.linear(x, w)
     flat = x.reshape(-1, x.shape[-1])
     return _mm_np(flat, w).view(*x.shape[:-1], w.shape[0])
+
+
+def bf16_rows(x: torch.Tensor, panels: torch.Tensor | None) -> bool:
+    """Whether an eager product of ``x`` reads a weight's bfloat16 panels (:func:`make_bf16_panels`): float32
+    decode rows (at most :data:`BF16_PANEL_MAX_ROWS`) against panels that hold the weight's values in half its
+    bytes."""
+    return (panels is not None and panels.dtype == torch.bfloat16 and x.dtype == torch.float32
+            and 0 < x.numel() <= BF16_PANEL_MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled())
 
 
 @linear.variant(COMPILED)
@@ -264,6 +275,25 @@ def make_panels(module: nn.Module, name: str) -> bool:
     else:
         copy = cpu_kernels.pack_panels(w)
     module.register_buffer(name + PANELS, copy, persistent=False)
+    return True
+
+
+BF16_PANEL_MIN_ELEMENTS = 1 << 24  # a weight this large streams from memory at one row: its bytes are the time
+BF16_PANEL_MAX_ROWS = 32  # a decode batch's rows (dense_rows' range); a prompt's keep torch's product
+
+
+@torch.no_grad()
+def make_bf16_panels(module: nn.Module, name: str) -> bool:
+    """Give ``module.<name>`` (a float32 CPU weight of at least :data:`BF16_PANEL_MIN_ELEMENTS` values, every one
+    of which bfloat16 holds: a bf16 checkpoint's LM head in a float32 engine) bfloat16 panels, which an eager
+    step's decode rows read (:func:`linear`): half the bytes, the same products to float32 rounding. False,
+    changing nothing, for any other weight or where the kernel is not available."""
+    w = getattr(module, name)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
+            and w.numel() >= BF16_PANEL_MIN_ELEMENTS and panels(module, name) is None
+            and cpu_kernels.dense_rows_available() and cpu_kernels.bf16_exact(w)):
+        return False
+    module.register_buffer(name + PANELS, cpu_kernels.pack_panels(w, torch.bfloat16), persistent=False)
     return True
 
 

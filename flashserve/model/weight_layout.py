@@ -57,6 +57,19 @@ def column_major_tall_weights(model: nn.Module) -> list[str]:
     return done
 
 
+def bf16_panels_for_decode(model: nn.Module) -> list[str]:
+    """Give the large float32 weights of ``model``'s modules (their ``ROW_WEIGHTS``) whose values bfloat16 holds
+    (a bf16 checkpoint's LM head read into a float32 engine) bfloat16 panels that an eager step's decode rows
+    read (:func:`flashserve.model.blas.make_bf16_panels`): half the bytes to stream. Returns the panels' names
+    (``<weight>_panels``)."""
+    done = []
+    for name, mod in model.named_modules():
+        for w in getattr(mod, "ROW_WEIGHTS", ()):
+            if blas.make_bf16_panels(mod, w):
+                done.append(_full(name, w + blas.PANELS))
+    return done
+
+
 def prepack_for_rows(model: nn.Module) -> list[str]:
     """Give the float32 CPU weights that ``model``'s modules multiply several rows by panel copies for compiled
     steps: the weights a module multiplies one input by (its ``joint_row_weights()``) one joined copy per input

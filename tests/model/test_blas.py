@@ -359,6 +359,32 @@ def test_one_compiled_row_reads_bfloat16_panels_of_a_bf16_weight():
         assert _rel(got, F.linear(torch.tanh(x), head.weight)) < 1e-6
 
 
+def test_eager_decode_rows_read_bfloat16_panels_of_a_large_bf16_weight(monkeypatch):
+    """An eager engine gives a large float32 weight whose values bfloat16 holds (a bf16 checkpoint's LM head)
+    bfloat16 panels, and its decode rows read them (half the bytes) with F.linear's values to float32 rounding;
+    a prompt's rows, a weight bfloat16 would round and a small weight keep torch's product."""
+    from flashserve.model import weight_layout
+
+    monkeypatch.setattr(blas, "BF16_PANEL_MIN_ELEMENTS", 64 * 40)
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.head = blas.Linear(64, 40, bias=False)
+    model.head.weight.data = model.head.weight.data.bfloat16().float()
+    model.rounded = blas.Linear(64, 40, bias=False)  # float32 values bfloat16 would round
+    model.small = blas.Linear(8, 4, bias=False)
+    model.small.weight.data = model.small.weight.data.bfloat16().float()
+    assert weight_layout.bf16_panels_for_decode(model) == ["head.weight_panels"]
+    calls = []
+    real = cpu_kernels.dense_rows
+    monkeypatch.setattr(cpu_kernels, "dense_rows", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.inference_mode():
+        for rows in (1, 16, blas.BF16_PANEL_MAX_ROWS + 1):
+            x = torch.randn(rows, 64)
+            assert _rel(model.head(x), F.linear(x, model.head.weight)) < 1e-6
+        model.rounded(torch.randn(1, 64))
+    assert calls == [1, 16]
+
+
 def test_one_row_products_of_weights_that_stream_from_memory_take_every_thread(monkeypatch):
     """OpenBLAS (one thread) makes one-row float32 products of weights up to ``OPENBLAS_MAX_VALUES``; larger ones,
     which stream from memory, go to torch's product on every thread; the values agree either way."""
