@@ -396,3 +396,19 @@ def test_one_row_products_of_weights_that_stream_from_memory_take_every_thread(m
         assert blas.takes(x, small) == blas.OPENBLAS and not blas.takes(x, large)
         for w in (small, large):
             torch.testing.assert_close(blas.linear(x, w), F.linear(x, w), rtol=1e-6, atol=1e-6)
+
+
+def test_bf16_exact_reads_each_values_low_half():
+    """bfloat16 holds a float32 value exactly when its low 16 bits are zero: a bf16 tensor read into float32,
+    in any layout, is held; one value off by its last bit, or a subnormal bfloat16 cannot hold, is not; the
+    same answers as converting to bfloat16 and back."""
+    w = torch.randn(300, 70, generator=torch.Generator().manual_seed(3))
+    held = w.bfloat16().float()
+    off = held.clone()
+    off.view(torch.int32)[7, 7] += 1
+    tiny = torch.tensor([1.0, 2.0 ** -140])  # bfloat16's smallest subnormal is 2^-133
+    cases = [(w, False), (held, True), (held.t(), True), (held.t().contiguous().t(), True), (held[:, ::3], True),
+             (off, False), (tiny, False), (held.double(), True), (w.double(), False)]
+    for t, want in cases:
+        assert cpu_kernels.bf16_exact(t) is want
+        assert torch.equal(t.to(torch.bfloat16).to(t.dtype), t) is want
