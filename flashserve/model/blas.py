@@ -158,10 +158,11 @@ def _einsum_compiled_on_cpu(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.
 
 @modes.per_mode
 def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias). Eager: OpenBLAS where :func:`takes` says so, torch otherwise. In a compiled
-    CPU step: one row :func:`reduce_linear`, several float32 rows over ``panels`` (``w``'s copy from
-    :func:`make_panels`, None where it has none) :func:`~flashserve.model.cpu_kernels.dense_rows`, and one row
-    too where the panels are bfloat16 (half the bytes of the float32 weight)."""
+    """``F.linear(x, w)`` (no bias). Eager: decode rows over bfloat16 ``panels`` (:func:`bf16_rows`), else OpenBLAS
+    where :func:`takes` says so, torch otherwise. In a compiled CPU step: one row :func:`reduce_linear`, several
+    float32 rows over ``panels`` (``w``'s copy from :func:`make_panels`, None where it has none)
+    :func:`~flashserve.model.cpu_kernels.dense_rows`, and one row too where the panels are bfloat16 (half the
+    bytes of the float32 weight)."""
     if bf16_rows(x, panels):
         flat = x.reshape(-1, x.shape[-1])
         return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
@@ -259,11 +260,11 @@ def make_panels(module: nn.Module, name: str) -> bool:
     """Copy ``module.<name>`` (a float32 CPU weight [N, K]) into the column panels that
     :func:`~flashserve.model.cpu_kernels.dense_rows` reads, as the buffer ``<name>_panels``. The engine does it
     at start-up for a compiled CPU step of several rows; the copy costs the weight's bytes again (each panel
-    padded to 16 columns), and eager steps keep reading the weight itself. The panels are bfloat16 when that
-    holds every value exactly (a checkpoint stored in bf16, as DeepSeek releases its LM head): half the bytes to
-    stream, the same products, so one-row compiled steps read them too (other one-row steps read the weight). A large float32 weight on an AVX2 CPU gets stream panels
-    (:func:`~flashserve.model.cpu_kernels.streams`), read once a call. False, changing nothing, for a weight it
-    does not take or where the kernel is not available."""
+    padded to 16 columns). The panels are bfloat16 when that holds every value exactly (a checkpoint stored in
+    bf16, as DeepSeek releases its LM head): half the bytes to stream, the same products, so every decode row
+    reads them (:func:`linear`); float32 panels serve only a compiled step's several rows. A large float32
+    weight on an AVX2 CPU gets stream panels (:func:`~flashserve.model.cpu_kernels.streams`), read once a call.
+    False, changing nothing, for a weight it does not take or where the kernel is not available."""
     w = getattr(module, name)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
             and cpu_kernels.dense_rows_available()):

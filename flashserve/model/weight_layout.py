@@ -19,9 +19,10 @@ A compiled CPU step of several rows (a batch, or speculative verification) multi
 through copies in column panels made once at start-up (:func:`prepack_for_rows`,
 :func:`flashserve.model.blas.make_panels`): torch's ``mm`` repacks the weight inside MKL on every call (the LM
 head at 16 rows, 2 threads: 8.8 ms against 1.7). The weights a layer multiplies one input by share one copy,
-multiplied in one call. The copies cost the weights' bytes again; eager steps keep the weights as they are, and
-one-row steps too unless the copy is bfloat16 (a bf16 checkpoint's LM head in a float32 engine: half the bytes
-of the weight).
+multiplied in one call. The copies cost the weights' bytes again. Eager and one-row steps keep the float32
+weights as they are, except where a copy is bfloat16 (a bf16 checkpoint's LM head in a float32 engine: half the
+bytes of the weight), which every decode row reads; an eager engine makes such copies of its large bf16 weights
+too (:func:`bf16_panels_for_decode`).
 """
 
 from __future__ import annotations
