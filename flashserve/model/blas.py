@@ -270,7 +270,7 @@ def make_panels(module: nn.Module, name: str) -> bool:
             and cpu_kernels.dense_rows_available()):
         return False
     if cpu_kernels.bf16_exact(w):
-        copy = cpu_kernels.pack_panels(w, torch.bfloat16)
+        copy = cpu_kernels.bf16_panels_of_exact(w)
     elif cpu_kernels.streams(w):
         copy = cpu_kernels.pack_stream_panels(w)
     else:
@@ -294,7 +294,7 @@ def make_bf16_panels(module: nn.Module, name: str) -> bool:
             and w.numel() >= BF16_PANEL_MIN_ELEMENTS and panels(module, name) is None
             and cpu_kernels.dense_rows_available() and cpu_kernels.bf16_exact(w)):
         return False
-    module.register_buffer(name + PANELS, cpu_kernels.pack_panels(w, torch.bfloat16), persistent=False)
+    module.register_buffer(name + PANELS, cpu_kernels.bf16_panels_of_exact(w), persistent=False)
     return True
 
 

@@ -330,8 +330,13 @@ def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
         raise ValueError("pack_panels: bfloat16 panels would round this weight (bf16_exact is False)")
     if dtype != torch.bfloat16:
         return _in_panels(w, LANES, dtype).contiguous()
+    return bf16_panels_of_exact(w)
+
+
+def bf16_panels_of_exact(w: torch.Tensor) -> torch.Tensor:
+    """:func:`pack_panels` in bfloat16 for a ``w`` already known to be :func:`bf16_exact` (not checked again)."""
     N, K = w.shape
-    padded = torch.zeros(-(-N // LANES) * LANES, K, dtype=dtype)
+    padded = torch.zeros(-(-N // LANES) * LANES, K, dtype=torch.bfloat16)
     padded[:N] = w.detach()
     order = torch.tensor(BF16_SLOTS).argsort()  # slot s holds column order[s]
     blocks = padded.view(-1, LANES, K)[:, order]  # each panel's columns in slot order: whole rows moved
@@ -456,5 +461,6 @@ __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pair
            "fp8_pairs_eager", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",
            "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
-           "mxfp4_pairs_available", "mxfp4_pairs_eager", "pack_panels", "pack_stream_panels", "sinkhorn",
+           "mxfp4_pairs_available", "mxfp4_pairs_eager", "bf16_panels_of_exact", "pack_panels", "pack_stream_panels",
+           "sinkhorn",
            "sinkhorn_available", "sinkhorn_eager", "streams"]

@@ -5,41 +5,16 @@ machine's figures; the flags' refusals exit with status 2."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 
 from flashserve.config import load_config
 from flashserve.plan.cli import main
 from flashserve.plan.models import resolve_model
+from tier_box import BOX, CTX, ETA_COMM, ETA_MEM, FP4, LAYER_US, MODEL, TERMS, plan_json, write_machine
 
-MODEL = "deepseek-v4-flash"
-FP4 = 0.5 + 1 / 32  # MXFP4: 4 bits and one scale byte per 32 weights
-CTX = 4096
-# a 24 GiB GPU at 1,000 GB/s whose FLOP/s never bind, 512 GiB of host memory at 200 GB/s, a 50 GB/s link, a
-# 5 GB/s disk
-BOX = {"name": "option-box",
-       "gpu": {"memory_gib": 24, "bandwidth_gbs": 1000, "tflops": {"fp4": 1e6, "fp8": 1e6, "bf16": 1e6}},
-       "host": {"memory_gib": 512, "bandwidth_gbs": 200},
-       "link": {"bandwidth_gbs": 50},
-       "disk": {"read_gbs": 5}}
-ETA_MEM, ETA_COMM, ETA_FLOP, LAYER_US = 0.8, 0.5, 0.5, 10.0
-TERMS = ["--eta-mem", str(ETA_MEM), "--eta-comm", str(ETA_COMM), "--eta-flop", str(ETA_FLOP),
-         "--layer-overhead-us", str(LAYER_US), "--pass-overhead-us", "0"]
 SPLIT = ["--resident-experts", "16", "--host-experts", "176"]  # and 64 per layer on disk
-
-
-def _write(tmp_path: Path, data: dict, name: str = "box.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(data))
-    return str(path)
-
-
-def _plan(capsys, argv: list[str]) -> dict:
-    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)
 
 
 def _token() -> dict[str, float]:
@@ -54,8 +29,8 @@ def _token() -> dict[str, float]:
 def test_a_measured_hit_rate_replaces_uniform_routing(tmp_path, capsys) -> None:
     """Half the selected experts found resident: the other half split 176 : 64 over host memory and disk
     (uniform routing would find 16/256 of them resident)."""
-    box = _write(tmp_path, BOX)
-    d = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
+    box = write_machine(tmp_path, BOX)
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
                        "--expert-hit-rate", "0.5"])
     h = _token()
     gpu = h["dense_kv"] + 0.5 * h["selected"]
@@ -72,13 +47,13 @@ def test_a_measured_hit_rate_replaces_uniform_routing(tmp_path, capsys) -> None:
 
 
 def test_overlapped_tiers_take_the_slowest(tmp_path, capsys) -> None:
-    box = _write(tmp_path, BOX)
+    box = write_machine(tmp_path, BOX)
     h = _token()
     t_gpu = (h["dense_kv"] + h["selected"] * 16 / 256) / (1000e9 * ETA_MEM)
     t_host = h["selected"] * 240 / 256 / (200e9 * ETA_MEM)
     t_disk = h["selected"] * 64 / 256 / 5e9
-    summed = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT])
-    over = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
+    summed = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT])
+    over = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
                           "--tier-overlap", "overlapped"])
     assert summed["step_time_ms"] == pytest.approx((t_gpu + t_host + t_disk + h["fixed"]) * 1e3, rel=1e-9)
     assert over["step_time_ms"] == pytest.approx((max(t_gpu, t_host, t_disk) + h["fixed"]) * 1e3, rel=1e-9)
@@ -87,15 +62,16 @@ def test_overlapped_tiers_take_the_slowest(tmp_path, capsys) -> None:
 
 def test_a_measured_cpu_kernel_rate_times_the_host_tier(tmp_path, capsys) -> None:
     """host.expert_gbs (a CPU expert kernel's measured read rate) replaces host bandwidth x efficiency."""
-    box = _write(tmp_path, {**BOX, "host": {**BOX["host"], "expert_gbs": 80}})
-    d = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
+    box = write_machine(tmp_path, {**BOX, "host": {**BOX["host"], "expert_gbs": 80}})
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
                        "--resident-experts", "16"])
     h = _token()
     host = h["selected"] * 240 / 256
     assert d["step"]["t_host"] == pytest.approx(host / 80e9, rel=1e-9)
     # a machine that gives only the kernel rate, no host bandwidth, can still place experts on the CPU
-    rate_only = _write(tmp_path, {**BOX, "host": {"memory_gib": 512, "expert_gbs": 80}}, "rate.json")
-    assert _plan(capsys, ["--hardware", rate_only, "--model", MODEL, "--resident-experts", "16"])["step"]["t_host"] > 0
+    rate_only = write_machine(tmp_path, {**BOX, "host": {"memory_gib": 512, "expert_gbs": 80}}, "rate.json")
+    d = plan_json(capsys, ["--hardware", rate_only, "--model", MODEL, "--resident-experts", "16"])
+    assert d["step"]["t_host"] > 0
 
 
 @pytest.mark.parametrize("compute", ["cpu", "gpu"])
@@ -103,8 +79,8 @@ def test_prefill_reads_or_moves_the_experts_a_chunk_touches(tmp_path, capsys, co
     """A 512-token chunk touches E(1 - (1 - k/E)^512) experts of each layer; the off-device ones are read once
     a chunk from host memory by the CPU (no CPU FLOP/s given: its memory bound), or moved over the link, and
     the disk ones read once a chunk from disk."""
-    box = _write(tmp_path, BOX)
-    d = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
+    box = write_machine(tmp_path, BOX)
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
                        "--host-expert-compute", compute, "--prefill-chunk", "512"])
     m = resolve_model(MODEL)
     touched = 256 * (1 - (1 - 6 / 256) ** 512)
@@ -121,13 +97,13 @@ def test_prefill_reads_or_moves_the_experts_a_chunk_touches(tmp_path, capsys, co
     parts = {"host" if compute == "cpu" else "link": t_host, "disk": t_disk}
     assert d["prefill"]["bound"] == max(parts, key=parts.get)
     # a larger chunk reads the same experts for more tokens
-    big = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
+    big = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
                          "--host-expert-compute", compute, "--prefill-chunk", "4096"])
     assert big["prefill_tokens_per_s_per_gpu"] > 5 * d["prefill_tokens_per_s_per_gpu"]
 
 
 def test_without_a_placement_prefill_has_no_tiers(tmp_path, capsys) -> None:
-    d = _plan(capsys, ["--hardware", _write(tmp_path, {**BOX, "gpu": {**BOX["gpu"], "memory_gib": 1024}}),
+    d = plan_json(capsys, ["--hardware", write_machine(tmp_path, {**BOX, "gpu": {**BOX["gpu"], "memory_gib": 1024}}),
                        "--model", MODEL, *TERMS])
     assert d["prefill"]["tiers"] is None
 
@@ -142,10 +118,10 @@ def test_engram_tables_on_disk(tmp_path, capsys) -> None:
     row = cfg.engram_head_dim * (1 + 1 / 32)  # FP8 values and one scale byte per 32
     unified = {"name": "tables-box", "unified": True, "gpu": {"tflops": {"fp4": 1e6, "fp8": 1e6, "bf16": 1e6}},
                "host": {"memory_gib": 1024, "bandwidth_gbs": 400}, "disk": {"read_gbs": 4, "iops": 20000}}
-    box = _write(tmp_path, unified)
+    box = write_machine(tmp_path, unified)
     base = ["--hardware", box, "--model", "deepseek-v41-flash", "--context", str(CTX), *TERMS]
-    mem = _plan(capsys, base)
-    disk = _plan(capsys, [*base, "--engram-tables", "disk"])
+    mem = plan_json(capsys, base)
+    disk = plan_json(capsys, [*base, "--engram-tables", "disk"])
     assert mem["capacity"]["host_table_bytes_in_device"] > 100e9 and disk["capacity"]["host_table_bytes_in_device"] == 0
     t_tables = reads * row / 4e9 + reads / 20000
     assert disk["step"]["t_disk_tables"] == pytest.approx(t_tables, rel=1e-9)
@@ -170,7 +146,7 @@ def test_a_device_without_flops_is_timed_by_memory_only_when_asked(tmp_path, cap
             "--engram-tables", "disk", "--context", str(CTX), *TERMS]
     assert main(argv) == 1
     assert "--memory-bound-only" in capsys.readouterr().err
-    d = _plan(capsys, [*argv, "--memory-bound-only"])
+    d = plan_json(capsys, [*argv, "--memory-bound-only"])
     s = d["step"]
     assert s["t_flop"] == 0.0
     m = resolve_model("deepseek-v41-flash")
@@ -192,7 +168,7 @@ def test_a_device_without_flops_is_timed_by_memory_only_when_asked(tmp_path, cap
     (["--engram-tables", "disk"], "--engram-tables", "has no engram tables"),
 ])
 def test_option_refusals(tmp_path, capsys, argv, flag, message) -> None:
-    box = _write(tmp_path, BOX)
+    box = write_machine(tmp_path, BOX)
     assert main(["--hardware", box, "--model", MODEL, *argv]) == 2
     err = capsys.readouterr().err
     assert flag in err and message in err
@@ -211,11 +187,11 @@ def test_the_head_dtype_counts_the_lm_head_apart(tmp_path, capsys) -> None:
     (4 - 1) bytes against FP8 dense weights, and the fit counts the embeddings likewise."""
     cfg = load_config("deepseek-v41-flash")
     head = cfg.vocab_size * cfg.hidden_size
-    box = _write(tmp_path, {**BOX, "gpu": {**BOX["gpu"], "memory_gib": 1024,
+    box = write_machine(tmp_path, {**BOX, "gpu": {**BOX["gpu"], "memory_gib": 1024,
                                            "tflops": {**BOX["gpu"]["tflops"], "fp32": 1e6}}})
     base = ["--hardware", box, "--model", "deepseek-v41-flash", "--context", str(CTX), *TERMS]
-    fp8 = _plan(capsys, base)
-    fp32 = _plan(capsys, [*base, "--head-dtype", "fp32"])
+    fp8 = plan_json(capsys, base)
+    fp32 = plan_json(capsys, [*base, "--head-dtype", "fp32"])
     assert fp32["step"]["bytes_dense"] - fp8["step"]["bytes_dense"] == pytest.approx(head * 3.0, rel=1e-9)
     assert fp32["capacity"]["weight_bytes_per_gpu"] - fp8["capacity"]["weight_bytes_per_gpu"] == pytest.approx(
         2 * head * 3.0, rel=1e-9)  # the embeddings are as large as the head (not tied)

@@ -6,42 +6,17 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from flashserve.plan.cli import main
 from flashserve.plan.hardware import HARDWARE_JSON
 from flashserve.plan.models import resolve_model
+from tier_box import BOX, CTX, ETA_COMM, ETA_FLOP, ETA_MEM, FP4, LAYER_US, MODEL, TERMS, plan_json, write_machine
 
 GIB = 2**30
-MODEL = "deepseek-v4-flash"
-FP4 = 0.5 + 1 / 32  # MXFP4: 4 bits and one scale byte per 32 weights
-CTX = 4096
-# a 24 GiB GPU at 1,000 GB/s whose FLOP/s never bind, 512 GiB of host memory at 200 GB/s, a 50 GB/s link, a
-# 5 GB/s disk
-BOX = {"name": "tier-box",
-       "gpu": {"memory_gib": 24, "bandwidth_gbs": 1000, "tflops": {"fp4": 1e6, "fp8": 1e6, "bf16": 1e6}},
-       "host": {"memory_gib": 512, "bandwidth_gbs": 200},
-       "link": {"bandwidth_gbs": 50},
-       "disk": {"read_gbs": 5}}
 UNIFIED = {"name": "tier-unified", "unified": True, "gpu": {"tflops": {"fp4": 1e6, "fp8": 1e6, "bf16": 1e6}},
            "host": {"memory_gib": 64, "bandwidth_gbs": 400}, "disk": {"read_gbs": 4}}
-# efficiency terms fixed by flags so the hand computation needs nothing from the planner's profile
-ETA_MEM, ETA_COMM, ETA_FLOP, LAYER_US = 0.8, 0.5, 0.5, 10.0
-TERMS = ["--eta-mem", str(ETA_MEM), "--eta-comm", str(ETA_COMM), "--eta-flop", str(ETA_FLOP),
-         "--layer-overhead-us", str(LAYER_US), "--pass-overhead-us", "0"]
-
-
-def _write(tmp_path: Path, data: dict, name: str = "box.json") -> str:
-    path = tmp_path / name
-    path.write_text(json.dumps(data))
-    return str(path)
-
-
-def _plan(capsys, argv: list[str]) -> dict:
-    assert main([*argv, "--json"]) == 0, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)
 
 
 def _hand(resident: int, host: int, disk: int) -> dict[str, float]:
@@ -61,8 +36,8 @@ def _hand(resident: int, host: int, disk: int) -> dict[str, float]:
 
 def test_gpu_host_and_disk_tiers_by_hand(tmp_path, capsys) -> None:
     """16 experts per layer on the GPU, 176 in host memory computed by the CPU, 64 read from disk."""
-    box = _write(tmp_path, BOX)
-    d = _plan(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
+    box = write_machine(tmp_path, BOX)
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
                        "--resident-experts", "16", "--host-experts", "176"])
     h = _hand(16, 176, 64)
     gpu_bytes = h["dense_kv"] + h["gpu_experts"]
@@ -97,7 +72,7 @@ def test_gpu_host_and_disk_tiers_by_hand(tmp_path, capsys) -> None:
 def test_host_experts_moved_over_the_link(tmp_path, capsys) -> None:
     """--host-expert-compute gpu: the 240 host-memory experts per layer cross the 50 GB/s link and are read
     again from GPU memory; the GPU computes them."""
-    d = _plan(capsys, ["--hardware", _write(tmp_path, BOX), "--model", MODEL, "--context", str(CTX), *TERMS,
+    d = plan_json(capsys, ["--hardware", write_machine(tmp_path, BOX), "--model", MODEL, "--context", str(CTX), *TERMS,
                        "--resident-experts", "16", "--host-expert-compute", "gpu"])
     h = _hand(16, 240, 0)
     t_gpu = (h["dense_kv"] + h["selected"]) / (1000e9 * ETA_MEM)
@@ -114,7 +89,7 @@ def test_the_cpu_kernels_bound_by_their_flops(tmp_path, capsys) -> None:
     """With host.expert_tflops given, the CPU tier takes the slower of its reads and its FLOPs."""
     box = json.loads(json.dumps(BOX))
     box["host"]["expert_tflops"] = 0.05
-    d = _plan(capsys, ["--hardware", _write(tmp_path, box), "--model", MODEL, "--context", str(CTX), *TERMS,
+    d = plan_json(capsys, ["--hardware", write_machine(tmp_path, box), "--model", MODEL, "--context", str(CTX), *TERMS,
                        "--resident-experts", "16"])
     h = _hand(16, 240, 0)
     m = resolve_model(MODEL)
@@ -128,7 +103,8 @@ def test_the_cpu_kernels_bound_by_their_flops(tmp_path, capsys) -> None:
 
 def test_a_unified_machine_streams_the_rest_from_disk(tmp_path, capsys) -> None:
     """Unified memory: 60 experts per layer resident, 196 read from the 4 GB/s disk into the same memory."""
-    d = _plan(capsys, ["--hardware", _write(tmp_path, UNIFIED), "--model", MODEL, "--context", str(CTX), *TERMS,
+    unified = write_machine(tmp_path, UNIFIED)
+    d = plan_json(capsys, ["--hardware", unified, "--model", MODEL, "--context", str(CTX), *TERMS,
                        "--resident-experts", "60"])
     h = _hand(60, 0, 196)
     t_mem = (h["dense_kv"] + h["gpu_experts"] + h["disk_experts"]) / (400e9 * ETA_MEM)
@@ -140,15 +116,15 @@ def test_a_unified_machine_streams_the_rest_from_disk(tmp_path, capsys) -> None:
 
 
 def test_all_experts_resident_is_the_plan_without_the_flags(tmp_path, capsys) -> None:
-    box = _write(tmp_path, BOX)
+    box = write_machine(tmp_path, BOX)
     argv = ["--hardware", box, "--model", MODEL, "--gpu-memory", "200"]
-    plain = _plan(capsys, argv)
-    placed = _plan(capsys, argv + ["--resident-experts", "256", "--host-experts", "0"])
+    plain = plan_json(capsys, argv)
+    placed = plan_json(capsys, argv + ["--resident-experts", "256", "--host-experts", "0"])
     for key in ("tokens_per_s_per_agent", "step_time_ms", "sessions_fit", "ttft_ms"):
         assert placed[key] == plain[key], key
     assert plain["machine"]["placement"] is None
     assert [row["tier"] for row in plain["decode_tiers"]["tiers"]] == ["GPU memory", "fixed"]
-    assert "decode_tiers" not in _plan(capsys, ["--hardware", "h200", "--model", MODEL])
+    assert "decode_tiers" not in plan_json(capsys, ["--hardware", "h200", "--model", MODEL])
 
 
 def _misfit(capsys, argv: list[str]) -> str:
@@ -165,12 +141,12 @@ def test_the_gpu_misfit_says_how_many_experts_stay(tmp_path, capsys) -> None:
     per_expert = m.n_moe_layers * m.expert_params * FP4  # one more resident expert in every layer
     n = math.floor(room / per_expert)
     assert 0 < n < 256
-    box = _write(tmp_path, BOX)
+    box = write_machine(tmp_path, BOX)
     argv = ["--hardware", box, "--model", MODEL]
     err = _misfit(capsys, argv)
     assert f"holds {n} of the 256 per layer" in err and f"--resident-experts {n};" in err
     assert f"the other {256 - n} per layer" in err and "go to host memory" in err
-    assert _plan(capsys, argv + ["--resident-experts", str(n)])["fits"] is True
+    assert plan_json(capsys, argv + ["--resident-experts", str(n)])["fits"] is True
     assert "the weights need" in _misfit(capsys, argv + ["--resident-experts", str(n + 1)])
 
 
@@ -179,12 +155,12 @@ def test_the_host_misfit_says_how_many_experts_go_to_disk(tmp_path, capsys) -> N
     per_expert = m.n_moe_layers * m.expert_params * FP4
     host_gib = 64
     fit = math.floor(host_gib * GIB / per_expert)
-    box = _write(tmp_path, BOX)
+    box = write_machine(tmp_path, BOX)
     argv = ["--hardware", box, "--model", MODEL, "--host-memory", str(host_gib), "--resident-experts", "20"]
     err = _misfit(capsys, argv)
     assert f"236 experts per layer in host memory need {236 * per_expert / 1e9:,.1f} GB" in err
     assert f"--resident-experts 20 --host-experts {fit} reads the other {236 - fit} per layer from disk" in err
-    assert _plan(capsys, argv + ["--host-experts", str(fit)])["fits"] is True
+    assert plan_json(capsys, argv + ["--host-experts", str(fit)])["fits"] is True
     assert "in host memory need" in _misfit(capsys, argv + ["--host-experts", str(fit + 1)])
 
 
@@ -192,7 +168,7 @@ def test_the_misfit_beyond_host_memory_points_to_disk(tmp_path, capsys) -> None:
     """A GPU and host memory too small for every expert: the advice splits GPU, host and disk."""
     box = json.loads(json.dumps(BOX))
     box["host"]["memory_gib"] = 32
-    err = _misfit(capsys, ["--hardware", _write(tmp_path, box), "--model", MODEL])
+    err = _misfit(capsys, ["--hardware", write_machine(tmp_path, box), "--model", MODEL])
     assert "and host memory holds" in err and "from disk" in err and "--host-experts" in err
 
 
@@ -206,7 +182,7 @@ def test_the_misfit_beyond_host_memory_points_to_disk(tmp_path, capsys) -> None:
      "must be a positive number"),
 ])
 def test_placement_flags_refused(tmp_path, capsys, extra, flag, message) -> None:
-    argv = ["--hardware", _write(tmp_path, BOX), "--model", MODEL, *extra]
+    argv = ["--hardware", write_machine(tmp_path, BOX), "--model", MODEL, *extra]
     if "h200" in extra:
         argv = ["--model", MODEL, *extra]
     assert main(argv) == 2
@@ -218,7 +194,7 @@ def test_placement_needs_the_bandwidth_of_each_tier(tmp_path, capsys) -> None:
     box = json.loads(json.dumps(BOX))
     del box["disk"]
     del box["host"]["bandwidth_gbs"]
-    path = _write(tmp_path, box)
+    path = write_machine(tmp_path, box)
     assert main(["--hardware", path, "--model", MODEL, "--resident-experts", "10", "--host-experts", "10"]) == 2
     assert "error: --disk-bandwidth: 236 experts per layer are read from disk" in capsys.readouterr().err
     assert main(["--hardware", path, "--model", MODEL, "--resident-experts", "10"]) == 2
@@ -227,7 +203,8 @@ def test_placement_needs_the_bandwidth_of_each_tier(tmp_path, capsys) -> None:
     assert main(["--hardware", path, "--model", MODEL, "--resident-experts", "10", "--host-expert-compute",
                  "gpu", "--json"]) == 0
     capsys.readouterr()
-    assert main(["--hardware", _write(tmp_path, UNIFIED, "u.json"), "--model", MODEL, "--host-experts", "4"]) == 2
+    unified = write_machine(tmp_path, UNIFIED, "u.json")
+    assert main(["--hardware", unified, "--model", MODEL, "--host-experts", "4"]) == 2
     assert "error: --host-experts: tier-unified is a unified machine" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         main(["--hardware", path, "--model", MODEL, "--resident-experts", "10", "--host-expert-compute", "tpu"])
@@ -236,7 +213,7 @@ def test_placement_needs_the_bandwidth_of_each_tier(tmp_path, capsys) -> None:
 
 
 def test_explain_shows_the_tiers_and_the_bottleneck(tmp_path, capsys) -> None:
-    assert main(["--hardware", _write(tmp_path, BOX), "--model", MODEL, "--resident-experts", "16",
+    assert main(["--hardware", write_machine(tmp_path, BOX), "--model", MODEL, "--resident-experts", "16",
                  "--host-experts", "176", "--explain"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "[tiers]" in lines and max(len(line) for line in lines) <= 80
@@ -244,7 +221,7 @@ def test_explain_shows_the_tiers_and_the_bottleneck(tmp_path, capsys) -> None:
     for words in ("GPU memory: bytes per token", "host memory: time", "disk: time", "bottleneck: disk",
                   "16 of 256 routed experts per layer", "at 5 GB/s x 1: read at the disk's stated bandwidth"):
         assert words in text, words
-    assert main(["--hardware", _write(tmp_path, BOX), "--model", MODEL, "--resident-experts", "16",
+    assert main(["--hardware", write_machine(tmp_path, BOX), "--model", MODEL, "--resident-experts", "16",
                  "--host-experts", "176"]) == 0
     out = capsys.readouterr().out
     assert "decode tiers (summed; bottleneck disk)" in out and "GB/token" in out
@@ -253,13 +230,13 @@ def test_explain_shows_the_tiers_and_the_bottleneck(tmp_path, capsys) -> None:
 def test_too_many_sessions_says_how_many_experts_to_move(tmp_path, capsys) -> None:
     """Sessions beyond the GPU's room: the refusal names a resident count at which they fit, and it is the
     largest such count."""
-    argv = ["--hardware", _write(tmp_path, BOX), "--model", MODEL, "--resident-experts", "20",
+    argv = ["--hardware", write_machine(tmp_path, BOX), "--model", MODEL, "--resident-experts", "20",
             "--concurrency", "20", "--context", "100000"]
     err = _misfit(capsys, argv)
     assert "20 sessions at context 100,000 need" in err and "the others to host memory) makes room" in err
     named = int(err.split("(--resident-experts ")[1].split(",")[0])
     assert 0 <= named < 20
     changed = [*argv[:5], str(named), *argv[6:]]
-    assert _plan(capsys, changed)["sessions_fit"] >= 20
+    assert plan_json(capsys, changed)["sessions_fit"] >= 20
     changed[5] = str(named + 1)
     assert "sessions at context" in _misfit(capsys, changed)
