@@ -7,7 +7,9 @@ Loads the slice as the engine does (its FP8 and MXFP4 weights kept packed), and 
 tokens/s (medians of ``--repeats``), the bytes a decode step reads (every dense weight once, the routed experts
 the batch's tokens pick in expectation, one embedding row a token), and the bound those bytes allow at the
 memory-read bandwidth measured in the same run by a plain pass over a buffer of as many bytes. Also the load
-time and the resident bytes by part. Not a test.
+time and the resident bytes by part. ``--json`` writes the run (each batch size's tokens/s and expert-cache hit rate,
+the experts held per layer and the disk's bandwidth under ``--weight-memory``) in the form
+``scripts/plan_slices.py check`` plans. Not a test.
 """
 
 from __future__ import annotations
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                        mmap=args.mmap)
     load_s = time.perf_counter() - t0
     resident = packed.resident_bytes(model)
+    disk = slots = None
     if budget is not None:
         disk = disk_read_bandwidth(args.slice)
+        slots = cache_stats(expert_caches(model))["slots"]
         print(f"weight memory {budget / 2**30:.2f} GiB ({args.expert_cache_policy}): "
               f"{cache_stats(expert_caches(model))['slots']} experts a layer held; the slice's files read at "
               f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
@@ -143,15 +147,17 @@ def main(argv: list[str] | None = None) -> int:
             rates.append(b * (args.new - 1) / dec)
         rate = statistics.median(rates)
         after = cache_stats(expert_caches(model))
+        hit_rate = None
         if after is not None:
             d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read")}
+            hit_rate = d["hits"] / max(d["hits"] + d["misses"], 1)
             tokens = args.repeats * b * args.new  # decoded tokens (the prompts' prefill steps read experts too)
             print(f"batch {b:>2}: expert cache hit rate {100 * d['hits'] / max(d['hits'] + d['misses'], 1):.1f}%, "
                   f"{d['bytes_read'] / tokens / 1e6:.1f} MB read from the files a token (prefill included)")
         nbytes, parts = step_bytes(model, b)
         bandwidth = read_bandwidth(nbytes, args.repeats)
         bound = b * bandwidth / nbytes  # tokens/s if a step cost only reading its bytes once
-        rows.append({"batch": b, "tok_s": rate, "step_bytes": nbytes, "parts": parts,
+        rows.append({"batch": b, "tok_s": rate, "expert_hit_rate": hit_rate, "step_bytes": nbytes, "parts": parts,
                      "read_GB_s": bandwidth / 1e9, "bound_tok_s": bound, "of_bound": rate / bound})
         shares = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
         print(f"batch {b:>2}: {rate:8.2f} tok/s; a step reads {nbytes / 2**30:.2f} GiB ({shares}); plain read "
@@ -161,8 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process resident at the end {kib['VmRSS'] / 2**30:.2f} GiB ({kib['RssAnon'] / 2**30:.2f} anonymous, "
           f"{kib['RssFile'] / 2**30:.2f} file pages), peak {kib['VmHWM'] / 2**30:.2f} GiB")
     if args.json:
-        args.json.write_text(json.dumps({"slice": str(args.slice), "load_s": load_s, "resident": resident,
-                                         "threads": args.threads, "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({
+            "slice": str(args.slice), "load_s": load_s, "resident": resident, "threads": args.threads,
+            "enforce_eager": args.enforce_eager, "mmap": args.mmap, "weight_memory": budget,
+            "expert_cache_policy": args.expert_cache_policy if budget is not None else None,
+            "experts_held_per_layer": slots, "disk_read_GB_s": None if disk is None else disk / 1e9,
+            "prompt_len": 32, "new_tokens": args.new, "rows": rows}, indent=2))
     return 0
 
 

@@ -41,6 +41,7 @@ class Measured:
     inputs: PlanInputs
     tokens_per_s_per_agent: float
     output_tokens_per_s_per_gpu: float | None = None
+    decode_only: bool = False  # measured while decoding only: compare with the decode step, no prefill share
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ def _resolve(points: Sequence[Measured]) -> list[_Resolved]:
 def _predict(r: _Resolved, overrides: dict[str, float]) -> tuple[float, float]:
     inp = replace(r.point.inputs, overrides={**r.point.inputs.overrides, **overrides})
     res = plan(inp, model=r.model, hw=r.hw)
+    if r.point.decode_only:
+        return res.accept_length / res.step.t_step, res.decode_tokens_per_s_per_gpu
     return res.tokens_per_s_per_agent, res.output_tokens_per_s_per_gpu
 
 
@@ -356,8 +359,9 @@ def _sweep_folder(folder: Path) -> tuple[list[object], dict[str, object]]:
 def read_bench(path: str | Path, base: PlanInputs) -> list[Measured]:
     """Measured points from a ``bench sweep`` folder (its ``sweep.json``: the workload's prompt and output
     lengths are taken from it) or a JSON file: a list of points, or an object with ``points`` (each with
-    ``concurrency``, ``tokens_per_s_per_agent`` and optionally ``output_tokens_per_s_per_gpu``) and an
-    optional ``context``."""
+    ``concurrency``, ``tokens_per_s_per_agent`` and optionally ``output_tokens_per_s_per_gpu`` and
+    ``decode_only``: speeds measured while decoding alone, compared with the decode step without the
+    co-located prefill share) and an optional ``context``."""
     path = Path(path)
     if path.is_dir():
         rows, meta = _sweep_folder(path)
@@ -390,4 +394,7 @@ def _measured(row: object, i: int, base: PlanInputs) -> Measured:
         raise PlanError(f"--calibrate points[{i}].tokens_per_s_per_agent", f"must be > 0, got {agent!r}")
     if gpu is not None and (not isinstance(gpu, (int, float)) or gpu <= 0):
         raise PlanError(f"--calibrate points[{i}].output_tokens_per_s_per_gpu", f"must be > 0, got {gpu!r}")
-    return Measured(replace(base, concurrency=conc), float(agent), float(gpu) if gpu else None)
+    decode_only = row.get("decode_only", False)
+    if not isinstance(decode_only, bool):
+        raise PlanError(f"--calibrate points[{i}].decode_only", f"must be true or false, got {decode_only!r}")
+    return Measured(replace(base, concurrency=conc), float(agent), float(gpu) if gpu else None, decode_only)

@@ -225,18 +225,28 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
 
     Under uniform routing a fraction resident/E of the bytes is read from device memory, host/E from host
     memory and disk/E from disk; an expert read from disk is then computed as one in memory (host memory beside
-    a discrete GPU, the device memory otherwise). Host-memory experts are read by the CPU expert kernels at
+    a discrete GPU, the device memory otherwise). A machine without a GPU that gives its expert kernels'
+    measured rate (host.expert_gbs) times every expert at that rate, with or without a placement: the dense
+    work runs on the same cores before them, so the two are summed like any tier. Host-memory experts are read by the CPU expert kernels at
     their measured rate (host.expert_gbs) or host bandwidth x eta_host_mem (eta_mem where the profile has none;
     their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the two), or under ``gpu`` moved over each GPU's link (its share) at link bandwidth x eta_comm and read again
     from GPU memory. The disk is read at its stated bandwidth (no efficiency term)."""
     pl, m, eff = dep.placement, dep.hw.machine, dep.eff
-    if pl is None or m is None:
+    cpu_kernels = m is not None and m.kind == "cpu" and bool(m.expert_gbs)
+    if m is None or (pl is None and not cpu_kernels):
         return None
-    f_res, f_host, f_disk = pl.fraction("resident"), pl.fraction("host"), pl.fraction("disk")
+    f_res, f_host, f_disk = ((pl.fraction("resident"), pl.fraction("host"), pl.fraction("disk")) if pl is not None
+                             else (1.0, 0.0, 0.0))
     disk = experts_bytes * f_disk
     t_disk = disk / ((m.disk_read_gbs or 0.0) * GB) if disk else 0.0
     out = {"bytes_disk_experts": disk, "t_disk": t_disk, "bytes_host_experts": 0.0, "flops_host_experts": 0.0,
            "t_host": 0.0, "host_path": ""}
+    if cpu_kernels:  # no GPU: the CPU's expert kernels read every expert (those paged in from disk too) at their rate
+        t_read = experts_bytes / (m.expert_gbs * GB)
+        t_cpu = experts_flops / (m.expert_tflops * TERA * eff.eta_flop) if m.expert_tflops else 0.0
+        out.update(bytes_device=0.0, flops_device=0.0, bytes_host_experts=experts_bytes,
+                   flops_host_experts=experts_flops, t_host=max(t_read, t_cpu), host_path="cpu")
+        return out
     if m.kind != "gpu":  # pages from disk land in the memory that computes and are read there
         out.update(bytes_device=experts_bytes * (f_res + f_disk) / dep.gpus, flops_device=experts_flops / dep.gpus)
         return out

@@ -90,6 +90,30 @@ def test_calibrate_recovers_terms_and_reports_held_out_error(tmp_path, capsys) -
     assert d["warnings"] == []  # four points pin three terms, none at a bound
 
 
+def test_calibrate_compares_decode_only_points_with_the_decode_step(tmp_path, capsys) -> None:
+    """Speeds measured while decoding alone (a 4,096-token prompt and 16 new tokens: a large prefill share)
+    pin eta_mem when marked decode_only; read as whole cycles they would not."""
+    truth = ["--model", "deepseek-r1", "--hardware", "h200", "--gpus", "8", "--prompt-len", "4096",
+             "--output-len", "16", "--layer-overhead-us", "100", "--eta-flop", "0.5"]
+    points = []
+    for c in (1, 2):
+        d = _json(capsys, truth + ["--concurrency", str(c), "--eta-mem", "0.4", "--json"])
+        decode = 1e3 / d["step_time_ms"]  # no drafter: one token a step
+        assert decode > 1.2 * d["tokens_per_s_per_agent"]  # the prefill share matters here
+        points.append({"concurrency": c, "tokens_per_s_per_agent": decode, "decode_only": True})
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps(points))
+    d = _json(capsys, truth + ["--calibrate", str(bench), "--fit", "eta_mem", "--json"])
+    assert d["fitted"]["eta_mem"] == pytest.approx(0.4, rel=0.02)
+    assert d["held_out_mean_abs_error"] < 0.01
+    bench.write_text(json.dumps([{k: v for k, v in p.items() if k != "decode_only"} for p in points]))
+    d = _json(capsys, truth + ["--calibrate", str(bench), "--fit", "eta_mem", "--json"])
+    assert d["fitted"]["eta_mem"] > 0.5
+    bench.write_text(json.dumps([{**points[0], "decode_only": "yes"}]))
+    assert main(truth + ["--calibrate", str(bench)]) == 2
+    assert "points[0].decode_only" in capsys.readouterr().err
+
+
 def test_calibrate_warns_when_the_points_do_not_pin_the_terms(tmp_path, capsys) -> None:
     base = ["--model", "deepseek-r1", "--hardware", "h200", "--gpus", "8", "--context", "2048"]
     # one fitted point (the second is held out), and a speed no efficiency reaches: every term runs to a bound

@@ -74,6 +74,31 @@ def test_a_measured_cpu_kernel_rate_times_the_host_tier(tmp_path, capsys) -> Non
     assert d["step"]["t_host"] > 0
 
 
+def test_a_machine_without_a_gpu_times_its_experts_at_the_kernels_rate(tmp_path, capsys) -> None:
+    """No GPU, host.expert_gbs given: the dense work is timed on host memory (or the CPU's FLOP/s) and every
+    selected expert at the kernels' rate after it, with or without a placement; experts paged in from disk are
+    read once from the disk and once more by the kernels."""
+    cpu = {"name": "cpu-box", "host": {"memory_gib": 512, "bandwidth_gbs": 200, "expert_gbs": 40,
+                                       "expert_tflops": 1e6}, "disk": {"read_gbs": 5}}
+    box = write_machine(tmp_path, cpu)
+    h = _token()
+    dense = h["dense_kv"] / (200e9 * ETA_MEM)
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS])
+    assert d["step"]["t_host"] == pytest.approx(h["selected"] / 40e9, rel=1e-9)
+    assert d["step_time_ms"] == pytest.approx((dense + h["selected"] / 40e9 + h["fixed"]) * 1e3, rel=1e-9)
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
+                           "--resident-experts", "192", "--expert-hit-rate", "0.75"])
+    disk = 0.25 * h["selected"] / 5e9
+    assert d["step_time_ms"] == pytest.approx((dense + h["selected"] / 40e9 + disk + h["fixed"]) * 1e3, rel=1e-9)
+    # without the kernels' rate the experts are read from host memory with the dense weights, as before
+    plain = write_machine(tmp_path, {**cpu, "host": {"memory_gib": 512, "bandwidth_gbs": 200,
+                                                     "expert_tflops": 1e6}}, "plain.json")
+    d = plan_json(capsys, ["--hardware", plain, "--model", MODEL, "--context", str(CTX), *TERMS])
+    assert d["step"]["t_host"] == 0
+    assert d["step_time_ms"] == pytest.approx(((h["dense_kv"] + h["selected"]) / (200e9 * ETA_MEM) + h["fixed"])
+                                              * 1e3, rel=1e-9)
+
+
 @pytest.mark.parametrize("compute", ["cpu", "gpu"])
 def test_prefill_reads_or_moves_the_experts_a_chunk_touches(tmp_path, capsys, compute) -> None:
     """A 512-token chunk touches E(1 - (1 - k/E)^512) experts of each layer; the off-device ones are read once
