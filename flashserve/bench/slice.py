@@ -60,6 +60,8 @@ def slice_config(model: str, layers: list[int], engram_rows: int, dims: dict[str
     for key, value in (dims or {}).items():  # a field where the preset holds it (V4.1: some are top-level)
         (raw if key in raw and key not in text else text)[key] = value
     full = config_from_dict(preset_json(model))
+    # as the released config.json names it (llama.cpp's converter picks its model class by this name)
+    raw.setdefault("architectures", ["DeepseekV41ForCausalLM" if full.is_v41 else "DeepseekV4ForCausalLM"])
     new = {old: i for i, old in enumerate(layers)}
     text["num_hidden_layers"] = len(layers)
     text["compress_ratios"] = [full.compress_ratios[i] for i in layers]
