@@ -387,6 +387,9 @@ def machine_planned(dep: Deployment) -> list[str]:
                                               else "overlapped (the step takes its slowest tier)"))
         out.append(f"prefill in chunks of {pl.prefill_chunk} prompt tokens, each touching most experts of a layer: the "
                    "off-device experts are computed by the CPU, moved over the link or read from disk once a chunk")
+    if m.kind == "cpu" and m.expert_gbs:
+        out.append(f"the routed experts read by the CPU's expert kernels at their measured {m.expert_gbs:g} GB/s "
+                   "(host.expert_gbs), after the dense work on the same cores")
     if dep.model.host_params and dep.tables_on_disk:
         out.append("engram tables on disk: each decode token's rows read from it (bytes at the disk's read "
                    "bandwidth, and one read per row at its IOPS, each where given)")
@@ -446,8 +449,11 @@ def tier_summary(r: PlanResult) -> dict[str, object]:
     t_body = s.t_device
     resident = pl.resident if pl else dep.model.n_experts
     name = {"gpu": "GPU memory", "unified": "unified memory", "cpu": "host memory"}[m.kind]
-    rows = [{"tier": name, "holds": f"attention, dense and shared weights, KV cache, {resident} of "
-             f"{dep.model.n_experts} routed experts per layer", "bytes_per_step": s.bytes_total * dep.gpus,
+    cpu_kernels = m.kind == "cpu" and bool(m.expert_gbs)  # every expert timed at the CPU kernels' rate
+    holds = (f"{resident} of {dep.model.n_experts} routed experts per layer" if not cpu_kernels
+             else "the routed experts (timed in their own row)")
+    rows = [{"tier": name, "holds": f"attention, dense and shared weights, KV cache, {holds}",
+             "bytes_per_step": s.bytes_total * dep.gpus,
              "bandwidth_gbs": dep.hw.hbm_bw / 1e9, "efficiency": dep.eff.eta_mem, "time_ms": t_body * 1e3,
              "work": f"reads at bandwidth x eta_mem, with compute and links (step {s.bound}-bound overall)"}]
     if pl is not None and m.kind == "gpu" and (pl.host or pl.disk):
@@ -461,6 +467,14 @@ def tier_summary(r: PlanResult) -> dict[str, object]:
                          " (FLOPs at host.expert_tflops x eta_flop, the slower of the two)" if m.expert_tflops
                          else "; host.expert_tflops not given: the CPU's FLOPs are not timed")) if cpu
                      else "moved over the GPU link at link bandwidth x eta_comm"})
+    if cpu_kernels:
+        rows.append({"tier": "CPU expert kernels", "holds": f"{resident} of {dep.model.n_experts} routed experts "
+                     "per layer in host memory" + (f", {pl.disk} paged in from disk" if pl and pl.disk else ""),
+                     "bytes_per_step": s.bytes_host_experts, "bandwidth_gbs": m.expert_gbs, "efficiency": 1.0,
+                     "time_ms": s.t_host * 1e3,
+                     "work": "read at the kernels' measured host.expert_gbs" + (
+                         " (FLOPs at host.expert_tflops x eta_flop, the slower of the two)" if m.expert_tflops
+                         else "")})
     if pl is not None and pl.disk:
         rows.append({"tier": "disk", "holds": f"{pl.disk} routed experts per layer",
                      "bytes_per_step": s.bytes_disk_experts, "bandwidth_gbs": m.disk_read_gbs, "efficiency": 1.0,

@@ -227,8 +227,8 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
     memory and disk/E from disk; an expert read from disk is then computed as one in memory (host memory beside
     a discrete GPU, the device memory otherwise). A machine without a GPU that gives its expert kernels'
     measured rate (host.expert_gbs) times every expert at that rate, with or without a placement: the dense
-    work runs on the same cores before them, so the two are summed like any tier. Host-memory experts are read by the CPU expert kernels at
-    their measured rate (host.expert_gbs) or host bandwidth x eta_host_mem (eta_mem where the profile has none;
+    work runs on the same cores before them, so the two are summed like any tier. Host-memory experts are read
+    by the CPU expert kernels at their measured rate (host.expert_gbs) or host bandwidth x eta_host_mem (eta_mem where the profile has none;
     their FLOPs at host.expert_tflops x eta_flop when it is given, the slower of the two), or under ``gpu`` moved over each GPU's link (its share) at link bandwidth x eta_comm and read again
     from GPU memory. The disk is read at its stated bandwidth (no efficiency term)."""
     pl, m, eff = dep.placement, dep.hw.machine, dep.eff

@@ -86,6 +86,9 @@ def test_a_machine_without_a_gpu_times_its_experts_at_the_kernels_rate(tmp_path,
     d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS])
     assert d["step"]["t_host"] == pytest.approx(h["selected"] / 40e9, rel=1e-9)
     assert d["step_time_ms"] == pytest.approx((dense + h["selected"] / 40e9 + h["fixed"]) * 1e3, rel=1e-9)
+    rows = {row["tier"]: row for row in d["decode_tiers"]["tiers"]}
+    assert rows["CPU expert kernels"]["time_ms"] == pytest.approx(h["selected"] / 40e9 * 1e3, rel=1e-9)
+    assert rows["CPU expert kernels"]["bytes_per_step"] == pytest.approx(h["selected"], rel=1e-9)
     d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
                            "--resident-experts", "192", "--expert-hit-rate", "0.75"])
     disk = 0.25 * h["selected"] / 5e9
