@@ -1,4 +1,4 @@
-"""A real-size V4-Flash slice in flashserve and in llama.cpp: decode tokens/s on the same prompts, alternating processes.
+"""A real-size V4-Flash slice in flashserve and in llama.cpp: decode tokens/s on the same prompts, in turn.
 
     python -m flashserve.bench.slice --model deepseek-v4-flash --layers 2 --out SLICE
     python -m flashserve.bench.llamacpp convert SLICE SLICE.gguf      # llama.cpp's converter: MXFP4 experts, Q8_0 dense
@@ -7,9 +7,10 @@
 Each repeat runs, one after the other, a fresh flashserve process (``scripts/bench_slice.py``, eager as the CPU
 default decodes a slice, the checkpoint mapped) and a fresh llama.cpp process (llama-cpp-python with its defaults:
 the file mapped, F16 KV cache, flash attention auto) on the prompts ``bench_slice.py`` makes (32 tokens each), and
-reports the medians and their ratio; each engine's files are made resident right before its run
-(the other's dropped from the page cache: both do not fit beside flashserve's memory here). The converter's GGUF is what a llama.cpp user of the released checkpoint runs:
-it keeps the MXFP4 experts, turns the block-FP8 dense weights into Q8_0 and keeps the bf16 head and embeddings.
+reports the medians and their ratio; each engine's files are made resident right before its run (the other's
+dropped from the page cache: both do not fit beside flashserve's memory here). The converter's GGUF is what a
+llama.cpp user of the released checkpoint runs: it keeps the MXFP4 experts, turns the block-FP8 dense weights
+into Q8_0 and keeps the bf16 head and embeddings.
 Not a test.
 """
 

@@ -172,6 +172,11 @@ def make_gguf(folder: Path, out_dir: Path, fmt: str, threads: int) -> Path:
     return out
 
 
+def make_gguf_file(folder: Path, out: Path) -> None:
+    """The converter's GGUF of a checkpoint in the released layout (its MXFP4 experts kept), in a child process."""
+    _run(["convert", str(folder), str(out), "--experts", "mxfp4"])
+
+
 def _quantize_q8_0(src: Path, out: Path, threads: int) -> None:
     import llama_cpp
 

@@ -1,6 +1,7 @@
 """Real-size slices: a checkpoint of DeepSeek-V4.1-Flash or V4-Flash with the real layer dimensions for a few layers.
 
     python -m flashserve.bench.slice --model deepseek-v41-flash --layers 2 --out DIR [--engram-rows N] [--dry-run]
+    python -m flashserve.bench.slice --model deepseek-v4-flash --layers 2 --out DIR --gguf DIR.gguf
 
 A slice is benchmark material for the real model's regime (experts of 2304 x 5120, 384 of them a layer), on a
 machine that cannot hold the whole model. It is written in the released layout (block FP8 with UE8M0 scales for
@@ -9,7 +10,8 @@ values on those storage grids, scaled so each product keeps its input's magnitud
 nothing, its speed is the real layers'. The layers kept are chosen so each role the model has is present
 (:data:`ROLE_LAYERS`): for V4.1 a KV source, a re-index layer, a reader of its top-k and an engram layer; for V4 a
 CSA (hash-routed) and an HCA layer. The MTP / DSpark stages and the vision tower are left out. Sizes are printed,
-and the free disk checked, before anything is written. Not a test.
+and the free disk checked, before anything is written. ``--gguf PATH`` (V4-Flash) also writes the GGUF llama.cpp's
+own converter makes of the slice, which ``scripts/bench_slice_llamacpp.py`` decodes beside flashserve. Not a test.
 """
 
 from __future__ import annotations
@@ -198,13 +200,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="about this many rows in each engram table (V4.1; the real tables hold 384M)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="print the sizes only")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="V4-Flash: also write the GGUF llama.cpp's own converter makes of the slice (MXFP4 experts, "
+                         "the FP8 dense weights as Q8_0, bf16 head), for scripts/bench_slice_llamacpp.py")
     args = ap.parse_args(argv)
     if args.engram_rows < 1:
         ap.error("--engram-rows must be at least 1")
+    if args.gguf is not None:
+        from . import llamacpp
+
+        if args.model != "deepseek-v4-flash":
+            ap.error("--gguf: llama.cpp's converter reads V4-Flash checkpoints; it has no V4.1 model")
+        if args.gguf.exists():
+            ap.error(f"--gguf: {args.gguf} exists")
+        if (why := llamacpp.unavailable()) is not None:
+            ap.error(f"--gguf: {why}")
     try:
-        write_slice(args.out, args.model, args.layers, engram_rows=args.engram_rows, seed=args.seed,
-                    dry_run=args.dry_run)
-    except (ValueError, OSError) as e:
+        total = write_slice(args.out, args.model, args.layers, engram_rows=args.engram_rows, seed=args.seed,
+                            dry_run=args.dry_run)
+        if args.gguf is not None and not args.dry_run:
+            free = shutil.disk_usage(args.gguf.parent if args.gguf.parent.exists() else Path.cwd()).free
+            if free < total * 1.1:  # the GGUF is about the slice's size (Q8_0 dense weights are a little larger)
+                raise OSError(f"{args.gguf.parent} has {_gib(free)} free; the GGUF needs about {_gib(total)}")
+            llamacpp.make_gguf_file(args.out, args.gguf)
+            print(f"wrote {args.gguf}")
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

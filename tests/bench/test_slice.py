@@ -90,3 +90,19 @@ def test_a_narrowed_slice_is_a_released_checkpoint_the_engine_runs(tmp_path, mod
         logits = model_(torch.arange(3, 40).view(1, -1)).logits
     assert logits.shape == (1, 37, model_.cfg.vocab_size) and torch.isfinite(logits).all()
     assert 0.2 < float(logits.std()) < 50  # weights scaled to keep magnitudes: neither vanishing nor exploding
+
+
+def test_a_gguf_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--gguf is for V4-Flash (llama.cpp's converter has no V4.1 model) and never overwrites a file: both are said
+    before the slice is written."""
+    out = tmp_path / "slice"
+    with pytest.raises(SystemExit) as e:
+        slicing.main(["--model", "deepseek-v41-flash", "--layers", "1", "--out", str(out), "--gguf",
+                      str(tmp_path / "s.gguf")])
+    assert e.value.code == 2 and "--gguf: llama.cpp's converter reads V4-Flash checkpoints" in capsys.readouterr().err
+    taken = tmp_path / "taken.gguf"
+    taken.write_bytes(b"keep")
+    with pytest.raises(SystemExit) as e:
+        slicing.main(["--model", "deepseek-v4-flash", "--layers", "2", "--out", str(out), "--gguf", str(taken)])
+    assert e.value.code == 2 and f"--gguf: {taken} exists" in capsys.readouterr().err
+    assert not out.exists() and taken.read_bytes() == b"keep"
