@@ -78,10 +78,11 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
                          formats=dict(formats), int8_aten=int8_aten,
                          int8_source=("given" if int8_kernel != "auto" else
                                       "measured" if int8_rows else "no int8 weights"))
-    if not compiled:  # torch's one-row products over the LM head run ~2x faster column-major
-        plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
+    if not compiled:
         if device == "cpu":  # a bf16 head read as bf16: half the bytes of its float32 copy
             plan.relayouts["bfloat16 panels of bf16 weights"] = bf16_panels_for_decode(model)
+        # torch's one-row products over the LM head run ~2x faster column-major (not where panels serve them)
+        plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
     elif device == "cpu":  # a compiled CPU step's own products want them row-major (blas)
         plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
         if rows > 1:

@@ -46,12 +46,16 @@ def is_tall(w: torch.Tensor) -> bool:
 def column_major_tall_weights(model: nn.Module) -> list[str]:
     """Store every tall float32 ``nn.Linear`` weight of ``model`` column-major, in place (same shape and values,
     strides ``(1, V)``); returns the converted parameters' names. A weight shared with an embedding stays
-    row-major (lookups read its rows)."""
+    row-major (lookups read its rows), and so does one with bfloat16 panels (:func:`bf16_panels_for_decode`: its
+    decode rows read those). Only ``nn.Linear`` parameters are looked at: a packed module's ``weight`` decodes
+    its whole matrix when read (V4.1-Flash's FP8 layers: seconds of start-up)."""
     shared = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     done = []
     for name, mod in model.named_modules():
-        w = getattr(mod, "weight", None)
-        if (isinstance(mod, nn.Linear) and isinstance(w, torch.Tensor) and id(w) not in shared and is_tall(w)
+        if not isinstance(mod, nn.Linear) or blas.panels(mod, "weight") is not None:
+            continue
+        w = mod._parameters.get("weight")
+        if (isinstance(w, torch.Tensor) and id(w) not in shared and is_tall(w)
                 and w.stride() != (1, w.shape[0])):
             w.data = w.t().contiguous().t()
             done.append(f"{name}.weight" if name else "weight")

@@ -33,6 +33,22 @@ def test_only_tall_float32_cpu_matrices_are_converted():
     assert not is_tall(torch.zeros(1000, 100)) and is_tall(torch.zeros(20000, 100))
 
 
+def test_weights_read_as_panels_or_packed_are_left_alone():
+    """A tall weight with bfloat16 panels stays row-major (its decode rows read the panels), and a module that is not
+    an nn.Linear is not asked for its ``weight`` (a packed module decodes its whole matrix when it is)."""
+
+    class Packed(nn.Module):
+        @property
+        def weight(self) -> torch.Tensor:
+            raise AssertionError("weight decoded")
+
+    paneled = nn.Linear(64, 32000, bias=False)
+    paneled.register_buffer("weight" + blas.PANELS, torch.zeros(1), persistent=False)
+    model = nn.Sequential(Packed(), paneled, nn.Linear(64, 32000, bias=False))
+    assert column_major_tall_weights(model) == ["2.weight"]
+    assert paneled.weight.is_contiguous()
+
+
 @torch.inference_mode()
 def test_column_major_head_gives_the_same_logits_and_tokens():
     raw = preset_json("tiny-v41")
