@@ -148,6 +148,7 @@ def test_bfloat16_panels_give_the_float32_panels_sums_bit_for_bit(isa, rows):
         half = cpu_kernels.pack_panels(w, torch.bfloat16)
         full = cpu_kernels.pack_panels(w)
         assert half.dtype == torch.bfloat16 and half.shape == full.shape
+        assert torch.equal(cpu_kernels.pack_panels(w.t().contiguous().t(), torch.bfloat16), half)  # any strides
         assert half.untyped_storage().nbytes() * 2 == full.untyped_storage().nbytes()
         got = cpu_kernels.dense_rows_eager(x, half, n, isa)
         assert torch.equal(got, cpu_kernels.dense_rows_eager(x, full, n, isa))
