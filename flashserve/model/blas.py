@@ -176,8 +176,13 @@ def bf16_rows(x: torch.Tensor, panels: torch.Tensor | None) -> bool:
     """Whether an eager product of ``x`` reads a weight's bfloat16 panels (:func:`make_bf16_panels`): float32
     decode rows (at most :data:`BF16_PANEL_MAX_ROWS`) against panels that hold the weight's values in half its
     bytes."""
-    return (panels is not None and panels.dtype == torch.bfloat16 and x.dtype == torch.float32
-            and 0 < x.numel() <= BF16_PANEL_MAX_ROWS * x.shape[-1] and not torch.is_grad_enabled())
+    return (_bf16_panels_for(x, panels) and 0 < x.numel() <= BF16_PANEL_MAX_ROWS * x.shape[-1]
+            and not torch.is_grad_enabled())
+
+
+def _bf16_panels_for(x: torch.Tensor, panels: torch.Tensor | None) -> bool:
+    """Whether ``panels`` are bfloat16 panels that float32 rows ``x`` may read instead of the weight."""
+    return panels is not None and panels.dtype == torch.bfloat16 and x.dtype == torch.float32
 
 
 @linear.variant(COMPILED)
@@ -187,8 +192,8 @@ def _linear_compiled(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | No
 
 @linear.variant(COMPILED_CPU)
 def _linear_compiled_on_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None) -> torch.Tensor:
-    if one_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype and not (
-            panels is not None and panels.dtype == torch.bfloat16 and x.dtype == torch.float32):
+    if (one_row(x) and x.dtype in (torch.float32, torch.float64) and w.dtype == x.dtype
+            and not _bf16_panels_for(x, panels)):
         return reduce_linear(x, w)
     # several rows, or one row where the panels are bfloat16 (a bf16 checkpoint's weight, such as DeepSeek's LM
     # head, computed in float32): the panels hold the same values in half the bytes of the weight itself
@@ -266,8 +271,7 @@ def make_panels(module: nn.Module, name: str) -> bool:
     weight on an AVX2 CPU gets stream panels (:func:`~flashserve.model.cpu_kernels.streams`), read once a call.
     False, changing nothing, for a weight it does not take or where the kernel is not available."""
     w = getattr(module, name)
-    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
-            and cpu_kernels.dense_rows_available()):
+    if not _panel_source(w):
         return False
     if cpu_kernels.bf16_exact(w):
         copy = cpu_kernels.bf16_panels_of_exact(w)
@@ -277,6 +281,12 @@ def make_panels(module: nn.Module, name: str) -> bool:
         copy = cpu_kernels.pack_panels(w)
     module.register_buffer(name + PANELS, copy, persistent=False)
     return True
+
+
+def _panel_source(w: object) -> bool:
+    """Whether ``w`` is a float32 CPU matrix that panels can be made of (where the kernel is available)."""
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
+            and cpu_kernels.dense_rows_available())
 
 
 BF16_PANEL_MIN_ELEMENTS = 1 << 24  # a weight this large streams from memory at one row: its bytes are the time
@@ -290,9 +300,8 @@ def make_bf16_panels(module: nn.Module, name: str) -> bool:
     step's decode rows read (:func:`linear`): half the bytes, the same products to float32 rounding. False,
     changing nothing, for any other weight or where the kernel is not available."""
     w = getattr(module, name)
-    if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu"
-            and w.numel() >= BF16_PANEL_MIN_ELEMENTS and panels(module, name) is None
-            and cpu_kernels.dense_rows_available() and cpu_kernels.bf16_exact(w)):
+    if not (_panel_source(w) and w.numel() >= BF16_PANEL_MIN_ELEMENTS and panels(module, name) is None
+            and cpu_kernels.bf16_exact(w)):
         return False
     module.register_buffer(name + PANELS, cpu_kernels.bf16_panels_of_exact(w), persistent=False)
     return True
