@@ -502,6 +502,52 @@ def test_fp8_pair_products_do_not_depend_on_threads_or_rows_and_refuse_mismatche
         torch.ops.flashserve.fp8_pairs(x, torch.zeros(9, dtype=torch.long), pw.qweight[None], pw.scale[None], 64, 128)
 
 
+def test_fp8_rows_give_the_same_bits_whether_or_not_they_can_be_prescaled():
+    """The AVX2 path multiplies rows of x prescaled by their blocks' scales where every such product is exact, and
+    falls back to scaling the weights where it is not: a row beside one with an overflowing value (1e38 x 2^113),
+    scales above 134, and a thread that reads subnormal inputs as zero (torch.set_flush_denormal) give the same
+    bits as the prescaled rows, whose subnormal weights (every E4M3 code is in the first matrix row) count."""
+    from flashserve.model.packed import Format
+
+    N, K = 96, 384
+    pw = PackedWeights((N, K), Format("fp8", 32, 128))
+    g = torch.Generator().manual_seed(5)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    pw.qweight.copy_(codes[torch.randint(len(codes), (N, K), generator=g)])
+    pw.qweight[0, :len(codes)] = codes
+    pw.scale.copy_(torch.randint(112, 122, pw.scale.shape, generator=g, dtype=torch.uint8))  # 2^-15 .. 2^-6
+    q, s = pw.qweight[None], pw.scale[None]
+    x = torch.randn(2, K, generator=g)
+    want = x.double() @ pw.dequantize(torch.float32).double().T
+    ex = torch.zeros(3, dtype=torch.long)
+
+    def products(rows: torch.Tensor, scales: torch.Tensor = s) -> torch.Tensor:
+        return cpu_kernels.fp8_pairs_eager(rows, ex[:len(rows)], q, scales, 32, 128)[:2]
+
+    alone = products(x)
+    assert _rel(alone, want) <= 1e-6
+    huge = torch.zeros(1, K)
+    huge[0, 7] = 1e38
+    assert torch.equal(products(torch.cat([x, huge])), alone)
+    high = s.clone()
+    high[0, 1, 2] = 140  # one block of matrix rows 32..63: their products change, the other rows' do not
+    beside = products(x, high)
+    assert torch.equal(beside[:, :32], alone[:, :32]) and torch.equal(beside[:, 64:], alone[:, 64:])
+    scales = pw.scale.clone()
+    pw.scale.copy_(high[0])
+    assert _rel(beside, x.double() @ pw.dequantize(torch.float32).double().T) <= 1e-6
+    pw.scale.copy_(scales)
+    assert not torch.equal(beside[:, 32:64], alone[:, 32:64])
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the kernel runs on this thread, whose MXCSR set_flush_denormal changes
+        assert torch.set_flush_denormal(True)
+        assert torch.equal(products(x), alone)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(was)
+
+
 def test_fp8_layers_multiply_decode_rows_as_stored_and_prompts_as_decoded():
     """A block-FP8 layer's decode-sized products go through the kernel (in the engine's modes alike), a prompt's
     rows through the decoded matrix; the grouped output projection takes one matrix a group. All agree with the

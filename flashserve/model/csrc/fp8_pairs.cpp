@@ -13,6 +13,8 @@
 // ceil(K / cb)] uint8 UE8M0; out [P, N] float32. cb % 8 == 0.
 #include "isa.h"
 #include "pairs.h"
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -81,6 +83,115 @@ inline void e4m3x16_scaled_down(const uint8_t* q, __m256& lo, __m256& hi) {
 inline __m256 scaled(__m256 halves, uint8_t b) {
     if (b <= 246) return _mm256_mul_ps(halves, _mm256_set1_ps(e8m0(b) * 256.f));
     return _mm256_mul_ps(_mm256_mul_ps(halves, _mm256_set1_ps(256.f)), _mm256_set1_ps(e8m0(b)));
+}
+#endif
+
+#if defined(FS_AVX2)
+// eight E4M3 codes as float32 times 2^-120, in three instructions: sign-extended to 32 bits and moved up by 20, a
+// code's sign lands in bit 31 (the mask clears its copies in bits 27..30) and its exponent and mantissa in bits
+// 26..20, where a float32 with exponent field e and mantissa m is worth (1 + m / 8) 2^(e - 127): the code's
+// normal value times 2^-120. A code with exponent field 0 makes the float32 subnormal m 2^-129, its value m 2^-9
+// times 2^-120 (0x7F gives 480 2^-120, as e4m3() gives 480).
+inline __m256 e4m3x8_tiny(const uint8_t* q) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int32_t>(0x87F00000u))));
+}
+
+// row_products (below) against rows of x already multiplied by their column blocks' scales times 2^120 (xt: the
+// same rows, each column block of x times 2^(b - 7) for its scale b, every product exact; see prescale): the
+// weights' scales leave the inner loop, which is three integer instructions and one FMA per eight weights. Each
+// product w * x is the one row_products forms, as an FMA forms it exactly: tiny(code) * (x * 2^(b - 7)) =
+// e4m3(code) * 2^(b - 127) * x; the sums take them in row_products' order (eight lanes over k, then the lanes in
+// order, then the last K % 8 columns one by one from the unscaled rows), so the results are the same bits. One
+// dense layer of V4.1-Flash's size (16384 x 5120) at one row, 2 threads, AMD EPYC (AVX2): see docs/engine-speed.md.
+template <int64_t J, int64_t R>
+inline void prescaled_row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs,
+                                   const float* const* xt, int64_t K, float (*sums)[ROWS]) {
+    __m256 acc[J][R];
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 w[J];
+        for (int64_t j = 0; j < J; ++j) w[j] = e4m3x8_tiny(q + j * K + k);
+        for (int64_t r = 0; r < R; ++r) {
+            const __m256 xv = _mm256_loadu_ps(xt[r] + k);
+            for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm256_fmadd_ps(w[j], xv, acc[j][r]);
+        }
+    }
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) {
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, acc[j][r]);
+            float sum = 0.f;
+            for (float v : lanes) sum += v;
+            for (int64_t t = k; t < K; ++t) sum += e4m3(q[j * K + t]) * e8m0(sc[j][t / cb]) * xs[r][t];
+            sums[j][r] = sum;
+        }
+}
+
+// The least nonzero and the largest magnitude of each row of x [T, K] (ok[t]: every value finite)
+struct RowRanges {
+    std::vector<float> least, most;
+    std::vector<char> ok;
+    RowRanges(const float* x, int64_t T, int64_t K) : least(T, FLT_MAX), most(T, 0.f), ok(T, 1) {
+        const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX), zero = _mm256_setzero_ps();
+        for (int64_t t = 0; t < T; ++t) {
+            const float* row = x + t * K;
+            __m256 most8 = zero, least8 = big, bad = zero;
+            int64_t c = 0;
+            for (; c + 8 <= K; c += 8) {
+                const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(row + c));
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // infinite or NaN
+                most8 = _mm256_max_ps(most8, a);
+                least8 = _mm256_min_ps(least8, _mm256_blendv_ps(big, a, _mm256_cmp_ps(a, zero, _CMP_GT_OQ)));
+            }
+            alignas(32) float m8[8], l8[8];
+            _mm256_store_ps(m8, most8);
+            _mm256_store_ps(l8, least8);
+            float most_t = 0.f, least_t = FLT_MAX;
+            bool ok_t = _mm256_movemask_ps(bad) == 0;
+            for (int i = 0; i < 8; ++i) {
+                most_t = m8[i] > most_t ? m8[i] : most_t;
+                least_t = l8[i] < least_t ? l8[i] : least_t;
+            }
+            for (; c < K; ++c) {
+                const float a = std::fabs(row[c]);
+                ok_t = ok_t && a <= FLT_MAX;
+                most_t = a > most_t ? a : most_t;
+                if (a > 0.f && a < least_t) least_t = a;
+            }
+            most[t] = most_t;
+            least[t] = least_t;
+            ok[t] = ok_t;
+        }
+    }
+};
+
+// xt[r] = xs[r] with column block kb times 2^(srow[kb] - 7), if every such product is exact: a power of two times
+// x is exact when it is a normal float or zero, which holds for all of a row when it holds for its largest and its
+// least nonzero magnitude. False (xt not complete) if not, or if a scale is above 134 (2^(b - 7) not a float).
+inline bool prescale(const uint8_t* srow, int64_t cb, const float* const* xs, const int64_t* ts,
+                     const RowRanges& ranges, int64_t R, int64_t K, float* xt) {
+    for (int64_t kb = 0; kb * cb < K; ++kb) {
+        if (srow[kb] > 134) return false;
+        const float c = e8m0(static_cast<uint8_t>(srow[kb] + 120));  // 2^(b - 7)
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t t = ts[r];
+            if (!ranges.ok[t] || !(ranges.most[t] * c <= FLT_MAX) ||
+                (ranges.least[t] < FLT_MAX && !(ranges.least[t] * c >= FLT_MIN)))
+                return false;
+        }
+    }
+    for (int64_t r = 0; r < R; ++r)
+        for (int64_t c0 = 0; c0 < K; c0 += cb) {
+            const int64_t end = c0 + cb < K ? c0 + cb : K;  // the columns past K's last multiple of 8 are not read
+            const __m256 scale = _mm256_set1_ps(e8m0(static_cast<uint8_t>(srow[c0 / cb] + 120)));
+            for (int64_t c = c0; c + 8 <= end; c += 8)
+                _mm256_storeu_ps(xt + r * K + c, _mm256_mul_ps(_mm256_loadu_ps(xs[r] + c), scale));
+        }
+    return true;
 }
 #endif
 
@@ -218,9 +329,34 @@ inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb
     with_rows<ROWS>(R, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs, K, sums); });
 }
 
-// R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row, s at its first scale row)
+#if defined(FS_AVX2)
+// A tile's rows of x prescaled for one row block of scales at a time (prescale), or not where that is not exact
+struct Prescaled {
+    const RowRanges& ranges;
+    const int64_t* ts;  // the tile's rows' indices in x
+    float* xt;          // [R, K]
+    int64_t block = -1;
+    bool ok = false;
+
+    // prescaled rows for matrix rows n .. n + m - 1, or nullptr if they are in two row blocks or not exact
+    const float* for_rows(const uint8_t* s, int64_t sk, int64_t rb, int64_t cb, int64_t n, int64_t m,
+                          const float* const* xs, int64_t R, int64_t K) {
+        if (n / rb != (n + m - 1) / rb) return nullptr;
+        if (n / rb != block) {
+            block = n / rb;
+            ok = prescale(s + block * sk, cb, xs, ts, ranges, R, K, xt);
+        }
+        return ok ? xt : nullptr;
+    }
+};
+#else
+struct Prescaled {};
+#endif
+
+// R <= ROWS rows of xs times matrix rows n0 .. n1 of one expert (q at its first row, s at its first scale row);
+// with pre (AVX2), against the rows prescaled where that is exact
 inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_t cb, int64_t n0, int64_t n1,
-                          const float* const* xs, int64_t R, int64_t K, float* const* out) {
+                          const float* const* xs, int64_t R, int64_t K, float* const* out, Prescaled* pre) {
     const int64_t sk = (K + cb - 1) / cb;  // scales a row of blocks
     float sums[QUAD][ROWS];
     for (int64_t n = n0; n < n1;) {
@@ -229,6 +365,28 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
         const int64_t m = n1 - n < QUAD ? 1 : QUAD;
         const uint8_t* sc[QUAD];
         for (int64_t j = 0; j < m; ++j) sc[j] = s + ((n + j) / rb) * sk;
+#if defined(FS_AVX2)
+        const float* xt_rows = pre ? pre->for_rows(s, sk, rb, cb, n, m, xs, R, K) : nullptr;
+        if (xt_rows) {
+            const float* xt[ROWS];
+            for (int64_t r = 0; r < R; ++r) xt[r] = xt_rows + r * K;
+            // four matrix rows at a time for one or two rows of x, two at a time for more: J x R sums, J weights
+            // and a row of x stay within the 16 registers (four by four spilled: 1.46x slower at 4 rows)
+            with_rows<ROWS>(R, [&](auto r) {
+                constexpr int64_t RR = decltype(r)::value;
+                if (m == QUAD && RR <= 2) {
+                    prescaled_row_products<QUAD, RR>(qn, sc, cb, xs, xt, K, sums);
+                } else if (m == QUAD) {
+                    prescaled_row_products<2, RR>(qn, sc, cb, xs, xt, K, sums);
+                    prescaled_row_products<2, RR>(qn + 2 * K, sc + 2, cb, xs, xt, K, sums + 2);
+                } else {
+                    prescaled_row_products<1, RR>(qn, sc, cb, xs, xt, K, sums);
+                }
+            });
+        } else
+#else
+        (void)pre;
+#endif
         if (m == QUAD)
             rows_products<QUAD>(qn, sc, cb, xs, R, K, sums);
         else
@@ -245,11 +403,26 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
                    int64_t k, int64_t E, int64_t N, int64_t K, int64_t rb, int64_t cb, int64_t threads) {
     const ExpertGroups groups(experts, P, E, "fp8_pairs");
     const int64_t scale_rows = (N + rb - 1) / rb, scale_cols = (K + cb - 1) / cb;
+#if defined(FS_AVX2)
+    const RowRanges ranges(x, P / k, K);
+#endif
     pair_tiles<ROWS, TILE>(groups, x, out, P, k, N, K, 1, threads,
                            [&](int64_t, int64_t e, int64_t n0, int64_t n1, const float* const* rows, int64_t R,
                                float* const* outs) {
+#if defined(FS_AVX2)
+                               // prescaled rows need subnormal weights read as they are: this thread's
+                               // MXCSR without denormals-are-zero (torch.set_flush_denormal sets it per thread)
+                               const bool prescaling = (_mm_getcsr() & 0x40) == 0;
+                               int64_t ts[ROWS];
+                               for (int64_t r = 0; r < R; ++r) ts[r] = (rows[r] - x) / K;
+                               const auto xt = aligned_floats(prescaling ? R * K : 1, false);
+                               Prescaled pre{ranges, ts, xt.get()};
+                               Prescaled* use = prescaling ? &pre : nullptr;
+#else
+                               Prescaled* use = nullptr;
+#endif
                                tile_products(q + e * N * K, s + e * scale_rows * scale_cols, rb, cb, n0, n1, rows, R,
-                                             K, outs);
+                                             K, outs, use);
                            });
 }
 
