@@ -19,7 +19,7 @@ BF16, FP32, FP8, FP4, FP8_TABLE, INT = "bf16", "fp32", "fp8", "fp4", "fp8_table"
 
 # What ``--quantization`` accepts (declared once, here, where no torch is imported): a method that packs float
 # weights at load, or ``float`` to unpack a packed checkpoint (flashserve.model.packed.plan says what each packs).
-QUANTIZATIONS = ("int8", "w8a8", "fp8", "mxfp4", "float")
+QUANTIZATIONS = ("int8", "w8a8", "fp8", "mxfp4", "w4a8", "float")
 
 
 @dataclass(frozen=True)

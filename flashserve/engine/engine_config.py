@@ -53,7 +53,8 @@ class EngineConfig:
     # when given). None: $TORCHINDUCTOR_CACHE_DIR, else inductor's own folder under the system's temporary one.
     compile_cache: str | None = None
     # Weights in memory: None keeps a checkpoint as stored (FP8/MXFP4 stay packed), "int8" | "w8a8" | "fp8" |
-    # "mxfp4" pack float weights at load, "float" unpacks (the reference); see flashserve.model.packed.
+    # "mxfp4" pack float weights at load, "float" unpacks (the reference), "w4a8" multiplies MXFP4 experts by
+    # activations rounded to 8 bits (not exact); see flashserve.model.packed and loader.activations_in_8_bits.
     quantization: str | None = None
     # A checkpoint's safetensors files memory-mapped, the tensors held as stored used where they lie (llama.cpp's
     # default; False copies every tensor into memory, as its --no-mmap), and the weights locked in RAM (its

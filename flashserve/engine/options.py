@@ -70,8 +70,9 @@ HELP = {
     "worker_timeout": "seconds a sharded engine waits on a worker before it stops with an error",
     "startup_timeout": "seconds a sharded engine waits at start-up for its workers to join and load their shards",
     "quantization": "pack float weights at load (int8, fp8, mxfp4; w8a8: int8 weights times activations "
-                    "quantized per token) or unpack a packed checkpoint (float); default: as the checkpoint "
-                    "stores them",
+                    "quantized per token) or unpack a packed checkpoint (float); w4a8: MXFP4 experts (as released, "
+                    "else packed) times activations rounded to 8 bits a 32-block, llama.cpp's arithmetic, not "
+                    "exact; default: as the checkpoint stores them",
     "mmap": "memory-map a checkpoint's safetensors files and use the tensors held as stored where they lie, read "
             "from the disk when first touched (llama.cpp's default); --no-mmap copies every tensor into memory",
     "mlock": "read the weights into RAM and lock them there (llama.cpp's --mlock; limited by ulimit -l)",

@@ -275,12 +275,15 @@ def index_topk_eager(q: torch.Tensor, w: torch.Tensor, pages: torch.Tensor, tabl
 
 
 def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
-                      isa: str = "native", up: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      isa: str = "native", up: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      a8: bool = False) -> torch.Tensor:
     """Pair ``p`` (``experts`` flattened) is a row of ``x`` times expert ``experts[p]``'s MXFP4 matrix: ``q [E,
     N, K/2]`` bytes (two E2M1 codes each, the low nibble the even column), ``s [E, N, K/32]`` E8M0 block scales;
     [P, N] float32. ``x [P, K]`` gives each pair its own row; ``x [T, K]`` with ``experts [T, k]`` gives token
     ``t``'s row to its ``k`` pairs. With ``up`` (the up projection's ``q, s`` beside the gate's) both matrices'
-    products, [2, P, N]. ``isa`` picks one of the source's paths (:data:`ISAS`; the tests run each)."""
+    products, [2, P, N]. ``isa`` picks one of the source's paths (:data:`ISAS`; the tests run each). ``a8``: each
+    32-block of a row of ``x`` is first rounded to int8 codes times a float32 scale (``max |x| / 127``, llama.cpp's
+    Q8_0) and the products are integer dot products: not exact, about 2x faster (``--quantization w4a8``)."""
     E, N, half = q.shape
     if (x.dim() != 2 or x.shape[1] != 2 * half or half % 16 or s.shape != (E, N, half // 16) or not x.shape[0]
             or (experts.dim() == 1 and experts.numel() != x.shape[0])
@@ -290,8 +293,8 @@ def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s
                          f"s {tuple(s.shape)} do not match")
     ops = _ops(isa)
     if up is None:
-        return ops.mxfp4_pairs(x, experts, q, s)
-    return ops.mxfp4_gate_up(x, experts, q, s, up[0], up[1])
+        return ops.mxfp4_pairs(x, experts, q, s, a8)
+    return ops.mxfp4_gate_up(x, experts, q, s, up[0], up[1], a8)
 
 
 # where a bfloat16 panel line keeps column c: slot BF16_SLOTS[c] (csrc/dense_rows.cpp, COLUMN_SLOT)
@@ -396,11 +399,11 @@ def _register_fakes_once() -> None:
                 q.new_empty((R, n_blocks), dtype=torch.int64))
 
     @fake("flashserve::mxfp4_pairs")
-    def _(x, experts, q, s):
+    def _(x, experts, q, s, a8=False):
         return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
 
     @fake("flashserve::mxfp4_gate_up")
-    def _(x, experts, q1, s1, q3, s3):
+    def _(x, experts, q1, s1, q3, s3, a8=False):
         return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
     @fake("flashserve::int8_pairs")
@@ -424,16 +427,17 @@ def _register_fakes_once() -> None:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)
 
 
-def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
+                a8: bool = False) -> torch.Tensor:
     """:func:`mxfp4_pairs_eager` with the CPU's own path, as the operator ``flashserve::mxfp4_pairs``."""
-    return torch.ops.flashserve.mxfp4_pairs(x, experts, q, s)
+    return torch.ops.flashserve.mxfp4_pairs(x, experts, q, s, a8)
 
 
 def mxfp4_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
-                  s3: torch.Tensor) -> torch.Tensor:
+                  s3: torch.Tensor, a8: bool = False) -> torch.Tensor:
     """The gate's and the up projection's pair products in one pass, [2, P, N] (:func:`mxfp4_pairs_eager` with
     ``up``), as the operator ``flashserve::mxfp4_gate_up``."""
-    return torch.ops.flashserve.mxfp4_gate_up(x, experts, q1, s1, q3, s3)
+    return torch.ops.flashserve.mxfp4_gate_up(x, experts, q1, s1, q3, s3, a8)
 
 
 def int8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ import torch
 
 from ..config import ConfigError, ModelConfig, load_config
 from ..config.presets import PRESET_JSON, RUNNABLE_PRESETS
+from . import cpu_kernels
 from .init import random_init
+from .packed import MXFP4, W4A8
 from .transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -207,16 +209,36 @@ def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | No
     (presets are float)."""
     from .packed import QUANTIZATIONS, plan, plan_as_stored
 
-    if quantization is not None:
-        if quantization not in QUANTIZATIONS:
-            raise ConfigError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} "
-                              "(or leave it unset to keep a checkpoint's weights as stored)")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} "
+                          "(or leave it unset to keep a checkpoint's weights as stored)")
+    if quantization is not None and (quantization != W4A8 or is_preset):
         return plan(cfg, quantization)
     if is_preset:
         return {}
     from .checkpoint import packed_dtypes
 
-    return plan_as_stored(cfg, packed_dtypes(path_or_preset))
+    stored = plan_as_stored(cfg, packed_dtypes(path_or_preset))
+    if quantization == W4A8 and not any(f.name == MXFP4 for path, f in stored.items() if path.endswith(".experts")):
+        return plan(cfg, W4A8)  # a checkpoint whose experts are not stored as MXFP4: packed as mxfp4 packs them
+    return stored
+
+
+def activations_in_8_bits(model: Transformer) -> int:
+    """``--quantization w4a8``: every MXFP4 routed-expert module multiplies activations quantized to 8 bits a
+    32-block (llama.cpp's Q8_0 rounding) through the CPU kernel; returns how many. Not exact: the products differ
+    from the stored weights' by the activations' rounding (about 0.5% of a product's size)."""
+    from .mapped_experts import MappedExperts
+    from .packed import PackedExperts
+
+    modules = [m for m in model.modules() if isinstance(m, MappedExperts)
+               or (isinstance(m, PackedExperts) and m.w1_packed.fmt.name == MXFP4)]
+    for m in modules:
+        m.int8_activations = True
+    if modules and not cpu_kernels.mxfp4_pairs_available():
+        log.warning("--quantization w4a8: the CPU kernels are unavailable here, so the experts' products run exact "
+                    "(torch's code)")
+    return len(modules)
 
 
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
@@ -232,7 +254,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     ``quantization``: unset keeps a checkpoint's weights as stored (FP8 blocks and MXFP4 experts stay packed;
     float checkpoints and presets stay float); ``"int8"``, ``"w8a8"``, ``"fp8"`` or ``"mxfp4"`` packs float
     weights at load (see :func:`flashserve.model.packed.plan`); ``"float"`` unpacks everything (the reference
-    path).
+    path); ``"w4a8"`` keeps MXFP4 experts as stored (packing float ones as ``mxfp4`` does) and multiplies them
+    by activations quantized to 8 bits (:func:`activations_in_8_bits`).
     Shards are streamed into the model's parameters one tensor at a time; packed weights never exist as floats.
     ``prepare(model)`` (checkpoint folders only) runs on the still-empty ``meta`` model before anything is
     allocated or read: an expert-parallel rank keeps its experts there (``Experts.first``), so only their
@@ -324,6 +347,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
             log.warning("--mlock: %s; %d bytes locked, the rest may be paged out", failed, locked)
         if hasattr(model, "load_report"):
             model.load_report.locked = locked
+    if quantization == W4A8:
+        activations_in_8_bits(model)
     if hasattr(model, "load_report"):
         log.info("%s: %s", name, model.load_report.describe())
     return model.eval()

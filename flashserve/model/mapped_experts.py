@@ -30,6 +30,8 @@ NAMES = ("w1", "w2", "w3")
 class MappedExperts(nn.Module):
     """Routed MXFP4 experts held one matrix an expert and projection (views of the mapped checkpoint)."""
 
+    int8_activations = False  # as PackedExperts': products on activations quantized to 8 bits (w4a8)
+
     def __init__(self, src: PackedExperts):
         super().__init__()
         self.n_experts, self.dim, self.inter, self.limit, self.first = (src.n_experts, src.dim, src.inter, src.limit,
@@ -59,9 +61,10 @@ class MappedExperts(nn.Module):
             pos += n
             one = zeros[:n]
             (q1, s1), (q2, s2), (q3, s3) = (self.matrices[name][e] for name in NAMES)
-            gate_up = cpu_kernels.mxfp4_gate_up(x[pairs // k], one, q1[None], s1[None], q3[None], s3[None]).to(x.dtype)
+            gate_up = cpu_kernels.mxfp4_gate_up(x[pairs // k], one, q1[None], s1[None], q3[None], s3[None],
+                                                self.int8_activations).to(x.dtype)
             act = clamped_swiglu(gate_up[0], gate_up[1], self.limit)
-            y[pairs] = cpu_kernels.mxfp4_pairs(act, one, q2[None], s2[None]).to(x.dtype)
+            y[pairs] = cpu_kernels.mxfp4_pairs(act, one, q2[None], s2[None], self.int8_activations).to(x.dtype)
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
 
     def extra_repr(self) -> str:

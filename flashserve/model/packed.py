@@ -36,7 +36,7 @@ from .modes import COMPILED, COMPILED_CPU, EAGER
 from .moe import Experts, clamped_swiglu
 from .norms import fp32
 
-FP8, MXFP4, INT8, W8A8 = "fp8", "mxfp4", "int8", "w8a8"
+FP8, MXFP4, INT8, W8A8, W4A8 = "fp8", "mxfp4", "int8", "w8a8", "w4a8"
 FLOAT = "float"  # unpack a packed checkpoint into the compute dtype (the reference path)
 INT8_ROWS = (INT8, W8A8)  # formats stored as int8 rows + a float32 scale per row
 _STORED_FP8 = ("F8_E4M3",)
@@ -508,6 +508,10 @@ FP8_KERNEL_ROWS = 64
 class PackedExperts(Experts):
     """Routed experts over packed ``w1``/``w2``/``w3``: each step dequantizes only the experts it gathers."""
 
+    # MXFP4 products through the CPU kernel on activations quantized to 8 bits a 32-block (--quantization w4a8;
+    # set by the loader, :func:`activations_in_8_bits`); False: exact
+    int8_activations = False
+
     def __init__(self, n: int, dim: int, inter: int, limit: float, fmt: Format):
         nn.Module.__init__(self)
         self.n_experts, self.dim, self.inter, self.limit = n, dim, inter, limit
@@ -570,7 +574,8 @@ class PackedExperts(Experts):
         if not self.mxfp4_kernel(x):
             return super().gate_up_products(x, idx)
         w1, w3 = self.w1_packed, self.w3_packed
-        gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale).to(x.dtype)
+        gate_up = cpu_kernels.mxfp4_gate_up(x, idx, w1.qweight, w1.scale, w3.qweight, w3.scale,
+                                            self.int8_activations).to(x.dtype)
         return gate_up[0], gate_up[1]
 
     @gate_up_products.variant(COMPILED_CPU)
@@ -596,7 +601,7 @@ class PackedExperts(Experts):
         without it, :func:`mxfp4_pairs_linear`, the bytes decoded as they are read."""
         p = getattr(self, f"{name}_packed")
         if self.mxfp4_kernel(h):
-            return cpu_kernels.mxfp4_pairs(h, experts, p.qweight, p.scale).to(h.dtype)
+            return cpu_kernels.mxfp4_pairs(h, experts, p.qweight, p.scale, self.int8_activations).to(h.dtype)
         if p.fmt.name != INT8:
             return super().pair_products(name, h, experts)
         return blas.pairs_linear(h, p.qweight[experts], p.scale[experts].view(torch.float32))
@@ -627,7 +632,8 @@ def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
     experts in FP8 blocks too (V4's base layout); ``int8`` covers the same dense layers and experts and the
     LM head, per row, leaving the engram tables float; ``w8a8`` is ``int8`` with the dense layers and the head
     multiplying activations quantized per token (the experts' products stay weight-only: a compiled step picks
-    them by tensor index, which fbgemm's per-matrix kernels cannot take).
+    them by tensor index, which fbgemm's per-matrix kernels cannot take). ``w4a8`` stores as ``mxfp4`` does; the
+    loader then sets the MXFP4 experts to multiply activations quantized to 8 bits (:func:`activations_in_8_bits`).
     """
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")
@@ -635,7 +641,7 @@ def plan(cfg: ModelConfig, method: str) -> dict[str, Format]:
         return {}
     block = cfg.quantization.weight_block_size
     dense = {INT8: ROW_INT8, W8A8: ROW_W8A8}.get(method, Format(FP8, block, block))
-    experts = {INT8: ROW_INT8, W8A8: ROW_INT8, FP8: dense, MXFP4: EXPERT_FP4}[method]
+    experts = {INT8: ROW_INT8, W8A8: ROW_INT8, FP8: dense, MXFP4: EXPERT_FP4, W4A8: EXPERT_FP4}[method]
     out: dict[str, Format] = {}
     for spec in checkpoint_layout(cfg):
         if spec.kind not in (ckpt.FP8, ckpt.FP4, ckpt.FP8_TABLE) or not spec.name.endswith(".weight"):

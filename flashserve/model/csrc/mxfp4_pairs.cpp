@@ -14,6 +14,8 @@
 #include "isa.h"
 #include "pairs.h"
 #include "fp4.h"
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -30,6 +32,7 @@ constexpr int64_t PAIR_ROWS = ROWS;  // AVX2: one sum a row, and more rows than 
 #endif
 constexpr int64_t TILE = 64;   // matrix rows per work item: 16 KB of bytes read in order (16 rows: 1.2x slower)
 constexpr int64_t AHEAD = 4;   // matrix rows prefetched ahead of the one multiplied
+constexpr int64_t A8_AHEAD = 8;  // the same for the int8-activation products
 
 
 // Bytes and scales of `count` matrix rows (a hint: addresses past the end are not read). Each step's layers
@@ -237,13 +240,138 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
         }
 }
 
+// Activations quantized to 8 bits (a8: the option that trades exactness for llama.cpp's speed): each 32-block of
+// a row of x (in its [16 even | 16 odd] order) as int8 codes round(x / d) and the float d = max |x| / 127
+// (llama.cpp's Q8_0 rounding, d kept in float32), so that a block's product with a matrix row is an integer dot
+// product of its codes with the E2M1 values times 2 (every value is then an integer), times d and half the
+// block's scale. Integer products need no decode to float: one byte shuffle turns 32 codes into their values.
+struct QuantizedRows {
+    std::vector<int8_t> q;  // [T, K]
+    std::vector<float> d;   // [T, K / 32]
+    QuantizedRows(const float* xs, int64_t T, int64_t K) : q(T * K), d(T * K / BLOCK) {
+        for (int64_t t = 0; t < T; ++t)
+            for (int64_t b = 0; b < K / BLOCK; ++b) {
+                const float* v = xs + t * K + b * BLOCK;
+                float amax = 0.f;
+                for (int64_t j = 0; j < BLOCK; ++j)  // a NaN stays
+                    amax = std::fabs(v[j]) > amax || v[j] != v[j] ? std::fabs(v[j]) : amax;
+                const float scale = amax / 127.f, inv = scale > 0.f && scale <= FLT_MAX ? 1.f / scale : 0.f;
+                d[t * (K / BLOCK) + b] = scale;  // NaN or infinite with such a value in the block: so is the product
+                for (int64_t j = 0; j < BLOCK; ++j) {
+                    const float r = std::nearbyint(v[j] * inv);
+                    q[t * K + b * BLOCK + j] = static_cast<int8_t>(r > 127.f ? 127.f : r < -127.f ? -127.f : r);
+                }
+            }
+    }
+};
+
+// E2M1 values times 2 as int8, codes 0 .. 15, twice (one copy a 128-bit lane)
+alignas(32) const int8_t E2M1_TWICE[32] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                           0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+#if defined(FS_AVX2) || defined(FS_AVX512)
+// The 32 values of one block of a matrix row (16 code bytes) as int8 twice their E2M1 value, in the [16 even |
+// 16 odd] order of the quantized rows: low nibbles in the low lane, high nibbles in the high one
+inline __m256i block_values(const uint8_t* q) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), low = _mm_set1_epi8(0x0F);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    return _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(E2M1_TWICE)), codes);
+}
+#endif
+
+// M matrix rows (qm[m], sm[m]: their bytes and scales) against R quantized rows of x (xq[r], xd[r]). With AVX2
+// each block's 32 products are summed exactly in 8 int32 lanes (maddubs: |w| times x with w's sign, pairs of
+// products in int16, at most 2 x 12 x 127 in magnitude; madd: pairs of those in int32), then added to 8 float
+// lanes times d times the scale; the scalar path sums a block in one int32.
+template <int64_t M, int64_t R>
+inline void a8_products(const uint8_t* const* qm, const uint8_t* const* sm, const int8_t* const* xq,
+                        const float* const* xd, int64_t K, float (*sums)[ROWS]) {
+    const int64_t blocks = K / BLOCK;
+#if defined(FS_AVX2) || defined(FS_AVX512)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[M][R];
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        __m256i w[M], magnitude[M];
+        float half_scale[M];
+        for (int64_t m = 0; m < M; ++m) {
+            w[m] = block_values(qm[m] + b * 16);
+            magnitude[m] = _mm256_sign_epi8(w[m], w[m]);
+            half_scale[m] = e8m0(sm[m][b]) * 0.5f;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[r] + b * BLOCK));
+            for (int64_t m = 0; m < M; ++m) {
+                const __m256i dot =
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[m], _mm256_sign_epi8(xv, w[m])), ones);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(half_scale[m] * xd[r][b]),
+                                            acc[m][r]);
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < R; ++r) {
+            alignas(32) float lanes[8];
+            _mm256_store_ps(lanes, acc[m][r]);
+            float sum = 0.f;
+            for (float v : lanes) sum += v;
+            sums[m][r] = sum;
+        }
+#else
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < R; ++r) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < blocks; ++b) {
+                int32_t dot = 0;
+                for (int64_t j = 0; j < 16; ++j) {
+                    const uint8_t byte = qm[m][b * 16 + j];
+                    dot += E2M1_TWICE[byte & 15] * xq[r][b * BLOCK + j] + E2M1_TWICE[byte >> 4] * xq[r][b * BLOCK + 16 + j];
+                }
+                acc += static_cast<float>(dot) * (e8m0(sm[m][b]) * 0.5f * xd[r][b]);
+            }
+            sums[m][r] = acc;
+        }
+#endif
+}
+
+// tile_products with quantized rows: matrix rows n0 .. n1 (of both matrices where q2 is given, else two rows at a
+// time) against R <= ROWS quantized rows, four at a time (two matrices by four rows of sums stay in registers)
+inline void a8_tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2, const uint8_t* s2, int64_t n0,
+                             int64_t n1, const int8_t* const* xq, const float* const* xd, int64_t R, int64_t K,
+                             float* const* out, float* const* out2) {
+    const int64_t qrow = K / 2, srow = K / BLOCK;
+    float sums[2][ROWS];
+    for (int64_t n = n0; n < n1;) {
+        const bool two = q2 || n + 1 < n1;
+        const uint8_t* qm[2] = {q + n * qrow, q2 ? q2 + n * qrow : q + (n + 1) * qrow};
+        const uint8_t* sm[2] = {s + n * srow, q2 ? s2 + n * srow : s + (n + 1) * srow};
+        prefetch_rows(qm[0] + A8_AHEAD * qrow, sm[0] + A8_AHEAD * srow, 1, K);
+        if (two) prefetch_rows(qm[1] + A8_AHEAD * qrow, sm[1] + A8_AHEAD * srow, 1, K);
+        for (int64_t r0 = 0; r0 < R; r0 += 4) {
+            with_rows<4>(R - r0 < 4 ? R - r0 : 4, [&](auto rows) {
+                constexpr int64_t RR = decltype(rows)::value;
+                if (two)
+                    a8_products<2, RR>(qm, sm, xq + r0, xd + r0, K, sums);
+                else
+                    a8_products<1, RR>(qm, sm, xq + r0, xd + r0, K, sums);
+            });
+            for (int64_t r = r0; r < R && r < r0 + 4; ++r) {
+                out[r][n] = sums[0][r - r0];
+                if (two) (q2 ? out2[r][n] : out[r][n + 1]) = sums[1][r - r0];
+            }
+        }
+        n += q2 || !two ? 1 : 2;
+    }
+}
+
 }  // namespace
 
 // Pair p = row p / k of x [P / k, K] times expert experts[p]'s matrix (q, s), into out[p] (out [P, N]); with
 // matrices = 2 also times (q2, s2) (the up projection beside the gate), into out[P + p] (q2, s2 unread with 1).
 static void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s,
                        const uint8_t* q2_or_unused, const uint8_t* s2_or_unused, float* out, int64_t P, int64_t k,
-                       int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads) {
+                       int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads, bool a8) {
     const uint8_t *q2 = matrices == 2 ? q2_or_unused : nullptr, *s2 = matrices == 2 ? s2_or_unused : nullptr;
     const ExpertGroups groups(experts, P, E, "mxfp4_pairs");
     const std::vector<int64_t>& first = groups.first;
@@ -269,6 +397,7 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
             }
 #endif
         }
+    const std::unique_ptr<QuantizedRows> quantized(a8 ? new QuantizedRows(xs, T, K) : nullptr);
     // work items: (expert with pairs, tile of matrix rows)
     const int64_t tiles = (N + TILE - 1) / TILE;
     const std::vector<int64_t> items = groups.items(tiles);
@@ -283,11 +412,22 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
             const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
             const float* rows[ROWS];
             float *outs[ROWS], *outs2[ROWS];
+            const int8_t* rows_q[ROWS];
+            const float* rows_d[ROWS];
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t p = order[c0 + r];
                 rows[r] = xs + (p / k) * K;
                 outs[r] = out + p * N;
                 outs2[r] = out + (P + p) * N;
+                if (quantized) {
+                    rows_q[r] = quantized->q.data() + (p / k) * K;
+                    rows_d[r] = quantized->d.data() + (p / k) * (K / BLOCK);
+                }
+            }
+            if (quantized) {
+                a8_tile_products(q + at, s + sat, q2 ? q2 + at : nullptr, q2 ? s2 + sat : nullptr, n0, n1, rows_q,
+                                 rows_d, R, K, outs, outs2);
+                continue;
             }
             tile_products(q + at, s + sat, q2 ? q2 + at : nullptr, q2 ? s2 + sat : nullptr, n0, n1, rows, R, K,
                           outs, outs2);
@@ -317,7 +457,7 @@ void check(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, 
 
 // out [matrices, P, N]: x's rows times each pair's expert in (q, s) and, if given, (q2, s2)
 at::Tensor pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s,
-                 const at::Tensor* q2, const at::Tensor* s2) {
+                 const at::Tensor* q2, const at::Tensor* s2, bool a8) {
     const int64_t P = experts.numel(), N = q.size(1);
     const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
     const at::Tensor qc = q.contiguous(), sc = s.contiguous();
@@ -325,22 +465,23 @@ at::Tensor pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tenso
     at::Tensor out = at::empty({q2 ? 2 : 1, P, N}, xs.options());
     kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
            q2c.data_ptr<uint8_t>(), s2c.data_ptr<uint8_t>(), out.data_ptr<float>(), P, P / x.size(0), q.size(0), N,
-           x.size(1), q2 ? 2 : 1, at::get_num_threads());
+           x.size(1), q2 ? 2 : 1, at::get_num_threads(), a8);
     return out;
 }
 
-at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s) {
+at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s,
+                          bool a8) {
     check(x, experts, q, s);
-    return pairs(x, experts, q, s, nullptr, nullptr)[0];
+    return pairs(x, experts, q, s, nullptr, nullptr, a8)[0];
 }
 
 at::Tensor mxfp4_gate_up_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1,
-                            const at::Tensor& s1, const at::Tensor& q3, const at::Tensor& s3) {
+                            const at::Tensor& s1, const at::Tensor& q3, const at::Tensor& s3, bool a8) {
     check(x, experts, q1, s1);
     TORCH_CHECK(q3.sizes() == q1.sizes() && s3.sizes() == s1.sizes() && q3.scalar_type() == at::kByte &&
                     s3.scalar_type() == at::kByte,
                 "mxfp4_gate_up: the up projection q ", q3.sizes(), ", s ", s3.sizes(), " does not match the gate's");
-    return pairs(x, experts, q1, s1, &q3, &s3);
+    return pairs(x, experts, q1, s1, &q3, &s3, a8);
 }
 }  // namespace
 

@@ -7,8 +7,9 @@
 
 FS_LIBRARY_FRAGMENT(m) {
     m.set_python_module("flashserve.model.cpu_kernels");  // where the fake implementations are
-    m.def("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor");
-    m.def("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
+    m.def("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s, bool a8=False) -> Tensor");
+    m.def("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3, bool a8=False) "
+          "-> Tensor");
     m.def("dense_rows(Tensor x, Tensor panels, int n) -> Tensor");
     m.def("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor");
     m.def("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
