@@ -1,7 +1,7 @@
 """Decode speed on a real-size slice (python -m flashserve.bench.slice) against this machine's memory-read bound.
 
     python scripts/bench_slice.py SLICE_DIR [--threads 2] [--new 16] [--batches 1 16] [--repeats 3]
-                                  [--no-enforce-eager]
+                                  [--no-enforce-eager] [--quantization w4a8]
 
 Loads the slice as the engine does (its FP8 and MXFP4 weights kept packed), and reports per batch size: decode-only
 tokens/s (medians of ``--repeats``), the bytes a decode step reads (every dense weight once, the routed experts
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=True,
                     help="map the files (large MXFP4 experts used where they lie); --no-mmap copies (stacked experts)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--quantization", default=None, choices=("w4a8",),
+                    help="w4a8: the MXFP4 experts times activations rounded to 8 bits (default: as stored, exact)")
     args = ap.parse_args(argv)
     import torch
 
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     budget = None if args.weight_memory is None else parse_size(args.weight_memory)
     model = load_model(args.slice, with_mtp=False, weight_memory=budget, expert_cache_policy=args.expert_cache_policy,
-                       mmap=args.mmap)
+                       mmap=args.mmap, quantization=args.quantization)
     load_s = time.perf_counter() - t0
     resident = packed.resident_bytes(model)
     disk = slots = None
@@ -133,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
     print(model.load_report.describe())
     print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
-          f"{args.threads} threads, decode {'eager' if args.enforce_eager else 'compiled'}")
+          f"{args.threads} threads, decode {'eager' if args.enforce_eager else 'compiled'}"
+          f"{', experts w4a8' if args.quantization else ''}")
     engine = engine_for(model, str(args.slice), max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
                         threads=args.threads, speculative_config="off", max_model_len=4096)
     rows = []
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({
             "slice": str(args.slice), "load_s": load_s, "resident": resident, "threads": args.threads,
             "enforce_eager": args.enforce_eager, "mmap": args.mmap, "weight_memory": budget,
+            "quantization": args.quantization,
             "expert_cache_policy": args.expert_cache_policy if budget is not None else None,
             "experts_held_per_layer": slots, "disk_read_GB_s": None if disk is None else disk / 1e9,
             "prompt_len": 32, "new_tokens": args.new, "rows": rows}, indent=2))

@@ -3,6 +3,7 @@
     python -m flashserve.bench.slice --model deepseek-v4-flash --layers 2 --out SLICE
     python -m flashserve.bench.llamacpp convert SLICE SLICE.gguf      # llama.cpp's converter: MXFP4 experts, Q8_0 dense
     python scripts/bench_slice_llamacpp.py SLICE SLICE.gguf [--batches 1 16] [--repeats 3] [--new 16] [--threads 2]
+                                           [--quantizations stored w4a8]
 
 Each repeat runs, one after the other, a fresh flashserve process (``scripts/bench_slice.py``, eager as the CPU
 default decodes a slice, the checkpoint mapped) and a fresh llama.cpp process (llama-cpp-python with its defaults:
@@ -25,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+STORED = "stored"  # the slice's weights as stored, exact
 
 
 def warm(paths: list[Path], others: list[Path]) -> None:
@@ -43,13 +45,14 @@ def warm(paths: list[Path], others: list[Path]) -> None:
                 pass
 
 
-def flashserve_rate(slice_dir: Path, gguf: Path, batch: int, new: int, threads: int) -> float:
+def flashserve_rate(slice_dir: Path, gguf: Path, batch: int, new: int, threads: int, quantization: str) -> float:
     warm(sorted(slice_dir.glob("*.safetensors")), [gguf])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_slice.py"), str(slice_dir), "--batches",
                         str(batch), "--repeats", "1", "--new", str(new), "--threads", str(threads), "--json",
-                        str(out)], check=True, capture_output=True, text=True)
+                        str(out), *([] if quantization == STORED else ["--quantization", quantization])],
+                       check=True, capture_output=True, text=True)
         return json.loads(out.read_text())["rows"][0]["tok_s"]
 
 
@@ -69,19 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantizations", nargs="+", default=[STORED], choices=(STORED, "w4a8"),
+                    help="flashserve runs per repeat: the slice as stored (exact) and/or --quantization w4a8 (its "
+                         "experts times activations rounded to 8 bits, as llama.cpp multiplies them)")
     args = ap.parse_args(argv)
     from flashserve.bench.workload import prompts
 
     for b in args.batches:
         batch = [list(p) for p in prompts(b, 32, 40 + b)]  # bench_slice.py's prompts for this batch size
-        fs, lc = [], []
+        fs: dict[str, list[float]] = {q: [] for q in args.quantizations}
+        lc = []
         for r in range(args.repeats):
-            fs.append(flashserve_rate(args.slice, args.gguf, b, args.new, args.threads))
+            for q in args.quantizations:
+                fs[q].append(flashserve_rate(args.slice, args.gguf, b, args.new, args.threads, q))
             lc.append(llamacpp_rate(args.gguf, args.slice, batch, args.new, args.threads))
-            print(f"batch {b:>2} repeat {r}: flashserve {fs[-1]:7.2f} tok/s, llama.cpp {lc[-1]:7.2f} tok/s", flush=True)
-        f, m = statistics.median(fs), statistics.median(lc)
-        print(f"batch {b:>2}: flashserve {f:.2f} tok/s, llama.cpp {m:.2f} tok/s (medians of {args.repeats}): "
-              f"{f / m:.2f}x", flush=True)
+            ours = ", ".join(f"flashserve ({q}) {v[-1]:7.2f} tok/s" for q, v in fs.items())
+            print(f"batch {b:>2} repeat {r}: {ours}, llama.cpp {lc[-1]:7.2f} tok/s", flush=True)
+        m = statistics.median(lc)
+        for q, v in fs.items():
+            f = statistics.median(v)
+            print(f"batch {b:>2}: flashserve ({q}) {f:.2f} tok/s, llama.cpp {m:.2f} tok/s (medians of "
+                  f"{args.repeats}): {f / m:.2f}x", flush=True)
     return 0
 
 

@@ -344,11 +344,14 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------- rows of the engine benchmark
 
 # name -> (label, flashserve's weights, llama.cpp's GGUF, its KV type, its flash attention). Q8_0 is compared
-# with both 8-bit formats: int8 (weight-only) and w8a8 (8-bit activations too, as Q8_0's own products).
+# with both 8-bit formats: int8 (weight-only) and w8a8 (8-bit activations too, as Q8_0's own products); llama.cpp's
+# defaults with the checkpoint as released (exact) and with w4a8 (its MXFP4 experts' products on 8-bit activations,
+# as llama.cpp's own).
 ROWS = {"f32": ("F32 weights, F32 KV, flash-attn off", "float", "f32", "f32", "off"),
         "defaults": ("defaults: MXFP4 experts, F16 KV, flash-attn auto", None, "mxfp4", "f16", "auto"),
         "int8": ("8-bit: int8 vs Q8_0 (F16 KV)", "int8", "q8_0", "f16", "auto"),
-        "w8a8": ("8-bit: w8a8 vs Q8_0 (F16 KV)", "w8a8", "q8_0", "f16", "auto")}
+        "w8a8": ("8-bit: w8a8 vs Q8_0 (F16 KV)", "w8a8", "q8_0", "f16", "auto"),
+        "w4a8": ("w4a8 (experts on 8-bit activations) vs llama.cpp's defaults", "w4a8", "mxfp4", "f16", "auto")}
 
 
 def compare(model, work: Path, table, *, threads: int, repeats: int, batches: tuple[int, ...], prompt_len: int,
