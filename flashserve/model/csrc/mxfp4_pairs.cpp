@@ -1,9 +1,10 @@
 // MXFP4 pair products on the CPU (flashserve.model.cpu_kernels): row p of x times the MXFP4 matrix of expert
 // experts[p], decoded from its bytes as they are read. Pairs are grouped by expert so that each expert's bytes
-// are decoded once for up to ROWS rows, and the 16-value E2M1 table, times a block's power-of-two scale, is
-// looked up with one permute per 16 values (AVX-512) or 8 (AVX2); two matrix rows share each load of the rows
-// where few rows use an expert. Every output is summed by one thread in a fixed order: the result does not
-// depend on the number of threads.
+// are decoded once for up to ROWS rows. AVX-512 looks the 16-value E2M1 table, times a block's power-of-two scale,
+// up with one permute per 16 values; AVX2 looks up the unscaled values' bfloat16 bytes with byte shuffles (no
+// lane-crossing permute) and multiplies each block's sum of products by its scale. Two matrix rows share each load
+// of the rows where few rows use an expert. Every output is summed by one thread in a fixed order: the result does
+// not depend on the number of threads.
 //
 // Layout (all contiguous): x [T, K] float32, each row in k = P / T consecutive pairs (a token's routed experts);
 // experts [P] int64 in [0, E); q [E, N, K/2] uint8, two E2M1 codes a byte, the low nibble the even column;
@@ -43,25 +44,6 @@ inline void prefetch_rows(const uint8_t* q, const uint8_t* s, int64_t count, int
 }
 
 #if defined(FS_AVX2)
-// The 8 low-nibble and 8 high-nibble values of 8 code bytes, times the block's scale (`pos`: block_table's 8
-// scaled magnitudes): vpermps reads an index's low 3 bits (the magnitude), and a shift puts the code's 4 bits at
-// bits 28-31, where one xor sets the sign bit and undoes the magnitude bits block_table xored into the entry's
-// bits 28-30. The same floats as the table's entry times the scale, two instructions fewer per 16 values than
-// masking the sign bit alone (one layer's gate/up and down, peers shapes: 1.018x and 1.027x, mbk.py).
-inline void decode8(const uint8_t* q, __m256 pos, __m256& lo, __m256& hi) {
-    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-    const __m256i high = _mm256_srli_epi32(codes, 4);
-    lo = _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, codes), _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
-    hi = _mm256_xor_ps(_mm256_permutevar8x32_ps(pos, high), _mm256_castsi256_ps(_mm256_slli_epi32(high, 28)));
-}
-
-// The scaled magnitudes of block b, entry i xored with i << 28 (decode8 xors the code's 4 bits back in)
-inline __m256 block_table(const uint8_t* s, int64_t b) {
-    const __m256i undo = _mm256_setr_epi32(0, 1 << 28, 2 << 28, 3 << 28, 4 << 28, 5 << 28, 6 << 28, 7 << 28);
-    const __m256 scaled = _mm256_mul_ps(_mm256_load_ps(E2M1), _mm256_set1_ps(e8m0(s[b])));
-    return _mm256_xor_ps(scaled, _mm256_castsi256_ps(undo));
-}
-
 // The 8 lanes of a sum, in order
 inline float lane_sum(__m256 acc) {
     alignas(32) float lanes[8];
@@ -70,6 +52,50 @@ inline float lane_sum(__m256 acc) {
     for (float v : lanes) sum += v;
     return sum;
 }
+
+// The high and the low byte of each E2M1 value's bfloat16 (its float32's upper half: every E2M1 value is exact in
+// bfloat16), codes 0 .. 15, one copy a 128-bit lane
+struct Bf16Bytes {
+    alignas(32) uint8_t high[32], low[32];
+    Bf16Bytes() {
+        for (int c = 0; c < 32; ++c) {
+            uint32_t bits;
+            std::memcpy(&bits, &E2M1[c % 16], sizeof bits);
+            high[c] = static_cast<uint8_t>(bits >> 24);
+            low[c] = static_cast<uint8_t>(bits >> 16);
+        }
+    }
+};
+const Bf16Bytes BF16_BYTES;
+
+// The 32 unscaled values of one block (16 code bytes) as float32, in four registers of 8 in the order the kernel
+// lays x's blocks out (X_ORDER): two byte shuffles look up each code's bfloat16 halves, and interleaving them with
+// zeros makes float32s; every instruction stays within its 128-bit lane (a lane-crossing permute a value took
+// twice the time on an AMD EPYC, Zen 3).
+inline void decode32(const uint8_t* q, __m256 (&f)[4]) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), nibble = _mm_set1_epi8(0x0F);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), _mm_and_si128(bytes, nibble));
+    const __m256i high = _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(BF16_BYTES.high)), codes);
+    const __m256i low = _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(BF16_BYTES.low)), codes);
+    const __m256i first = _mm256_unpacklo_epi8(low, high), second = _mm256_unpackhi_epi8(low, high), zero = _mm256_setzero_si256();
+    f[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, first));
+    f[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, first));
+    f[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, second));
+    f[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, second));
+}
+
+// A block's 32 products with one row of x (laid out in X_ORDER), unscaled, in 8 lanes: (f0 x0 + f1 x1) + (f2 x2 +
+// f3 x3), two chains
+inline __m256 block_sum(const __m256 (&f)[4], const float* x) {
+    const __m256 a = _mm256_fmadd_ps(f[1], _mm256_loadu_ps(x + 8), _mm256_mul_ps(f[0], _mm256_loadu_ps(x)));
+    const __m256 b = _mm256_fmadd_ps(f[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(f[2], _mm256_loadu_ps(x + 16)));
+    return _mm256_add_ps(a, b);
+}
+
+// Where the AVX2 path reads each column of a block of x: decode32's order (even columns from the low nibbles, odd
+// ones from the high, four of each a register)
+constexpr int X_ORDER[32] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,
+                             16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31};
 #endif
 
 // One matrix row (n) of one expert against R <= ROWS rows of xs, each 32-block of xs laid out as
@@ -97,15 +123,10 @@ inline void row_products(const uint8_t* q, const uint8_t* s, const float* const*
     __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        const __m256 pos = block_table(s, b);
-        for (int64_t half = 0; half < 2; ++half) {
-            __m256 lo, hi;
-            decode8(q + b * 16 + half * 8, pos, lo, hi);
-            for (int64_t r = 0; r < R; ++r) {
-                acc[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xs[r] + b * BLOCK + half * 8), acc[r]);
-                acc[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xs[r] + b * BLOCK + 16 + half * 8), acc[r]);
-            }
-        }
+        __m256 f[4];
+        decode32(q + b * 16, f);
+        const __m256 scale = _mm256_set1_ps(e8m0(s[b]));
+        for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(block_sum(f, xs[r] + b * BLOCK), scale, acc[r]);
     }
     for (int64_t r = 0; r < R; ++r) sums[r] = lane_sum(acc[r]);
 #else
@@ -164,19 +185,13 @@ inline void row_pair_products(const uint8_t* q0, const uint8_t* s0, const uint8_
     __m256 acc0[R], acc1[R];
     for (int64_t r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-        const __m256 pos0 = block_table(s0, b), pos1 = block_table(s1, b);
-        for (int64_t half = 0; half < 2; ++half) {
-            __m256 lo0, hi0, lo1, hi1;
-            decode8(q0 + b * 16 + half * 8, pos0, lo0, hi0);
-            decode8(q1 + b * 16 + half * 8, pos1, lo1, hi1);
-            for (int64_t r = 0; r < R; ++r) {
-                const __m256 xl = _mm256_loadu_ps(xs[r] + b * BLOCK + half * 8);
-                const __m256 xh = _mm256_loadu_ps(xs[r] + b * BLOCK + 16 + half * 8);
-                acc0[r] = _mm256_fmadd_ps(lo0, xl, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(lo1, xl, acc1[r]);
-                acc0[r] = _mm256_fmadd_ps(hi0, xh, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(hi1, xh, acc1[r]);
-            }
+        __m256 f0[4], f1[4];
+        decode32(q0 + b * 16, f0);
+        decode32(q1 + b * 16, f1);
+        const __m256 scale0 = _mm256_set1_ps(e8m0(s0[b])), scale1 = _mm256_set1_ps(e8m0(s1[b]));
+        for (int64_t r = 0; r < R; ++r) {
+            acc0[r] = _mm256_fmadd_ps(block_sum(f0, xs[r] + b * BLOCK), scale0, acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(block_sum(f1, xs[r] + b * BLOCK), scale1, acc1[r]);
         }
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -247,10 +262,14 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
 struct QuantizedRows {
     std::vector<int8_t> q;  // [T, K]
     std::vector<float> d;   // [T, K / 32]
-    QuantizedRows(const float* xs, int64_t T, int64_t K) : q(T * K), d(T * K / BLOCK) {
+    QuantizedRows(const float* x, int64_t T, int64_t K) : q(T * K), d(T * K / BLOCK) {  // x [T, K] as given
         for (int64_t t = 0; t < T; ++t)
             for (int64_t b = 0; b < K / BLOCK; ++b) {
-                const float* v = xs + t * K + b * BLOCK;
+                float v[BLOCK];  // the block's even columns, then its odd ones
+                for (int64_t j = 0; j < 16; ++j) {
+                    v[j] = x[t * K + b * BLOCK + 2 * j];
+                    v[16 + j] = x[t * K + b * BLOCK + 2 * j + 1];
+                }
                 float amax = 0.f;
                 for (int64_t j = 0; j < BLOCK; ++j)  // a NaN stays
                     amax = std::fabs(v[j]) > amax || v[j] != v[j] ? std::fabs(v[j]) : amax;
@@ -375,7 +394,7 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
     const ExpertGroups groups(experts, P, E, "mxfp4_pairs");
     const std::vector<int64_t>& first = groups.first;
     const std::vector<int64_t>& order = groups.order;
-    // x with each 32-block reordered as [even | odd] columns
+    // x with each 32-block reordered as [even | odd] columns (AVX2: in decode32's order, X_ORDER)
     const int64_t T = P / k;
     const auto xs_buf = aligned_floats(T * K, false);  // every value written below
     float* const xs = xs_buf.get();
@@ -389,6 +408,8 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
             const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
             _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a, even, b));
             _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(a, odd, b));
+#elif defined(FS_AVX2)
+            for (int64_t j = 0; j < BLOCK; ++j) dst[j] = src[X_ORDER[j]];
 #else
             for (int64_t j = 0; j < 16; ++j) {
                 dst[j] = src[2 * j];
@@ -396,7 +417,7 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
             }
 #endif
         }
-    const std::unique_ptr<QuantizedRows> quantized(a8 ? new QuantizedRows(xs, T, K) : nullptr);
+    const std::unique_ptr<QuantizedRows> quantized(a8 ? new QuantizedRows(x, T, K) : nullptr);
     // work items: (expert with pairs, tile of matrix rows)
     const int64_t tiles = (N + TILE - 1) / TILE;
     const std::vector<int64_t> items = groups.items(tiles);
