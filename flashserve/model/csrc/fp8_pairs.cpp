@@ -48,6 +48,14 @@ inline float e4m3(uint8_t b) {
     return (b & 0x80u) ? -f : f;
 }
 
+// sum plus the last columns k .. K - 1 of one matrix row (q, its scale row sc, one scale a cb columns) times x,
+// one by one: every path's sums end this way
+inline float tail_sum(float sum, const uint8_t* q, const uint8_t* sc, int64_t cb, const float* x, int64_t k,
+                      int64_t K) {
+    for (int64_t t = k; t < K; ++t) sum += e4m3(q[t]) * e8m0(sc[t / cb]) * x[t];
+    return sum;
+}
+
 #if defined(FS_AVX2) || defined(FS_AVX512)
 // eight E4M3 codes as float32, the same values as e4m3()
 inline __m256 e4m3x8(const uint8_t* q) {
@@ -121,14 +129,7 @@ inline void prescaled_row_products(const uint8_t* q, const uint8_t* const* sc, i
         }
     }
     for (int64_t j = 0; j < J; ++j)
-        for (int64_t r = 0; r < R; ++r) {
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, acc[j][r]);
-            float sum = 0.f;
-            for (float v : lanes) sum += v;
-            for (int64_t t = k; t < K; ++t) sum += e4m3(q[j * K + t]) * e8m0(sc[j][t / cb]) * xs[r][t];
-            sums[j][r] = sum;
-        }
+        for (int64_t r = 0; r < R; ++r) sums[j][r] = tail_sum(lane_sum(acc[j][r]), q + j * K, sc[j], cb, xs[r], k, K);
 }
 
 // The least nonzero and the largest magnitude of each row of x [T, K] (ok[t]: every value finite)
@@ -232,8 +233,7 @@ inline void row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t c
             _mm512_store_ps(lanes, acc[j][r]);
             float sum = 0.f;
             for (float v : lanes) sum += v;
-            for (int64_t t = k; t < K; ++t) sum += e4m3(q[j * K + t]) * e8m0(sc[j][t / cb]) * xs[r][t];
-            sums[j][r] = sum;
+            sums[j][r] = tail_sum(sum, q + j * K, sc[j], cb, xs[r], k, K);
         }
 }
 #endif
@@ -314,12 +314,9 @@ inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb,
         for (int64_t r = 0; r < R; ++r) {
             float sum = 0.f;
 #if defined(FS_AVX2) || defined(FS_AVX512)
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, acc[j][r]);
-            for (float v : lanes) sum += v;
+            sum = lane_sum(acc[j][r]);
 #endif
-            for (int64_t t = k; t < K; ++t) sum += e4m3(q[j * K + t]) * e8m0(sc[j][t / cb]) * xs[r][t];
-            sums[j][r] = sum;
+            sums[j][r] = tail_sum(sum, q + j * K, sc[j], cb, xs[r], k, K);
         }
 }
 

@@ -31,6 +31,17 @@ inline std::unique_ptr<float, void (*)(void*)> aligned_floats(int64_t n, bool ze
     return {static_cast<float*>(p), &std::free};
 }
 
+#if defined(FS_AVX2) || defined(FS_AVX512)
+// The 8 lanes of a sum, added in order from 0
+inline float lane_sum(__m256 acc) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    float sum = 0.f;
+    for (float v : lanes) sum += v;
+    return sum;
+}
+#endif
+
 // f(std::integral_constant<int64_t, R>{}) for 1 <= R < N, else f(std::integral_constant<int64_t, N>{}): a count of
 // rows as a compile-time constant, so the loops over rows unroll and the sums stay in registers
 template <int64_t N, typename F>

@@ -44,15 +44,6 @@ inline void prefetch_rows(const uint8_t* q, const uint8_t* s, int64_t count, int
 }
 
 #if defined(FS_AVX2)
-// The 8 lanes of a sum, in order
-inline float lane_sum(__m256 acc) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    float sum = 0.f;
-    for (float v : lanes) sum += v;
-    return sum;
-}
-
 // The high and the low byte of each E2M1 value's bfloat16 (its float32's upper half: every E2M1 value is exact in
 // bfloat16), codes 0 .. 15, one copy a 128-bit lane
 struct Bf16Bytes {
@@ -329,13 +320,7 @@ inline void a8_products(const uint8_t* const* qm, const uint8_t* const* sm, cons
         }
     }
     for (int64_t m = 0; m < M; ++m)
-        for (int64_t r = 0; r < R; ++r) {
-            alignas(32) float lanes[8];
-            _mm256_store_ps(lanes, acc[m][r]);
-            float sum = 0.f;
-            for (float v : lanes) sum += v;
-            sums[m][r] = sum;
-        }
+        for (int64_t r = 0; r < R; ++r) sums[m][r] = lane_sum(acc[m][r]);
 #else
     for (int64_t m = 0; m < M; ++m)
         for (int64_t r = 0; r < R; ++r) {
