@@ -293,8 +293,8 @@ def mxfp4_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s
                          f"s {tuple(s.shape)} do not match")
     ops = _ops(isa)
     if up is None:
-        return ops.mxfp4_pairs(x, experts, q, s, a8)
-    return ops.mxfp4_gate_up(x, experts, q, s, up[0], up[1], a8)
+        return (ops.mxfp4_pairs_a8 if a8 else ops.mxfp4_pairs)(x, experts, q, s)
+    return (ops.mxfp4_gate_up_a8 if a8 else ops.mxfp4_gate_up)(x, experts, q, s, up[0], up[1])
 
 
 # where a bfloat16 panel line keeps column c: slot BF16_SLOTS[c] (csrc/dense_rows.cpp, COLUMN_SLOT)
@@ -399,11 +399,19 @@ def _register_fakes_once() -> None:
                 q.new_empty((R, n_blocks), dtype=torch.int64))
 
     @fake("flashserve::mxfp4_pairs")
-    def _(x, experts, q, s, a8=False):
+    def _(x, experts, q, s):
         return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
 
+    @fake("flashserve::mxfp4_pairs_a8")
+    def _(x, experts, q, s):
+        return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
+
+    @fake("flashserve::mxfp4_gate_up_a8")
+    def _(x, experts, q1, s1, q3, s3):
+        return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
+
     @fake("flashserve::mxfp4_gate_up")
-    def _(x, experts, q1, s1, q3, s3, a8=False):
+    def _(x, experts, q1, s1, q3, s3):
         return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
     @fake("flashserve::int8_pairs")
@@ -430,14 +438,15 @@ def _register_fakes_once() -> None:
 def mxfp4_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, s: torch.Tensor,
                 a8: bool = False) -> torch.Tensor:
     """:func:`mxfp4_pairs_eager` with the CPU's own path, as the operator ``flashserve::mxfp4_pairs``."""
-    return torch.ops.flashserve.mxfp4_pairs(x, experts, q, s, a8)
+    return (torch.ops.flashserve.mxfp4_pairs_a8 if a8 else torch.ops.flashserve.mxfp4_pairs)(x, experts, q, s)
 
 
 def mxfp4_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: torch.Tensor, q3: torch.Tensor,
                   s3: torch.Tensor, a8: bool = False) -> torch.Tensor:
     """The gate's and the up projection's pair products in one pass, [2, P, N] (:func:`mxfp4_pairs_eager` with
     ``up``), as the operator ``flashserve::mxfp4_gate_up``."""
-    return torch.ops.flashserve.mxfp4_gate_up(x, experts, q1, s1, q3, s3, a8)
+    op = torch.ops.flashserve.mxfp4_gate_up_a8 if a8 else torch.ops.flashserve.mxfp4_gate_up
+    return op(x, experts, q1, s1, q3, s3)
 
 
 def int8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -91,15 +91,17 @@ def test_mxfp4_pair_products_refuse_what_they_cannot_read():
         cpu_kernels.mxfp4_pairs_eager(x[:, :32], torch.tensor([0, 1]), pw.qweight, pw.scale)
 
 
+@pytest.mark.parametrize("a8", [False, True])
 @pytest.mark.parametrize("cpp_wrapper", [False, True])
-def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper):
-    """Through either inductor wrapper (the engine's CPU steps use the C++ one)."""
+def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper, a8):
+    """Through either inductor wrapper (the engine's CPU steps use the C++ one), exact and with 8-bit
+    activations (w4a8)."""
     pw = _experts(6, 32, 64, seed=7)
     experts = torch.tensor([5, 1, 1, 0])
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(8))
 
     def f(x, experts, q, s):
-        return torch.ops.flashserve.mxfp4_pairs(x * 2, experts, q, s).relu()
+        return cpu_kernels.mxfp4_pairs(x * 2, experts, q, s, a8).relu()
 
     torch._dynamo.reset()
     compiled = compile_as_step(f, fullgraph=True, dynamic=False, options={"cpp_wrapper": cpp_wrapper})

@@ -474,23 +474,44 @@ at::Tensor pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tenso
     return out;
 }
 
-at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s,
-                          bool a8) {
+at::Tensor pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s,
+                    bool a8) {
     check(x, experts, q, s);
     return pairs(x, experts, q, s, nullptr, nullptr, a8)[0];
 }
 
-at::Tensor mxfp4_gate_up_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1,
-                            const at::Tensor& s1, const at::Tensor& q3, const at::Tensor& s3, bool a8) {
+at::Tensor gate_up_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1, const at::Tensor& s1,
+                      const at::Tensor& q3, const at::Tensor& s3, bool a8) {
     check(x, experts, q1, s1);
     TORCH_CHECK(q3.sizes() == q1.sizes() && s3.sizes() == s1.sizes() && q3.scalar_type() == at::kByte &&
                     s3.scalar_type() == at::kByte,
                 "mxfp4_gate_up: the up projection q ", q3.sizes(), ", s ", s3.sizes(), " does not match the gate's");
     return pairs(x, experts, q1, s1, &q3, &s3, a8);
 }
+
+at::Tensor mxfp4_pairs_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q, const at::Tensor& s) {
+    return pairs_op(x, experts, q, s, false);
+}
+
+at::Tensor mxfp4_pairs_a8_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q,
+                             const at::Tensor& s) {
+    return pairs_op(x, experts, q, s, true);
+}
+
+at::Tensor mxfp4_gate_up_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1,
+                            const at::Tensor& s1, const at::Tensor& q3, const at::Tensor& s3) {
+    return gate_up_op(x, experts, q1, s1, q3, s3, false);
+}
+
+at::Tensor mxfp4_gate_up_a8_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& q1,
+                               const at::Tensor& s1, const at::Tensor& q3, const at::Tensor& s3) {
+    return gate_up_op(x, experts, q1, s1, q3, s3, true);
+}
 }  // namespace
 
 FS_LIBRARY_IMPL(m) {
     m.impl("mxfp4_pairs", &mxfp4_pairs_op);
     m.impl("mxfp4_gate_up", &mxfp4_gate_up_op);
+    m.impl("mxfp4_pairs_a8", &mxfp4_pairs_a8_op);
+    m.impl("mxfp4_gate_up_a8", &mxfp4_gate_up_a8_op);
 }

@@ -7,9 +7,12 @@
 
 FS_LIBRARY_FRAGMENT(m) {
     m.set_python_module("flashserve.model.cpu_kernels");  // where the fake implementations are
-    m.def("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s, bool a8=False) -> Tensor");
-    m.def("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3, bool a8=False) "
-          "-> Tensor");
+    m.def("mxfp4_pairs(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor");
+    m.def("mxfp4_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
+    // the same with x rounded to int8 a 32-block (--quantization w4a8): operators of their own, not a defaulted
+    // flag (inductor's C++ wrapper does not pass an argument it was not given)
+    m.def("mxfp4_pairs_a8(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor");
+    m.def("mxfp4_gate_up_a8(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
     m.def("dense_rows(Tensor x, Tensor panels, int n) -> Tensor");
     m.def("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor");
     m.def("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
