@@ -6,8 +6,9 @@ Actions: ``run`` (default), ``sweep``, ``published``, ``seed``, ``verdict``. Bad
 one line naming the field. ``--hardware`` takes a preset or a machine JSON file (checked before any work);
 ``--gpu-memory``, ``--host-memory`` and the like set a machine's fields over its preset or file;
 ``--resident-experts``, ``--host-experts`` and ``--host-expert-compute`` place a machine's routed experts across
-device memory, host memory and disk, ``--expert-hit-rate`` and ``--tier-overlap`` say how an engine's cache and
-prefetching serve them (:mod:`flashserve.plan.tiers`).
+device memory, host memory and disk, ``--expert-cache``, ``--expert-hit-rate`` and ``--tier-overlap`` say how an
+engine's cache and prefetching serve them (:mod:`flashserve.plan.tiers`); ``--routing-skew`` sets how unevenly
+the router uses its experts.
 """
 
 from __future__ import annotations
@@ -90,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured fraction (0-1) of selected experts found resident, as an engine's expert cache "
                         "reports it (default: the uniform prior, resident experts / experts per layer); the misses "
                         "split over host memory and disk by their experts")
+    p.add_argument("--expert-cache", default=None, choices=("static", "lru"),
+                   help="what the resident experts are: static (default: a fixed set, hit in proportion to their "
+                        "count) or lru (an LRU cache of the selected experts, as ds4's dynamic expert cache and "
+                        "flashserve's --weight-memory keep them: the most used stay, hit rate from --routing-skew)")
     p.add_argument("--tier-overlap", default=None, choices=("summed", "overlapped"),
                    help="how the tiers' times combine in a step: summed (default: each layer waits for its "
                         "experts) or overlapped (the slowest tier: engines that prefetch or run CPU and GPU at "
@@ -125,6 +130,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the LM head and token embeddings' storage, where it differs from the other dense weights "
                         "(V4/V4.1: the released checkpoint keeps them bf16; an engine computing in fp32 reads fp32)")
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
+    p.add_argument("--routing-skew", type=float, default=None, metavar="S",
+                   help="how unevenly the router uses its experts: the i-th most used is selected in proportion "
+                        "to i^-S (0: uniform, as random router weights route; default: the model's, 0.88 for V4 "
+                        "and V4.1 from V4-Flash's measured routing, 0 for V3/R1); sets the distinct experts a "
+                        "step reads")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
     p.add_argument("--context", type=int, default=None, help="mean KV length while decoding (default prompt + output/2)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
@@ -167,6 +177,7 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         resident_experts=getattr(a, "resident_experts", None), host_experts=getattr(a, "host_experts", None),
         host_expert_compute=getattr(a, "host_expert_compute", None),
         expert_hit_rate=getattr(a, "expert_hit_rate", None), tier_overlap=getattr(a, "tier_overlap", None),
+        expert_cache=getattr(a, "expert_cache", None), routing_skew=getattr(a, "routing_skew", None),
         prefill_chunk=getattr(a, "prefill_chunk", 512), engram_tables=getattr(a, "engram_tables", None),
         memory_bound_only=bool(getattr(a, "memory_bound_only", False)), head_dtype=getattr(a, "head_dtype", None))
 

@@ -31,11 +31,11 @@ class RunPoint:
 def run_points(run: dict[str, Any], machine: str, config: str | None = None) -> list[Measured]:
     """One point per batch size of a bench_slice run: the slice's config (``config``, else ``slice/config.json``),
     experts MXFP4, dense FP8, the bf16 head the engine reads as such, the run's prompt and output lengths, decode
-    only; a run under ``--weight-memory`` has the experts its cache held per layer resident, the rest on the disk at
+    only, uniform routing (a slice's router weights are random, so no expert is used more than another); a run under ``--weight-memory`` has the experts its cache held per layer resident, the rest on the disk at
     the bandwidth the run measured, at the hit rate each batch size measured."""
     base = PlanInputs(model=config or str(Path(run["slice"]) / "config.json"), hardware=machine, gpus=1,
                       weight_dtype="fp4", head_dtype="bf16", prompt_len=run["prompt_len"],
-                      output_len=run["new_tokens"])
+                      output_len=run["new_tokens"], routing_skew=0.0)
     budget = run.get("weight_memory") is not None
     if budget:
         base = replace(base, resident_experts=run["experts_held_per_layer"],

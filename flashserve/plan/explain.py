@@ -147,7 +147,9 @@ def _step_rows(r: PlanResult) -> Iterator[Row]:
            if r.prefill_pool else "shared: prefill runs on the decode GPUs and their layout")
     yield "layout", "dtypes experts / dense / KV", f"{dep.expert_dtype} / {dep.dense_dtype} / {dep.model.kv_dtype}", ""
     yield "step", "sequences per attention rank", f"{s.sequences_per_rank:.4g}", f"{s.rows_per_sequence} rows each (1 + drafted)"
-    yield "step", "distinct experts per layer", f"{s.distinct_experts_per_layer:.4g}", "E·(1−(1−k/E)^B), all rows of the step"
+    how = (f"Σ 1−(1−qᵢ)^B, qᵢ ∝ i^-{dep.model.routing_skew:g}" if dep.model.routing_skew
+           else "E·(1−(1−k/E)^B), uniform")
+    yield "step", "distinct experts per layer", f"{s.distinct_experts_per_layer:.4g}", how + "; all rows of the step"
     yield "step", "bytes: dense weights", _g(s.bytes_dense, "B"), "per GPU: dense / TP"
     yield "step", "bytes: routed experts", _g(s.bytes_experts, "B"), "distinct experts × expert bytes / GPUs" + (
         " × resident fraction (the rest: [tiers])" if dep.placement is not None else "")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from .dtypes import HEAD_DTYPES, KV_DTYPES, WEIGHT_BYTES
 from .errors import PlanError
 from .machine import OVERRIDE_FIELDS, flag_of
-from .tiers import ENGRAM_TABLES, HOST_COMPUTE, TIER_OVERLAP
+from .tiers import ENGRAM_TABLES, EXPERT_CACHE, HOST_COMPUTE, TIER_OVERLAP
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,8 @@ class PlanInputs:
     host_expert_compute: str | None = None  # "cpu" (default: CPU expert kernels) or "gpu" (over the link)
     expert_hit_rate: float | None = None  # measured share of selected experts found resident (None: uniform)
     tier_overlap: str | None = None  # "summed" (default) or "overlapped": how the tiers' times combine
+    expert_cache: str | None = None  # "static" (default: a fixed set of experts) or "lru" (resident = an LRU cache)
+    routing_skew: float | None = None  # Zipf exponent of expert popularity (None: the model's; 0: uniform)
     prefill_chunk: int = 512  # prompt tokens per prefill step where experts are off the device (llama.cpp -ub)
     engram_tables: str | None = None  # "memory" (default: host or unified memory) or "disk" (rows read from disk)
     memory_bound_only: bool = False  # a device without published FLOP/s: time the step without its compute
@@ -160,6 +162,10 @@ def validate(inp: PlanInputs) -> None:
         _number(inp.expert_hit_rate, "--expert-hit-rate", 0.0, 1.0)
     if inp.engram_tables is not None and inp.engram_tables not in ENGRAM_TABLES:
         raise PlanError("--engram-tables", f"unknown {inp.engram_tables!r}; choose one of {', '.join(ENGRAM_TABLES)}")
+    if inp.routing_skew is not None:
+        _number(inp.routing_skew, "--routing-skew", 0.0, 4.0)
+    if inp.expert_cache is not None and inp.expert_cache not in EXPERT_CACHE:
+        raise PlanError("--expert-cache", f"unknown {inp.expert_cache!r}; choose one of {', '.join(EXPERT_CACHE)}")
     if inp.tier_overlap is not None and inp.tier_overlap not in TIER_OVERLAP:
         raise PlanError("--tier-overlap", f"unknown {inp.tier_overlap!r}; choose one of {', '.join(TIER_OVERLAP)}")
     for key, value in inp.hardware_overrides.items():

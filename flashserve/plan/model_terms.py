@@ -7,6 +7,7 @@ attends (a decode token, or one verification row under speculative decoding).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -133,6 +134,7 @@ class ModelTerms:
     route_topk_groups: int = 1  # groups a token may pick its experts from
     host_reads_per_token: float = 0.0  # separate rows gathered per decode token (engram lookups)
     head_params: int = 0  # of dense_params_decode: the LM head (0: not separated, as for V3)
+    routing_skew: float = 0.0  # Zipf exponent of the experts' popularity (0: uniform routing; ROUTING_SKEW)
     embed_params: int = 0  # of dense_params_total: the token embeddings (0: not separated)
     notes: tuple[str, ...] = ()
 
@@ -162,9 +164,59 @@ class ModelTerms:
         return self.kv_bytes_per_token * ctx + self.state_bytes_per_sequence
 
 
-def expected_distinct_experts(n_experts: int, top_k: int, tokens: float) -> float:
-    """Expected experts touched by ``tokens`` tokens each picking ``top_k`` of ``n_experts`` uniformly:
-    E·(1 − (1 − k/E)^B)."""
+def expert_popularity(n_experts: int, top_k: int, skew: float = 0.0) -> list[float]:
+    """Probability that one token selects each expert, the most used first (they sum to ``top_k``).
+
+    ``skew`` is the exponent s of a Zipf law: the i-th most used expert is selected in proportion to i^-s
+    (0: uniform, k/E each). A probability above 1 (an expert no token can miss) is capped and its excess spread
+    over the others in proportion to theirs."""
+    if skew == 0.0:
+        return [top_k / n_experts] * n_experts
+    w = [(i + 1) ** -skew for i in range(n_experts)]
+    total = sum(w)
+    q = [top_k * x / total for x in w]
+    capped = [False] * n_experts
+    while True:
+        excess = sum(x - 1.0 for x in q if x > 1.0)
+        if excess <= 1e-12:
+            return q
+        for i, x in enumerate(q):
+            if x > 1.0:
+                q[i], capped[i] = 1.0, True
+        rest = sum(x for x, c in zip(q, capped) if not c)
+        q = [x if c else x + excess * x / rest for x, c in zip(q, capped)]
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, tokens: float, skew: float = 0.0) -> float:
+    """Expected experts touched by ``tokens`` tokens, each picking ``top_k`` of ``n_experts`` independently of
+    the others: Σᵢ 1 − (1 − qᵢ)^B over the experts' selection probabilities qᵢ (:func:`expert_popularity`);
+    uniform routing (skew 0) gives E·(1 − (1 − k/E)^B)."""
     if tokens <= 0 or top_k <= 0:
         return 0.0
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+    if skew == 0.0:
+        return n_experts * (1.0 - (1.0 - top_k / n_experts) ** tokens)
+    return sum(1.0 - (1.0 - q) ** tokens for q in expert_popularity(n_experts, top_k, skew))
+
+
+def lru_hit_rate(n_experts: int, top_k: int, cached: int, skew: float) -> float:
+    """Share of selected experts an LRU cache of ``cached`` experts of the layer holds, with each token drawing
+    its experts independently at the popularity of :func:`expert_popularity` (Che's approximation: an expert
+    is cached if it was selected within the last T tokens, T set so that the expected number of such experts is
+    the cache's size). Without skew this is cached / experts, as for a static set."""
+    if cached >= n_experts:
+        return 1.0
+    if cached <= 0:
+        return 0.0
+    q = expert_popularity(n_experts, top_k, skew)
+
+    def held(t: float) -> float:
+        return sum(1.0 - math.exp(-x * t) for x in q)
+
+    lo, hi = 0.0, 1.0
+    while held(hi) < cached:
+        hi *= 2.0
+    for _ in range(100):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if held(mid) < cached else (lo, mid)
+    t = (lo + hi) / 2.0
+    return sum(x * (1.0 - math.exp(-x * t)) for x in q) / top_k

@@ -379,7 +379,11 @@ def machine_planned(dep: Deployment) -> list[str]:
                                               else "the resident experts are"))
         if pl.hit_rate is None:
             out.append("a selected expert is in a tier with probability (its experts per layer) / "
-                       f"{pl.n_experts} (uniform routing)")
+                       f"{pl.n_experts} (a static placement of experts whichever they are)")
+        elif pl.hit_source == "lru":
+            out.append(f"the resident experts are an LRU cache: a selected expert is in it with probability "
+                       f"{pl.hit_rate:.3g} (the routing's skew, Che's approximation); a miss is in host memory or on "
+                       "disk in proportion to their experts")
         else:
             out.append(f"a selected expert is resident with the measured hit rate {pl.hit_rate:.3g}; a miss is in "
                        "host memory or on disk in proportion to their experts")
@@ -423,7 +427,8 @@ def machine_not_planned(dep: Deployment) -> list[str]:
             out.append("the CPU's expert-kernel FLOP/s (host.expert_tflops): prefill's CPU experts are timed by one "
                        "read of host memory per chunk only, a lower bound on their time")
         if pl.hit_rate is None:
-            out.append("a measured hit rate of an engine's expert cache (--expert-hit-rate): routing is uniform")
+            out.append("a measured hit rate of an engine's expert cache (--expert-hit-rate): the resident experts "
+                       "are a static set, not the most used")
     if dep.tables_on_disk and (m.disk_read_gbs is None or m.disk_iops is None):
         missing = " and ".join(x for x, v in (("read bandwidth", m.disk_read_gbs), ("IOPS", m.disk_iops)) if v is None)
         out.append(f"the disk's {missing}: the engram rows read from disk are timed without "
@@ -493,6 +498,8 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
     """Check the inputs and place the model on the hardware."""
     validate(inp)
     model = model or resolve_model(inp.model, inp.kv_dtype)
+    if inp.routing_skew is not None:
+        model = replace(model, routing_skew=inp.routing_skew)
     hw = hw or get_hardware(inp.hardware, overrides=inp.hardware_overrides)
     if hw.machine is not None:
         _check_machine(inp, hw)
@@ -508,7 +515,8 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
     eff = hw.efficiency.with_overrides(**{**(stack.terms if stack else {}), **inp.overrides})
     placement = resolve_placement(inp.resident_experts, inp.host_experts, inp.host_expert_compute,
                                   model.n_experts, hw.machine.kind if hw.machine else None, hw.name,
-                                  inp.expert_hit_rate, inp.tier_overlap, inp.prefill_chunk)
+                                  inp.expert_hit_rate, inp.tier_overlap, inp.prefill_chunk, inp.expert_cache,
+                                  model.top_k, model.routing_skew)
     if placement is not None:
         _check_tiers(placement, hw)
     tables_on_disk = _tables_on_disk(inp, model, hw)

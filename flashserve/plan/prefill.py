@@ -99,9 +99,9 @@ def prefill_tiers(dep: Deployment) -> PrefillTiers | None:
     if pl is None or machine is None:
         return None
     chunk = pl.prefill_chunk
-    touched = expected_distinct_experts(m.n_experts, m.top_k, chunk)
+    touched = expected_distinct_experts(m.n_experts, m.top_k, chunk, m.routing_skew)
     per_expert = m.prefill_moe_layers * m.expert_params * WEIGHT_BYTES[dep.expert_dtype]  # every MoE layer's
-    share = lambda n: touched * n / pl.n_experts  # noqa: E731 - touched experts in a tier of n, uniform routing
+    share = lambda n: touched * n / pl.n_experts  # noqa: E731 - touched experts in a tier of n, static placement
     t_disk = share(pl.disk) * per_expert / ((machine.disk_read_gbs or 0.0) * GB) / chunk if pl.disk else 0.0
     off = pl.host + pl.disk
     if machine.kind != "gpu" or not off:

@@ -114,7 +114,7 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     rows = 1 + dep.draft_tokens
     b = float(math.ceil(concurrency / dep.dp))  # sequences on the busiest attention rank (it sets the pace)
     tokens = concurrency * rows  # rows entering every MoE layer, all GPUs together
-    distinct = expected_distinct_experts(m.n_experts, m.top_k, tokens)
+    distinct = expected_distinct_experts(m.n_experts, m.top_k, tokens, m.routing_skew)
 
     bytes_dense = dep.dense_weight_bytes(m.dense_params_decode, m.head_params) / dep.tp
     experts_all = m.n_moe_layers * distinct * m.expert_params * wb_e  # every tier, the whole deployment
@@ -137,7 +137,7 @@ def decode_step(dep: Deployment, concurrency: float, ctx: float) -> DecodeStep:
     bytes_draft = flops_draft_dense = flops_draft_exp = flops_draft_attn = draft_ep_tokens = 0.0
     if passes:
         drows = d.rows_per_pass(dep.draft_tokens)
-        dist_d = expected_distinct_experts(d.n_experts, d.top_k, concurrency * drows)
+        dist_d = expected_distinct_experts(d.n_experts, d.top_k, concurrency * drows, m.routing_skew)
         per_pass = d.dense_params * wb_d / dep.tp + d.layers * dist_d * d.expert_params * wb_e / dep.gpus
         if d.attention is not None:
             per_pass += b * d.layers * d.attention.read_bytes(ctx, drows)  # each block row reads the window

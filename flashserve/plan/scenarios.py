@@ -373,11 +373,12 @@ PUBLISHED_LOCAL: tuple[PublishedLocal, ...] = (
         "V4.1, Strix Halo 128 GB, Q2, SSD streaming (ds4, RAID-0 of 3 NVMe, 13.5 GB/s)", 9.5, 1, "held_out",
         PlanInputs(model="deepseek-v41-flash", hardware=_local_machine("strix-halo-128gb-raid0"), gpus=1,
                    weight_dtype=DS4_Q2, concurrency=1, engram_tables="disk", memory_bound_only=True,
-                   resident_experts=STRIX_RESIDENT),
-        f"the dynamic expert cache of 88.88 GB holds {STRIX_RESIDENT} of 384 experts per layer (uniform "
-        "routing: the report gives no hit rate); misses read from the RAID at its stated 13.5 GB/s; the tiers "
+                   resident_experts=STRIX_RESIDENT, expert_cache="lru"),
+        f"the dynamic expert cache of 88.88 GB holds {STRIX_RESIDENT} of 384 experts per layer, planned as an LRU "
+        "cache of the selected experts (the report gives no hit rate; V4-Flash's measured routing skew carried "
+        "over to V4.1); misses read from the RAID at its stated 13.5 GB/s; the tiers "
         "summed (whether ds4 overlaps its SSD reads with compute is not stated: overlapped, the prediction is "
-        "+27%); engram tables disk-only; memory-bound (AMD publishes no FLOP/s for the Radeon 8060S) at the "
+        "+28%); engram tables disk-only; memory-bound (AMD publishes no FLOP/s for the Radeon 8060S) at the "
         "local-unified profile fitted on the M3 Ultra point (same engine and file)",
         DS4_Q2, DS4_Q2_BASIS),
     _not_predicted("llamacpp-5975wx-2gpu-v41", "V4.1, Threadripper 5975WX + 2 GPUs, experts on CPU", 17.7, 1,

@@ -7,11 +7,15 @@ memory; the host memory of a machine without a GPU), ``host`` experts in host me
 the remaining ``disk`` experts read from the disk when a token selects them (memory-mapped checkpoint, no
 cache credited). Attention, dense and shared weights, the drafter and the KV cache stay on the device.
 
-Routing is taken as uniform (the prior): a selected expert is in a tier with probability (experts of the layer
-in that tier) / (experts of the layer), so the distinct experts a step touches split over the tiers in those
-proportions. An engine's expert cache measures better: ``--expert-hit-rate H`` (flashserve's
-``flashserve_expert_cache_{hits,misses}_total``, or what another engine reports) replaces the prior for the
-resident tier, and the misses split over host memory and disk in proportion to the experts each holds.
+Which experts a tier holds is not known for a static placement (``--expert-cache static``, the default): a
+selected expert is in a tier with probability (experts of the layer in that tier) / (experts of the layer),
+so the distinct experts a step touches split over the tiers in those proportions, however skewed the routing
+(the routing's skew sets how many distinct experts a step touches: model_terms.expected_distinct_experts).
+When the resident experts are an engine's LRU cache of the experts tokens select (``--expert-cache lru``: ds4's
+dynamic expert cache, flashserve's ``--weight-memory``) the used experts stay in it: its hit rate follows from
+the routing's skew (model_terms.lru_hit_rate). An engine's cache measures better still: ``--expert-hit-rate H``
+(flashserve's ``flashserve_expert_cache_{hits,misses}_total``, or what another engine reports) replaces both
+for the resident tier, and the misses split over host memory and disk in proportion to the experts each holds.
 
 Host-memory experts are computed either by CPU expert kernels reading host memory (``cpu``, the default, as
 ktransformers and llama.cpp ``-ot``/``--n-cpu-moe`` do) or moved over the GPU link and computed on the GPU
@@ -31,10 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .errors import PlanError
+from .model_terms import lru_hit_rate
 
 HOST_COMPUTE = ("cpu", "gpu")
 DEFAULT_HOST_COMPUTE = "cpu"
 TIER_OVERLAP = ("summed", "overlapped")
+EXPERT_CACHE = ("static", "lru")  # the resident experts: a fixed set, or an LRU cache of the selected ones
 ENGRAM_TABLES = ("memory", "disk")  # where V4.1's engram tables live on a machine
 DEFAULT_TIER_OVERLAP = "summed"
 
@@ -47,7 +53,8 @@ class ExpertPlacement:
     host: int
     disk: int
     host_compute: str = DEFAULT_HOST_COMPUTE  # "cpu": CPU kernels at host bandwidth; "gpu": over the link
-    hit_rate: float | None = None  # measured fraction of selected experts found resident (None: uniform prior)
+    hit_rate: float | None = None  # fraction of selected experts found resident (None: the tier's share)
+    hit_source: str = "measured"  # where hit_rate comes from: "measured" or "lru" (model_terms.lru_hit_rate)
     overlap: str = DEFAULT_TIER_OVERLAP  # "summed": tiers one after another; "overlapped": the slowest tier
     prefill_chunk: int = 512  # prompt tokens per prefill step (each reads or moves the experts it touches once)
 
@@ -67,29 +74,35 @@ class ExpertPlacement:
 
     def routing(self) -> str:
         if self.hit_rate is None:
-            return "uniform prior: hit fraction = experts in the tier / experts per layer"
+            return "static placement: hit fraction = experts in the tier / experts per layer"
+        if self.hit_source == "lru":
+            return (f"LRU cache of {self.resident} experts per layer: hit rate {self.hit_rate:.3g} from the routing's "
+                    "skew; misses split by experts per tier")
         return f"measured hit rate {self.hit_rate:.3g} of the resident tier; misses split by experts per tier"
 
     def as_dict(self) -> dict[str, object]:
         return {"resident_experts_per_layer": self.resident, "host_experts_per_layer": self.host,
                 "disk_experts_per_layer": self.disk, "experts_per_layer": self.n_experts,
                 "host_expert_compute": self.host_compute, "routing": self.routing(),
-                "expert_hit_rate": self.hit_rate, "tiers_combined": self.overlap,
+                "expert_hit_rate": self.hit_rate, "expert_hit_rate_from": self.hit_source if self.hit_rate is not None
+                else None, "tiers_combined": self.overlap,
                 "prefill_chunk": self.prefill_chunk}
 
 
 def resolve_placement(resident: int | None, host: int | None, compute: str | None, n_experts: int,
                       machine_kind: str | None, machine_name: str, hit_rate: float | None = None,
-                      overlap: str | None = None, prefill_chunk: int = 512) -> ExpertPlacement | None:
+                      overlap: str | None = None, prefill_chunk: int = 512, cache: str | None = None,
+                      top_k: int = 1, skew: float = 0.0) -> ExpertPlacement | None:
     """The placement the flags ask for (None: every expert on the device, as without the flags), with the
-    measured hit rate and the tiers' overlap when given.
+    measured hit rate, or under ``cache="lru"`` the hit rate of an LRU cache of the resident experts for a
+    router choosing ``top_k`` at popularity ``skew``, and the tiers' overlap when given.
 
     On a discrete-GPU machine ``--resident-experts N`` alone puts the rest in host memory, ``--host-experts M``
     alone keeps the rest on the GPU, both put what is left on disk. On a unified or GPU-less machine there is
     no separate host memory: the experts not resident are on disk."""
     if resident is None and host is None:
         for flag, value in (("--host-expert-compute", compute), ("--expert-hit-rate", hit_rate),
-                            ("--tier-overlap", overlap)):
+                            ("--tier-overlap", overlap), ("--expert-cache", cache)):
             if value is not None:
                 raise PlanError(flag, "needs --resident-experts or --host-experts (with neither, every expert is "
                                 "on the device)")
@@ -98,7 +111,13 @@ def resolve_placement(resident: int | None, host: int | None, compute: str | Non
     if hit_rate is not None and placement.host + placement.disk == 0:
         raise PlanError("--expert-hit-rate", f"every one of the {n_experts} experts per layer is resident: "
                         "nothing is missed (leave the hit rate out)")
-    return replace(placement, hit_rate=hit_rate, overlap=overlap or DEFAULT_TIER_OVERLAP, prefill_chunk=prefill_chunk)
+    source = "measured"
+    if cache == "lru":
+        if hit_rate is not None:
+            raise PlanError("--expert-cache", "lru derives the hit rate that --expert-hit-rate gives: pass one of them")
+        hit_rate, source = lru_hit_rate(n_experts, top_k, placement.resident, skew), "lru"
+    return replace(placement, hit_rate=hit_rate, hit_source=source, overlap=overlap or DEFAULT_TIER_OVERLAP,
+                   prefill_chunk=prefill_chunk)
 
 
 def _counts(resident: int | None, host: int | None, compute: str | None, n_experts: int,

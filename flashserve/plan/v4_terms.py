@@ -12,6 +12,18 @@ from typing import Any
 from .errors import PlanError
 from .model_terms import DraftTerms, LayerAttention, ModelTerms
 
+# How unevenly V4-Flash's router uses its experts, as a Zipf exponent (model_terms.expert_popularity). Measured
+# by JustVugg/colibri issue 864 (gcap0n1, 2026-08-18) from V4-Flash routing counts (43 layers x 256 experts,
+# 31,841 selections of chat and benchmark sessions): the most used 8 / 16 / 32 / 64 experts of a layer take
+# 35.6% / 46.5% / 58.5% / 71.2% of its selections; s = 0.88 gives 35.6 / 46.2 / 57.9 / 70.7% (least squares on
+# the log shares). nibor1896/Crow issue 89 measured the same order for the V4-Flash preview (half the
+# selections on 8.8% of the experts; s = 0.88 puts half on 8.2%). V4.1 (384 experts) has no published
+# curve: it is planned with V4-Flash's exponent, which gives its 10 most used experts of 384 a 35% share, where
+# the 0xSero/dsv41-flash-offload README measures 42% for a 10-per-layer GPU cache (recency helps a cache too).
+ROUTING_SKEW = 0.88
+ROUTING_SKEW_SOURCE = ("V4-Flash's measured routing counts (colibri issue 864): the most used 8/16/32/64 of 256 "
+                       "experts take 36/46/59/71% of the selections, a Zipf law of exponent 0.88")
+
 
 def cache_rows(cfg: Any, kv_dtype: str, native: Any) -> tuple[float, float, float]:
     """(main, index, window) bytes of one cache row in ``kv_dtype``; ``native`` is the checkpoint's record."""
@@ -114,4 +126,5 @@ def v4_terms(cfg: Any, arith: Any, name: str, kv_dtype: str) -> ModelTerms:
         prefill_attention=_layers(cfg, main, index, window, prefill_layers),
         kv_bytes_per_token=_kv_per_token(cfg, main, index), state_bytes_per_sequence=float(state),
         kv_dtype=kv_dtype, draft=_draft(cfg, arith, expert, head, window), notes=tuple(notes),
+        routing_skew=ROUTING_SKEW,
     )

@@ -117,6 +117,13 @@ def test_the_3090_points_read_the_misses_of_a_measured_hit_rate() -> None:
     assert math.isclose(s.bytes_host_experts, 40 * 3.5 * 3 * 5120 * 2304 * 3.0 / 8, rel_tol=1e-9)
 
 
+@pytest.mark.parametrize("name", [n for names in HELD_OUT.values() for n in names])
+def test_held_out_local_point_within_the_bar(name: str) -> None:
+    row = ROWS[name]
+    assert abs(row["error"]) <= LOCAL_BAR, (  # type: ignore[arg-type]
+        f"{name}: predicted {row['predicted']} vs published {row['published']} ({row['error']:+.1%})")
+
+
 def test_bar_is_reported_as_computed() -> None:
     rows = list(ROWS.values())
     bar = local_bar(rows)

@@ -104,12 +104,12 @@ def test_a_machine_without_a_gpu_times_its_experts_at_the_kernels_rate(tmp_path,
 
 @pytest.mark.parametrize("compute", ["cpu", "gpu"])
 def test_prefill_reads_or_moves_the_experts_a_chunk_touches(tmp_path, capsys, compute) -> None:
-    """A 512-token chunk touches E(1 - (1 - k/E)^512) experts of each layer; the off-device ones are read once
-    a chunk from host memory by the CPU (no CPU FLOP/s given: its memory bound), or moved over the link, and
-    the disk ones read once a chunk from disk."""
+    """With uniform routing a 512-token chunk touches E(1 - (1 - k/E)^512) experts of each layer; the
+    off-device ones are read once a chunk from host memory by the CPU (no CPU FLOP/s given: its memory bound),
+    or moved over the link, and the disk ones read once a chunk from disk."""
     box = write_machine(tmp_path, BOX)
     d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
-                       "--host-expert-compute", compute, "--prefill-chunk", "512"])
+                       "--host-expert-compute", compute, "--prefill-chunk", "512", "--routing-skew", "0"])
     m = resolve_model(MODEL)
     touched = 256 * (1 - (1 - 6 / 256) ** 512)
     per_expert = m.prefill_moe_layers * m.expert_params * FP4
@@ -126,7 +126,7 @@ def test_prefill_reads_or_moves_the_experts_a_chunk_touches(tmp_path, capsys, co
     assert d["prefill"]["bound"] == max(parts, key=parts.get)
     # a larger chunk reads the same experts for more tokens
     big = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
-                         "--host-expert-compute", compute, "--prefill-chunk", "4096"])
+                         "--host-expert-compute", compute, "--prefill-chunk", "4096", "--routing-skew", "0"])
     assert big["prefill_tokens_per_s_per_gpu"] > 5 * d["prefill_tokens_per_s_per_gpu"]
 
 
