@@ -167,9 +167,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None)
         flat = x.reshape(-1, x.shape[-1])
         return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
     if not takes(x, w):
-        return F.linear(x, w)
+        return F.linear(x, as_compute(w, x))
     flat = x.reshape(-1, x.shape[-1])
     return _mm_np(flat, w).view(*x.shape[:-1], w.shape[0])
+
+
+def as_compute(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``w`` in float32 where it is held in bfloat16 as a checkpoint stores it (``loader.KEEP_STORED``) and ``x``
+    is float32 (an exact conversion, for the products that do not read its panels); else ``w``."""
+    return w.float() if w.dtype == torch.bfloat16 and x.dtype == torch.float32 else w
 
 
 def bf16_rows(x: torch.Tensor, panels: torch.Tensor | None) -> bool:
@@ -200,7 +206,7 @@ def _linear_compiled_on_cpu(x: torch.Tensor, w: torch.Tensor, panels: torch.Tens
     if panels is not None and x.dtype == torch.float32:
         flat = x.reshape(-1, x.shape[-1])
         return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
+    return F.linear(x, as_compute(w, x))
 
 
 @modes.per_mode
@@ -294,14 +300,18 @@ BF16_PANEL_MAX_ROWS = 32  # a decode batch's rows (dense_rows' range); a prompt'
 
 
 @torch.no_grad()
-def make_bf16_panels(module: nn.Module, name: str) -> bool:
+def make_bf16_panels(module: nn.Module, name: str, stored_bf16: bool = False) -> bool:
     """Give ``module.<name>`` (a float32 CPU weight of at least :data:`BF16_PANEL_MIN_ELEMENTS` values, every one
-    of which bfloat16 holds: a bf16 checkpoint's LM head in a float32 engine) bfloat16 panels, which an eager
-    step's decode rows read (:func:`linear`): half the bytes, the same products to float32 rounding. False,
-    changing nothing, for any other weight or where the kernel is not available."""
+    of which bfloat16 holds: a bf16 checkpoint's LM head in a float32 engine; with ``stored_bf16``, also such a
+    weight held in bfloat16 as the checkpoint stores it) bfloat16 panels, which an eager step's decode rows read
+    (:func:`linear`): half the bytes, the same products to float32 rounding. False, changing nothing, for any
+    other weight or where the kernel is not available."""
     w = getattr(module, name)
-    if not (_panel_source(w) and w.numel() >= BF16_PANEL_MIN_ELEMENTS and panels(module, name) is None
-            and cpu_kernels.bf16_exact(w)):
+    if not isinstance(w, torch.Tensor) or w.numel() < BF16_PANEL_MIN_ELEMENTS or panels(module, name) is not None:
+        return False
+    held_bf16 = (stored_bf16 and w.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                 and cpu_kernels.dense_rows_available())
+    if not (held_bf16 or (_panel_source(w) and cpu_kernels.bf16_exact(w))):
         return False
     module.register_buffer(name + PANELS, cpu_kernels.bf16_panels_of_exact(w), persistent=False)
     return True

@@ -654,6 +654,14 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     return omitted
 
 
+def stored_dtypes(path: str | Path, names: frozenset[str]) -> dict[str, str]:
+    """Released name -> stored dtype of the tensors ``names`` that a checkpoint stores whole and unscaled (such as
+    ``BF16``), from the headers alone."""
+    headers = _read_headers(_checkpoint_files(Path(path)))
+    return {src.name: src.weight.dtype for src in _sources(headers, detect_scheme(headers))
+            if src.name in names and src.scale is None and src.pick is None}
+
+
 def packed_dtypes(path: str | Path) -> dict[str, str]:
     """Released name -> stored dtype of every tensor a checkpoint stores with a scale (FP8 ``F8_E4M3``, MXFP4
     ``I8``/``U8``), from the headers alone."""

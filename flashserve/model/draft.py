@@ -128,7 +128,7 @@ class DSparkStages(nn.ModuleList):
         context = {stage.layer: keys[:, :, s] for s, stage in enumerate(self)}
         ctx = ForwardContext(state=_DraftWindow(context, ctx_pos, block_pos), positions=block_pos, input_ids=tokens,
                              rope=model.rope, fake_quant=fake_quant, noncausal=True)
-        x = model.embed(tokens)[..., None, :].expand(B, k, cfg.hc_mult, cfg.hidden_size).contiguous()
+        x = model.embed_tokens(tokens)[..., None, :].expand(B, k, cfg.hc_mult, cfg.hidden_size).contiguous()
         pre = torch.zeros(B, k, cfg.hc_mult, device=x.device)
         pre[..., 0] = 1.0
         for stage in self:
@@ -200,7 +200,7 @@ class MTPBlocks(nn.ModuleList):
         positions = state.start[:, None] + torch.arange(S, device=streams.device)
         ctx = ForwardContext(state=state, positions=positions, input_ids=next_ids, rope=model.rope,
                              fake_quant=model.fake_quant)
-        e = blk.e_proj(blk.enorm(model.embed(next_ids)))
+        e = blk.e_proj(blk.enorm(model.embed_tokens(next_ids)))
         x = blk.h_proj(blk.hnorm(streams)) + e[..., None, :]
         x, _ = blk(x, None, ctx)
         return model.head(blk.norm(blk.hc_head(x))), x  # the block's output streams chain the next step

@@ -161,6 +161,30 @@ def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
                                          policy)
 
 
+# Float tensors a float32 model on the CPU holds in bfloat16 where a checkpoint stores them so (mapped where they lie,
+# or copied as they are): the token embeddings (rows converted as they are gathered) and the LM head (read through
+# bfloat16 panels by decode rows, blas.make_bf16_panels; converted for other products). Only large ones, which decode
+# reads through panels: V4.1-Flash's are 1.3 GB each in bfloat16, and their float32 copies took most of a mapped load.
+KEEP_STORED = frozenset({"embed.weight", "head.weight"})
+KEEP_STORED_MIN_ELEMENTS = 1 << 24  # blas.BF16_PANEL_MIN_ELEMENTS
+
+
+def hold_as_stored(model: Transformer, path: Path) -> list[str]:
+    """Make the float32 parameters of :data:`KEEP_STORED` that ``path`` stores in bfloat16 (and that hold at least
+    :data:`KEEP_STORED_MIN_ELEMENTS` values) bfloat16, before anything is allocated (``model`` on ``meta``), so the
+    loader maps or copies their stored bytes as they are. Returns their names."""
+    from .checkpoint import stored_dtypes
+
+    params = dict(model.named_parameters())
+    done = []
+    for name, dtype in stored_dtypes(path, KEEP_STORED).items():
+        p = params.get(name)
+        if dtype == "BF16" and p is not None and p.dtype == torch.float32 and p.numel() >= KEEP_STORED_MIN_ELEMENTS:
+            p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+            done.append(name)
+    return done
+
+
 def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool,
                   stream: dict | None = None) -> None:
     """Load a checkpoint folder into ``model`` (mapping what it can with ``mmap``; the report is
@@ -264,7 +288,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     safetensors files are memory-mapped and every tensor whose stored bytes are what the model holds (FP8 blocks
     kept packed, float tensors of the compute dtype, engram tables) is used where it lies, read from the disk when
     first touched, and so are large MXFP4 experts, one matrix an expert (:mod:`flashserve.model.mapped_experts`);
-    the rest (decoded or quantized weights, small experts stacked per layer) is copied.
+    the rest (decoded or quantized weights, small experts stacked per layer) is copied. A float32 model on the CPU
+    holds large bfloat16 token embeddings and LM head as stored, mapped or copied (:func:`hold_as_stored`).
     ``mlock``: the weights' pages are read in and locked in RAM (llama.cpp's ``--mlock``); a failure (the
     ``RLIMIT_MEMLOCK`` limit) is logged and loading goes on. ``model.load_report`` says what was mapped and copied.
     ``weight_memory`` (bytes; checkpoint folders): the weights' resident budget. The weights other than the routed
@@ -308,6 +333,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     streamed = False
     if not is_preset:
         pack_model(model, formats, quantize=False, compute_dtype=torch_dtype)  # still on meta: no float copy
+        if torch_dtype == torch.float32 and torch.device(device).type == "cpu" and prepare is None:
+            hold_as_stored(model, Path(path_or_preset))  # what stays a float parameter after packing
         if prepare is not None:
             prepare(model)
         if weight_memory is not None:
@@ -362,6 +389,9 @@ def _hybrid(model: Transformer, gpu_experts: int, device: str) -> Transformer:
 
     layers = hybridize(model, gpu_experts)
     tables = host_engram_tables(model)
+    with torch.no_grad():  # the device holds its copies in the compute dtype, not as the files store them
+        for mod in (model.embed, model.head):
+            mod.weight.data = mod.weight.data.to(model.dtype)
     model = model.to(device)
     log.info("routed experts split: %d of %d a layer held on %s in %d MoE layers, the others computed on the host; "
              "engram tables (%.2f GB) in host memory", gpu_experts, model.cfg.n_routed_experts, device, layers,

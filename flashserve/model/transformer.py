@@ -74,7 +74,14 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------------ helpers
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        """The compute dtype (the final norm's: the embeddings and head may be held as a checkpoint stores them)."""
+        return self.norm.weight.dtype
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [..., D] in the compute dtype (the table may be held in bfloat16 as stored:
+        ``loader.KEEP_STORED``; the rows convert exactly)."""
+        x = self.embed(ids)
+        return x if x.dtype == self.dtype else x.to(self.dtype)
 
     def new_state(self, batch: int) -> DenseState:
         """A float state for ``batch`` sequences starting at position 0."""
@@ -144,7 +151,7 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         ctx = self.context(input_ids, self.new_state(B) if state is None else state, start, fake_quant)
         state = ctx.state
-        x = self.embed(input_ids)
+        x = self.embed_tokens(input_ids)
         if image_embeds is not None:
             if ctx.image_mask is None:
                 raise ValueError(f"{cfg.model_type} has no image positions (no image_token_id)")
