@@ -124,7 +124,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill pool's attention data-parallel ranks (default: prefill-gpus/prefill-tp)")
     p.add_argument("--weight-dtype", default="fp4", type=str.lower,
                    help="routed-expert dtype: fp4 (MXFP4), fp8, bf16, fp32, or a 2-/3-bit width as the local ports "
-                        "name it: q2_k (2.625 bits per weight), q3_k (3.4375), 3.0bpw; dense weights stay FP8 "
+                        "name it: q2_k (2.625 bits per weight), q3_k (3.4375), 3.0bpw, iq2_xxs-q2_k (2.25, ds4's "
+                        "Q2 file); dense weights stay FP8 "
                         "beside fp4 and the 2-/3-bit widths")
     p.add_argument("--head-dtype", default=None, choices=("fp8", "bf16", "fp32"),
                    help="the LM head and token embeddings' storage, where it differs from the other dense weights "
@@ -132,9 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
     p.add_argument("--routing-skew", type=float, default=None, metavar="S",
                    help="how unevenly the router uses its experts: the i-th most used is selected in proportion "
-                        "to i^-S (0: uniform, as random router weights route; default: the model's, 0.88 for V4 "
-                        "and V4.1 from V4-Flash's measured routing, 0 for V3/R1); sets the distinct experts a "
-                        "step reads")
+                        "to i^-S (default: the model's, 0.88 for V4 and V4.1 from V4-Flash's measured routing, 0 "
+                        "for V3/R1; give 0 for random router weights, which route uniformly); sets the distinct "
+                        "experts a step reads")
     p.add_argument("--concurrency", type=int, default=1, help="sequences decoding at once")
     p.add_argument("--context", type=int, default=None, help="mean KV length while decoding (default prompt + output/2)")
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
@@ -205,7 +206,7 @@ def _tiers_text(t: dict[str, object] | None) -> str:
     """A machine's decode step by tier: bytes per token and time, and the bottleneck."""
     if not t:
         return ""
-    lines = [f"\n  decode tiers (summed; bottleneck {t['bottleneck']})"]
+    lines = [f"\n  decode tiers ({t.get('combined', 'summed')}; bottleneck {t['bottleneck']})"]
     for row in t["tiers"]:
         bytes_ = f"{row['bytes_per_token'] / 1e9:8.3f} GB/token" if row["bytes_per_step"] else " " * 17
         lines.append(f"    {row['tier']:22} {bytes_}  {row['time_ms']:9.3f} ms")

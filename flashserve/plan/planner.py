@@ -250,8 +250,18 @@ def misfit_reasons(dep: Deployment, cap: Capacity, concurrency: int, ctx: float)
                            f"{machine.name} gives no host memory size: pass --host-memory GIB")
         else:
             reasons.append(f"the host-memory tables ({cap.host_table_bytes / 1e9:,.0f} GB) exceed the host "
-                           "memory of one scale-up domain")
+                           "memory of one scale-up domain" + (_tables_to_disk(dep) if machine is not None else ""))
     return reasons
+
+
+def _tables_to_disk(dep: Deployment) -> str:
+    """Where a machine's engram tables can go when its memory cannot hold them: the disk, as ds4 and colibri keep
+    them (--engram-tables disk)."""
+    if dep.tables_on_disk:
+        return ""
+    return (": keep them on disk with --engram-tables disk (each token's rows then read from it"
+            + ("" if dep.hw.machine.disk_read_gbs is not None else "; give its read bandwidth with --disk-bandwidth "
+               "GB/S") + ")")
 
 
 def _gb(x: float) -> str:
@@ -273,10 +283,11 @@ def expert_advice(dep: Deployment, cap: Capacity, concurrency: int, ctx: float) 
     if room < per:
         tables = cap.host_table_bytes_in_device
         return (f"the weights other than the routed experts ({_gb(others)}), "
-                + (f"the engram tables ({_gb(tables)}, not placed on disk by the planner), " if tables else "")
+                + (f"the engram tables ({_gb(tables)}), " if tables else "")
                 + f"and {concurrency:,} session(s) at context {ctx:,.0f} ({sessions / 1e9:,.3g} GB) leave {device} "
-                "no room for even one routed expert per layer: fewer sessions, a shorter context, more memory or "
-                "a smaller model")
+                "no room for even one routed expert per layer: "
+                + ("keep the engram tables on disk with --engram-tables disk, or " if tables else "")
+                + "fewer sessions, a shorter context, more memory or a smaller model")
     fit = min(int(room // per), e)
     rest = e - fit
     resident = dep.placement.resident if dep.placement else e

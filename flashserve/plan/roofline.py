@@ -223,8 +223,9 @@ def _tiers(dep: Deployment, experts_bytes: float, experts_flops: float) -> dict 
     """Split one step's routed-expert bytes and FLOPs (``experts_bytes``/``experts_flops``: every tier, the
     whole deployment) over a machine's tiers and time the work off the device (None: no placement).
 
-    Under uniform routing a fraction resident/E of the bytes is read from device memory, host/E from host
-    memory and disk/E from disk; an expert read from disk is then computed as one in memory (host memory beside
+    The placement's fractions (:meth:`~flashserve.plan.tiers.ExpertPlacement.fraction`: resident/E, host/E and
+    disk/E for a static placement, or a cache's hit rate and its misses split by experts) say how much of the bytes
+    is read from device memory, from host memory and from disk; an expert read from disk is then computed as one in memory (host memory beside
     a discrete GPU, the device memory otherwise). A machine without a GPU that gives its expert kernels'
     measured rate (host.expert_gbs) times every expert at that rate, with or without a placement: the dense
     work runs on the same cores before them, so the two are summed like any tier. Host-memory experts are read

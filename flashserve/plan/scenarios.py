@@ -325,7 +325,9 @@ def _freetoken(concurrency: int, decode: float, row: str) -> PublishedLocal:
                    weight_dtype="fp4", concurrency=concurrency, resident_experts=FREETOKEN_RESIDENT),
         f"released MXFP4 experts and FP8 dense weights; {FREETOKEN_RESIDENT} of 256 experts per layer on the GPU, "
         "the rest computed by the CPU expert kernel at its measured 110.3 GB/s (`ft bench bw`, same issue; the "
-        "split is not published, the prediction moves under 10% between 0 and 36 resident); uniform routing; "
+        "split is not published: 30 is within the 40 a layer the planner fits on the card beside the other weights "
+        "and 8 sessions; between 0 and 36 resident the prediction moves -8% to +2% at one stream and -10% to +2% "
+        "at eight); routing at V4-Flash's measured skew; "
         "prompt 1,024 and output 1,024 tokens assumed (not published)",
         "fp4", "stated: the released MXFP4 experts")
 
@@ -378,7 +380,7 @@ PUBLISHED_LOCAL: tuple[PublishedLocal, ...] = (
         "cache of the selected experts (the report gives no hit rate; V4-Flash's measured routing skew carried "
         "over to V4.1); misses read from the RAID at its stated 13.5 GB/s; the tiers "
         "summed (whether ds4 overlaps its SSD reads with compute is not stated: overlapped, the prediction is "
-        "+28%); engram tables disk-only; memory-bound (AMD publishes no FLOP/s for the Radeon 8060S) at the "
+        "+36%); engram tables disk-only; memory-bound (AMD publishes no FLOP/s for the Radeon 8060S) at the "
         "local-unified profile fitted on the M3 Ultra point (same engine and file)",
         DS4_Q2, DS4_Q2_BASIS),
     _not_predicted("llamacpp-5975wx-2gpu-v41", "V4.1, Threadripper 5975WX + 2 GPUs, experts on CPU", 17.7, 1,

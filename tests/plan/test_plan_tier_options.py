@@ -225,3 +225,22 @@ def test_the_head_dtype_counts_the_lm_head_apart(tmp_path, capsys) -> None:
         2 * head * 3.0, rel=1e-9)  # the embeddings are as large as the head (not tied)
     assert main(["--hardware", box, "--model", "deepseek-r1", "--head-dtype", "fp32"]) == 2
     assert "--head-dtype" in capsys.readouterr().err
+
+
+def test_the_text_summary_names_how_the_tiers_combine(tmp_path, capsys) -> None:
+    box = write_machine(tmp_path, BOX)
+    for overlap in ("summed", "overlapped"):
+        assert main(["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS, *SPLIT,
+                     "--tier-overlap", overlap]) == 0
+        assert f"decode tiers ({overlap}; bottleneck " in capsys.readouterr().out
+
+
+def test_engram_tables_beyond_memory_are_sent_to_disk(capsys) -> None:
+    """V4.1's engram tables (203 GB) do not fit 128 GiB of host memory, nor beside the weights in a 128 GB unified
+    memory: the refusal names --engram-tables disk, which the plan then takes."""
+    for argv in (["--hardware", "epyc-ddr5-12ch", "--host-memory", "128"], ["--hardware", "strix-halo"]):
+        base = ["--model", "deepseek-v41-flash", *argv, "--memory-bound-only"]
+        assert main(base) == 1
+        assert "--engram-tables disk" in capsys.readouterr().err, argv
+        main(base + ["--engram-tables", "disk", "--disk-bandwidth", "5"])
+        assert "--engram-tables disk" not in capsys.readouterr().err, argv
