@@ -13,37 +13,14 @@ from typing import TYPE_CHECKING
 from ..config import ConfigError, ModelConfig, load_config
 from ..config.checkpoint_layout import QUANTIZATIONS
 from ..config.arithmetic import kv_record
+from ..config.sizes import parse_size
 from .engine_config import INT8_KERNELS
 
 if TYPE_CHECKING:
     from .engine_config import EngineConfig
 
-_UNITS = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10 ** 3, "mb": 10 ** 6,
-          "gb": 10 ** 9, "tb": 10 ** 12, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "b": 1}
 _ELEMENT_BYTES = {"float32": 4, "fp32": 4, "float64": 8, "fp64": 8, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 _POSITIVE = ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "block_size")
-
-
-def parse_size(value: str | int) -> int:
-    """``"1GiB"``, ``"512MB"``, ``"300k"`` or a byte count -> a positive number of bytes (ValueError otherwise)."""
-    if isinstance(value, bool):
-        raise ValueError(f"invalid size {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        s = str(value).strip().lower().replace(" ", "")
-        unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if s.endswith(u)), "")
-        try:
-            x = float(s[:len(s) - len(unit)])
-        except ValueError:
-            raise ValueError(f"invalid size {value!r}; use a byte count or a number with a unit, e.g. 512MiB, "
-                             "4GiB") from None
-        if not math.isfinite(x):
-            raise ValueError(f"invalid size {value!r}")
-        n = int(x * _UNITS.get(unit, 1))
-    if n <= 0:
-        raise ValueError(f"invalid size {value!r}; it must be more than 0 bytes")
-    return n
 
 
 @dataclass(frozen=True)

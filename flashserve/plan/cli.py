@@ -91,10 +91,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measured fraction (0-1) of selected experts found resident, as an engine's expert cache "
                         "reports it (default: the uniform prior, resident experts / experts per layer); the misses "
                         "split over host memory and disk by their experts")
-    p.add_argument("--expert-cache", default=None, choices=("static", "lru"),
+    p.add_argument("--expert-cache", default=None, choices=("static", "lru", "lfu"),
                    help="what the resident experts are: static (default: a fixed set, hit in proportion to their "
-                        "count) or lru (an LRU cache of the selected experts, as ds4's dynamic expert cache and "
-                        "flashserve's --weight-memory keep them: the most used stay, hit rate from --routing-skew)")
+                        "count), lru (an LRU cache of the selected experts, as ds4's dynamic expert cache and "
+                        "flashserve's --weight-memory keep them) or lfu (flashserve's --expert-cache-policy lfu: "
+                        "the most used); a cache's hit rate follows from --routing-skew")
+    p.add_argument("--gpu-experts", type=int, default=None, metavar="N",
+                   help="the engine's hybrid option on a discrete-GPU machine: N routed experts per layer on the "
+                        "GPU, the others in host memory computed by the CPU's expert kernels (as --resident-experts "
+                        "N)")
+    p.add_argument("--weight-memory", default=None, metavar="SIZE",
+                   help="the engine's resident budget for the weights (e.g. 96GiB) on a machine without a discrete "
+                        "GPU: split as the engine splits it (the other weights whole, a sixteenth of the rest for "
+                        "engram row caches with the tables on disk, then slots of routed experts per layer in an "
+                        "LRU cache, --expert-cache lfu for the engine's lfu), the other experts read from disk")
     p.add_argument("--tier-overlap", default=None, choices=("summed", "overlapped"),
                    help="how the tiers' times combine in a step: summed (default: each layer waits for its "
                         "experts) or overlapped (the slowest tier: engines that prefetch or run CPU and GPU at "
@@ -179,6 +189,7 @@ def _inputs(a: argparse.Namespace) -> PlanInputs:
         host_expert_compute=getattr(a, "host_expert_compute", None),
         expert_hit_rate=getattr(a, "expert_hit_rate", None), tier_overlap=getattr(a, "tier_overlap", None),
         expert_cache=getattr(a, "expert_cache", None), routing_skew=getattr(a, "routing_skew", None),
+        gpu_experts=getattr(a, "gpu_experts", None), weight_memory=getattr(a, "weight_memory", None),
         prefill_chunk=getattr(a, "prefill_chunk", 512), engram_tables=getattr(a, "engram_tables", None),
         memory_bound_only=bool(getattr(a, "memory_bound_only", False)), head_dtype=getattr(a, "head_dtype", None))
 

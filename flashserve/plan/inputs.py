@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..config.sizes import parse_size
 from .dtypes import HEAD_DTYPES, KV_DTYPES, WEIGHT_BYTES
 from .errors import PlanError
 from .machine import OVERRIDE_FIELDS, flag_of
@@ -46,7 +47,10 @@ class PlanInputs:
     host_expert_compute: str | None = None  # "cpu" (default: CPU expert kernels) or "gpu" (over the link)
     expert_hit_rate: float | None = None  # measured share of selected experts found resident (None: uniform)
     tier_overlap: str | None = None  # "summed" (default) or "overlapped": how the tiers' times combine
-    expert_cache: str | None = None  # "static" (default: a fixed set of experts) or "lru" (resident = an LRU cache)
+    expert_cache: str | None = None  # "static" (default: a fixed set), "lru" or "lfu" (resident = a cache)
+    # the engine's own placement options (flashserve serve --gpu-experts / --weight-memory), instead of the counts
+    gpu_experts: int | None = None  # routed experts per layer on the GPU of a discrete-GPU machine, the rest on the CPU
+    weight_memory: str | int | None = None  # resident budget for the weights of a machine without a discrete GPU
     routing_skew: float | None = None  # Zipf exponent of expert popularity (None: the model's; 0: uniform)
     prefill_chunk: int = 512  # prompt tokens per prefill step where experts are off the device (llama.cpp -ub)
     engram_tables: str | None = None  # "memory" (default: host or unified memory) or "disk" (rows read from disk)
@@ -164,6 +168,21 @@ def validate(inp: PlanInputs) -> None:
         raise PlanError("--engram-tables", f"unknown {inp.engram_tables!r}; choose one of {', '.join(ENGRAM_TABLES)}")
     if inp.routing_skew is not None:
         _number(inp.routing_skew, "--routing-skew", 0.0, 4.0)
+    if inp.gpu_experts is not None:
+        _positive_int(inp.gpu_experts, "--gpu-experts")
+    if inp.weight_memory is not None:
+        try:
+            parse_size(inp.weight_memory)
+        except ValueError as e:
+            raise PlanError("--weight-memory", str(e)) from None
+    for flag, value in (("--gpu-experts", inp.gpu_experts), ("--weight-memory", inp.weight_memory)):
+        if value is None:
+            continue
+        for other, given in (("--resident-experts", inp.resident_experts), ("--host-experts", inp.host_experts),
+                             ("--gpu-experts", inp.gpu_experts if flag != "--gpu-experts" else None)):
+            if given is not None:
+                raise PlanError(flag, f"places the experts as the engine's option does; {other} places them too: "
+                                "give one of them")
     if inp.expert_cache is not None and inp.expert_cache not in EXPERT_CACHE:
         raise PlanError("--expert-cache", f"unknown {inp.expert_cache!r}; choose one of {', '.join(EXPERT_CACHE)}")
     if inp.tier_overlap is not None and inp.tier_overlap not in TIER_OVERLAP:

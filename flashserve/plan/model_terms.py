@@ -198,6 +198,14 @@ def expected_distinct_experts(n_experts: int, top_k: int, tokens: float, skew: f
     return sum(1.0 - (1.0 - q) ** tokens for q in expert_popularity(n_experts, top_k, skew))
 
 
+def lfu_hit_rate(n_experts: int, top_k: int, cached: int, skew: float) -> float:
+    """Share of selected experts a cache of the ``cached`` most used experts of the layer holds (an LFU cache once
+    its counts have settled, or a static set of the most used): their share of :func:`expert_popularity`."""
+    if cached <= 0:
+        return 0.0
+    return min(1.0, sum(expert_popularity(n_experts, top_k, skew)[:cached]) / top_k)
+
+
 def lru_hit_rate(n_experts: int, top_k: int, cached: int, skew: float) -> float:
     """Share of selected experts an LRU cache of ``cached`` experts of the layer holds, with each token drawing
     its experts independently at the popularity of :func:`expert_popularity` (Che's approximation: an expert

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..config.sizes import parse_size
 from .capacity import Capacity, capacity
 from .dtypes import PEAK_ORDER, dense_dtype_for
 from .errors import PlanError
@@ -391,9 +392,10 @@ def machine_planned(dep: Deployment) -> list[str]:
         if pl.hit_rate is None:
             out.append("a selected expert is in a tier with probability (its experts per layer) / "
                        f"{pl.n_experts} (a static placement of experts whichever they are)")
-        elif pl.hit_source == "lru":
-            out.append(f"the resident experts are an LRU cache: a selected expert is in it with probability "
-                       f"{pl.hit_rate:.3g} (the routing's skew, Che's approximation); a miss is in host memory or on "
+        elif pl.hit_source in ("lru", "lfu"):
+            how = "Che's approximation" if pl.hit_source == "lru" else "the most used experts' share"
+            out.append(f"the resident experts are an {pl.hit_source.upper()} cache: a selected expert is in it with "
+                       f"probability {pl.hit_rate:.3g} (the routing's skew, {how}); a miss is in host memory or on "
                        "disk in proportion to their experts")
         else:
             out.append(f"a selected expert is resident with the measured hit rate {pl.hit_rate:.3g}; a miss is in "
@@ -524,23 +526,77 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
     # a stack is the default only where it was measured: datacenter presets (a machine may share a name)
     stack = resolve_stack(inp.stack, model.family, hw.name if hw.machine is None else "")
     eff = hw.efficiency.with_overrides(**{**(stack.terms if stack else {}), **inp.overrides})
-    placement = resolve_placement(inp.resident_experts, inp.host_experts, inp.host_expert_compute,
-                                  model.n_experts, hw.machine.kind if hw.machine else None, hw.name,
-                                  inp.expert_hit_rate, inp.tier_overlap, inp.prefill_chunk, inp.expert_cache,
-                                  model.top_k, model.routing_skew)
-    if placement is not None:
-        _check_tiers(placement, hw)
     tables_on_disk = _tables_on_disk(inp, model, hw)
     if inp.memory_bound_only and hw.machine is None:
         raise PlanError("--memory-bound-only", f"is for a machine whose device lists no FLOP/s; the datacenter "
                         f"preset {hw.name} lists them")
     if inp.head_dtype is not None and not model.head_params:
         raise PlanError("--head-dtype", f"{model.name}'s terms do not separate its LM head (V4 and V4.1 do)")
-    return Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
-                      dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
-                      dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
-                      stack=stack.name if stack else None, placement=placement, tables_on_disk=tables_on_disk,
-                      untimed_compute=inp.memory_bound_only, head_dtype=inp.head_dtype)
+    dep = Deployment(model=model, hw=hw, eff=eff, gpus=inp.gpus, tp=inp.tp, ep=inp.resolved_ep(),
+                     dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
+                     dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
+                     stack=stack.name if stack else None, placement=None, tables_on_disk=tables_on_disk,
+                     untimed_compute=inp.memory_bound_only, head_dtype=inp.head_dtype)
+    resident, host, cache = inp.resident_experts, inp.host_experts, inp.expert_cache
+    if inp.gpu_experts is not None:
+        resident = _gpu_experts(inp.gpu_experts, model, hw)
+    if inp.weight_memory is not None:
+        resident, tables_on_disk = _budget_placement(dep, parse_size(inp.weight_memory))
+        cache = None if resident is None else cache or "lru"  # the engine's slots: LRU unless told lfu
+    placement = resolve_placement(resident, host, inp.host_expert_compute,
+                                  model.n_experts, hw.machine.kind if hw.machine else None, hw.name,
+                                  inp.expert_hit_rate, inp.tier_overlap, inp.prefill_chunk, cache,
+                                  model.top_k, model.routing_skew)
+    if placement is not None:
+        _check_tiers(placement, hw)
+    return replace(dep, placement=placement, tables_on_disk=tables_on_disk)
+
+
+def _gpu_experts(n: int, model: ModelTerms, hw: Hardware) -> int:
+    """``--gpu-experts N`` (the engine's hybrid option): N routed experts per layer on the GPU of a discrete-GPU
+    machine, the others in host memory computed by the CPU's expert kernels."""
+    if hw.machine is None or hw.machine.kind != "gpu":
+        where = ("a datacenter preset keeps every expert in GPU memory" if hw.machine is None
+                 else f"{hw.name} is a {hw.machine.kind} machine, with no discrete GPU: use --weight-memory")
+        raise PlanError("--gpu-experts", f"splits the routed experts between a discrete GPU and the CPU; {where}")
+    if n > model.n_experts:
+        raise PlanError("--gpu-experts", f"{n} exceeds the {model.n_experts} routed experts of each layer")
+    return n
+
+
+ROW_SHARE = 16  # of what the other weights leave, the engine's engram row caches take a sixteenth (model.loader)
+
+
+def _budget_placement(dep: Deployment, budget: int) -> tuple[int | None, bool]:
+    """``--weight-memory`` (the engine's resident budget for the weights) on a machine without a discrete GPU, split
+    as the engine splits it: the weights other than the routed experts and the engram tables held whole, a
+    sixteenth of the rest for the engram tables' row caches (the tables then on disk: cached rows not credited), the
+    remainder in slots of routed experts per layer, the others read from disk. Returns the experts per layer held
+    (None: every one) and whether the engram tables are on disk."""
+    hw, m = dep.hw, dep.model
+    if hw.machine is None or hw.machine.kind == "gpu":
+        where = ("a datacenter preset" if hw.machine is None
+                 else f"{hw.name} has a discrete GPU (the engine's --weight-memory and --gpu-experts do not combine): "
+                      "use --gpu-experts")
+        raise PlanError("--weight-memory", f"budgets the memory of a machine without a discrete GPU; {where}")
+    cap = capacity(dep, 1.0)  # its weight bytes (the sessions are checked with the plan)
+    per = cap.routed_bytes_per_expert_per_gpu
+    experts = cap.routed_bytes_per_gpu
+    fixed = cap.weight_bytes_per_gpu - experts
+    tables = 0.0 if dep.tables_on_disk else m.host_params * (1.0 + 1.0 / 32)
+    if budget >= fixed + experts + tables:
+        return None, dep.tables_on_disk
+    need = fixed + per * m.top_k
+    if budget < need:
+        raise PlanError("--weight-memory", f"{budget / 2**30:.2f} GiB cannot hold the weights other than the routed "
+                        f"experts ({fixed / 2**30:.2f} GiB) and {m.top_k} experts a layer ({per / 2**30:.3f} GiB an "
+                        f"expert in every layer): give at least {need / 2**30:.2f} GiB")
+    left = budget - fixed
+    share = left / ROW_SHARE if tables else 0.0
+    slots = int((left - share) // per)
+    if slots >= m.n_experts:  # every expert held: the tables take the rest, whole or from disk
+        return None, dep.tables_on_disk or left - experts < tables
+    return slots, dep.tables_on_disk or tables > 0
 
 
 def _tables_on_disk(inp: PlanInputs, model: ModelTerms, hw: Hardware) -> bool:

@@ -11,9 +11,9 @@ Which experts a tier holds is not known for a static placement (``--expert-cache
 selected expert is in a tier with probability (experts of the layer in that tier) / (experts of the layer),
 so the distinct experts a step touches split over the tiers in those proportions, however skewed the routing
 (the routing's skew sets how many distinct experts a step touches: model_terms.expected_distinct_experts).
-When the resident experts are an engine's LRU cache of the experts tokens select (``--expert-cache lru``: ds4's
-dynamic expert cache, flashserve's ``--weight-memory``) the used experts stay in it: its hit rate follows from
-the routing's skew (model_terms.lru_hit_rate). An engine's cache measures better still: ``--expert-hit-rate H``
+When the resident experts are an engine's cache of the experts tokens select (``--expert-cache lru``: ds4's
+dynamic expert cache, flashserve's ``--weight-memory``; ``lfu``: flashserve's ``--expert-cache-policy lfu``) the
+used experts stay in it: its hit rate follows from the routing's skew (model_terms.lru_hit_rate, lfu_hit_rate). An engine's cache measures better still: ``--expert-hit-rate H``
 (flashserve's ``flashserve_expert_cache_{hits,misses}_total``, or what another engine reports) replaces both
 for the resident tier, and the misses split over host memory and disk in proportion to the experts each holds.
 
@@ -35,12 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .errors import PlanError
-from .model_terms import lru_hit_rate
+from .model_terms import lfu_hit_rate, lru_hit_rate
 
 HOST_COMPUTE = ("cpu", "gpu")
 DEFAULT_HOST_COMPUTE = "cpu"
 TIER_OVERLAP = ("summed", "overlapped")
-EXPERT_CACHE = ("static", "lru")  # the resident experts: a fixed set, or an LRU cache of the selected ones
+EXPERT_CACHE = ("static", "lru", "lfu")  # the resident experts: a fixed set, or a cache of the selected ones
 ENGRAM_TABLES = ("memory", "disk")  # where V4.1's engram tables live on a machine
 DEFAULT_TIER_OVERLAP = "summed"
 
@@ -54,7 +54,7 @@ class ExpertPlacement:
     disk: int
     host_compute: str = DEFAULT_HOST_COMPUTE  # "cpu": CPU kernels at host bandwidth; "gpu": over the link
     hit_rate: float | None = None  # fraction of selected experts found resident (None: the tier's share)
-    hit_source: str = "measured"  # where hit_rate comes from: "measured" or "lru" (model_terms.lru_hit_rate)
+    hit_source: str = "measured"  # where hit_rate comes from: "measured", "lru" or "lfu" (the routing's skew)
     overlap: str = DEFAULT_TIER_OVERLAP  # "summed": tiers one after another; "overlapped": the slowest tier
     prefill_chunk: int = 512  # prompt tokens per prefill step (each reads or moves the experts it touches once)
 
@@ -75,9 +75,9 @@ class ExpertPlacement:
     def routing(self) -> str:
         if self.hit_rate is None:
             return "static placement: hit fraction = experts in the tier / experts per layer"
-        if self.hit_source == "lru":
-            return (f"LRU cache of {self.resident} experts per layer: hit rate {self.hit_rate:.3g} from the routing's "
-                    "skew; misses split by experts per tier")
+        if self.hit_source in ("lru", "lfu"):
+            return (f"{self.hit_source.upper()} cache of {self.resident} experts per layer: hit rate "
+                    f"{self.hit_rate:.3g} from the routing's skew; misses split by experts per tier")
         return f"measured hit rate {self.hit_rate:.3g} of the resident tier; misses split by experts per tier"
 
     def as_dict(self) -> dict[str, object]:
@@ -112,10 +112,12 @@ def resolve_placement(resident: int | None, host: int | None, compute: str | Non
         raise PlanError("--expert-hit-rate", f"every one of the {n_experts} experts per layer is resident: "
                         "nothing is missed (leave the hit rate out)")
     source = "measured"
-    if cache == "lru":
+    if cache in ("lru", "lfu"):
         if hit_rate is not None:
-            raise PlanError("--expert-cache", "lru derives the hit rate that --expert-hit-rate gives: pass one of them")
-        hit_rate, source = lru_hit_rate(n_experts, top_k, placement.resident, skew), "lru"
+            raise PlanError("--expert-cache", f"{cache} derives the hit rate that --expert-hit-rate gives: pass one "
+                            "of them")
+        rate = lru_hit_rate if cache == "lru" else lfu_hit_rate
+        hit_rate, source = rate(n_experts, top_k, placement.resident, skew), cache
     return replace(placement, hit_rate=hit_rate, hit_source=source, overlap=overlap or DEFAULT_TIER_OVERLAP,
                    prefill_chunk=prefill_chunk)
 

@@ -1,0 +1,101 @@
+"""The engine's own placement options in the planner: ``--gpu-experts N`` (flashserve's hybrid split) and
+``--weight-memory SIZE`` (flashserve's resident budget, experts streamed through an LRU or LFU cache), split as the
+engine splits them and computed here by hand; refusals name the flag and exit with status 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from flashserve.plan.cli import main
+from flashserve.plan.model_terms import expert_popularity, lfu_hit_rate, lru_hit_rate
+from flashserve.plan.models import resolve_model
+from tier_box import BOX, FP4, TERMS, plan_json, write_machine
+
+CPU_BOX = {"name": "cpu-box", "host": {"memory_gib": 512, "bandwidth_gbs": 200}, "disk": {"read_gbs": 5}}
+GIB = 2**30
+
+
+def _error(argv: list[str], capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    return err.split(":")[2].strip()
+
+
+def test_lfu_hit_rate_is_the_most_used_experts_share() -> None:
+    q = expert_popularity(256, 6, 0.88)
+    assert lfu_hit_rate(256, 6, 20, 0.88) == pytest.approx(sum(q[:20]) / 6)
+    assert lfu_hit_rate(256, 6, 20, 0.0) == pytest.approx(20 / 256)
+    assert lru_hit_rate(256, 6, 20, 0.88) < lfu_hit_rate(256, 6, 20, 0.88)  # recency keeps some rarely used ones
+
+
+def test_gpu_experts_is_the_hybrid_split(tmp_path, capsys) -> None:
+    box = write_machine(tmp_path, BOX)
+    base = ["--hardware", box, "--model", "deepseek-v4-flash", *TERMS]
+    hybrid = plan_json(capsys, base + ["--gpu-experts", "16"])
+    counts = plan_json(capsys, base + ["--resident-experts", "16"])
+    assert hybrid["machine"]["placement"] == counts["machine"]["placement"]
+    assert hybrid["machine"]["placement"]["host_experts_per_layer"] == 240
+    assert hybrid["step_time_ms"] == counts["step_time_ms"]
+    assert _error(base + ["--gpu-experts", "257"], capsys) == "--gpu-experts"
+    assert _error(base + ["--gpu-experts", "16", "--resident-experts", "16"], capsys) == "--gpu-experts"
+    cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
+    assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--gpu-experts", "4"], capsys) == "--gpu-experts"
+
+
+def test_weight_memory_holds_the_other_weights_then_slots_of_experts(tmp_path, capsys) -> None:
+    """V4-Flash on a CPU machine: the FP8 weights other than the routed experts held whole, then as many experts
+    a layer as the rest holds, in an LRU cache (LFU when asked), the others read from disk."""
+    cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
+    m = resolve_model("deepseek-v4-flash")
+    per = m.n_moe_layers * m.expert_params * FP4  # one expert in every layer
+    fixed = m.dense_params_total * 1.0  # FP8 beside MXFP4 experts
+    budget = int(fixed + 20.5 * per)
+    base = ["--hardware", cpu, "--model", "deepseek-v4-flash", *TERMS, "--memory-bound-only",
+            "--weight-memory", str(budget)]
+    for policy, rate in ((None, lru_hit_rate), ("lfu", lfu_hit_rate)):
+        d = plan_json(capsys, base + (["--expert-cache", policy] if policy else []))
+        pl = d["machine"]["placement"]
+        assert (pl["resident_experts_per_layer"], pl["disk_experts_per_layer"]) == (20, 236)
+        assert pl["expert_hit_rate_from"] == (policy or "lru")
+        assert pl["expert_hit_rate"] == pytest.approx(rate(256, 6, 20, m.routing_skew), rel=1e-12)
+    # a budget that holds every weight places nothing; one below the other weights and top-k experts is refused
+    whole = plan_json(capsys, ["--hardware", cpu, "--model", "deepseek-v4-flash", *TERMS, "--memory-bound-only",
+                               "--weight-memory", str(int(fixed + 256 * per) + 1)])
+    assert whole["machine"]["placement"] is None
+    small = ["--hardware", cpu, "--model", "deepseek-v4-flash", "--weight-memory", f"{(fixed + 5 * per) / GIB}GiB"]
+    assert _error(small, capsys) == "--weight-memory"
+    box = write_machine(tmp_path, BOX)
+    assert _error(["--hardware", box, "--model", "deepseek-v4-flash", "--weight-memory", "8GiB"],
+                  capsys) == "--weight-memory"
+    assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--weight-memory", "lots"],
+                  capsys) == "--weight-memory"
+
+
+def test_weight_memory_gives_engram_tables_a_sixteenth_and_reads_them_from_disk(tmp_path, capsys) -> None:
+    """V4.1: the engram tables do not fit beside the experts, so a sixteenth of what the other weights leave goes to
+    their row caches and the rows are read from disk (cached rows not credited), the rest to expert slots."""
+    cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
+    m = resolve_model("deepseek-v41-flash")
+    per = m.n_moe_layers * m.expert_params * FP4
+    fixed = m.dense_params_total * 1.0
+    budget = int(fixed + 64 * per)
+    d = plan_json(capsys, ["--hardware", cpu, "--model", "deepseek-v41-flash", *TERMS, "--memory-bound-only",
+                           "--weight-memory", str(budget)])
+    assert d["machine"]["placement"]["resident_experts_per_layer"] == int((budget - fixed) * 15 / 16 // per)
+    assert d["step"]["t_disk_tables"] > 0  # each token's rows read from the disk
+
+
+def test_weight_memory_splits_a_budget_as_the_engine_did(capsys) -> None:
+    """The engine's stored budget run (tests/plan/data/slice_runs/v41-2-budget.json: a two-layer V4.1-Flash slice
+    under 11 GiB, its float32 head and embeddings then copied) held 163 experts a layer; the planner's split of the
+    same budget, with the head read as float32, holds the same to one expert (the engine also counts its norms and
+    buffers)."""
+    import json
+    from pathlib import Path
+
+    data = Path(__file__).parent / "data" / "slice_runs"
+    run = json.loads((data / "v41-2-budget.json").read_text())
+    d = plan_json(capsys, ["--model", str(data / "v41-2.config.json"), "--hardware", str(data / "machine.json"),
+                           "--weight-memory", str(run["weight_memory"]), "--head-dtype", "fp32",
+                           "--memory-bound-only", "--routing-skew", "0"])
+    assert abs(d["machine"]["placement"]["resident_experts_per_layer"] - run["experts_held_per_layer"]) <= 1
