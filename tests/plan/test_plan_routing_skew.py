@@ -116,3 +116,13 @@ def test_slice_runs_are_planned_with_uniform_routing() -> None:
 def test_the_ds4_ssd_point_is_planned_as_its_lru_cache() -> None:
     strix = next(p for p in PUBLISHED_LOCAL if p.name == "ds4-strix-halo-v41-q2-ssd")
     assert strix.inputs.expert_cache == "lru" and strix.inputs.resident_experts == 223
+
+
+def test_a_prefill_chunk_touches_the_distinct_experts_of_its_skew(tmp_path, capsys) -> None:
+    """512 prompt tokens of V4-Flash touch Σ 1 − (1 − qᵢ)^512 experts a layer at the model's skew."""
+    box = write_machine(tmp_path, BOX)
+    d = plan_json(capsys, ["--hardware", box, "--model", MODEL, "--context", str(CTX), *TERMS,
+                           "--resident-experts", "16", "--prefill-chunk", "512"])
+    touched = sum(1 - (1 - x) ** 512 for x in expert_popularity(256, 6, ROUTING_SKEW))
+    assert d["prefill"]["tiers"]["experts_touched_per_layer"] == pytest.approx(touched, rel=1e-9)
+    assert touched < 255  # uniform routing touches 256.0
