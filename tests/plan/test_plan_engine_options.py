@@ -99,3 +99,21 @@ def test_weight_memory_splits_a_budget_as_the_engine_did(capsys) -> None:
                            "--weight-memory", str(run["weight_memory"]), "--head-dtype", "fp32",
                            "--memory-bound-only", "--routing-skew", "0"])
     assert abs(d["machine"]["placement"]["resident_experts_per_layer"] - run["experts_held_per_layer"]) <= 1
+
+
+def test_sweep_on_a_machine_plans_each_level_with_its_tiers(tmp_path, capsys) -> None:
+    """`plan sweep` over concurrency on a machine with experts in host memory: each level is the single plan at that
+    concurrency, and the per-agent curve falls as more streams touch more experts the CPU reads."""
+    box = write_machine(tmp_path, BOX)
+    base = ["--hardware", box, "--model", "deepseek-v4-flash", *TERMS, "--gpu-experts", "16"]
+    prefix = tmp_path / "curve"
+    assert main(["sweep", *base, "--levels", "1,2,4,8", "--out", str(prefix)]) == 0
+    capsys.readouterr()
+    import json
+
+    pts = json.loads((tmp_path / "curve.json").read_text())["points"]
+    agent = [p["tokens_per_s_per_agent"] for p in pts]
+    assert [p["concurrency"] for p in pts] == [1, 2, 4, 8] and agent == sorted(agent, reverse=True)
+    for p in pts:
+        single = plan_json(capsys, base + ["--concurrency", str(p["concurrency"])])
+        assert p["tokens_per_s_per_agent"] == pytest.approx(single["tokens_per_s_per_agent"], rel=1e-12)
