@@ -84,6 +84,8 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
         # torch's one-row products over the LM head run ~2x faster column-major (not where panels serve them)
         plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
     elif device == "cpu":  # a compiled CPU step's own products want them row-major (blas)
+        # a bf16 weight held as stored (loader.hold_as_stored) is read through bf16 panels at every row count
+        plan.relayouts["bfloat16 panels of bf16 weights"] = bf16_panels_for_decode(model, held_only=True)
         plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
         if rows > 1:
             plan.relayouts["panel copies for several rows"] = prepack_for_rows(model)

@@ -166,6 +166,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None)
     if bf16_rows(x, panels):
         flat = x.reshape(-1, x.shape[-1])
         return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
+    if w.dtype == torch.bfloat16 and _bf16_panels_for(x, panels) and x.numel():
+        # more rows than a decode batch over a weight held in bf16 (loader.hold_as_stored): its panels still, rather
+        # than a float32 copy of the weight each call
+        flat = x.reshape(-1, x.shape[-1])
+        return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
     if not takes(x, w):
         return F.linear(x, as_compute(w, x))
     flat = x.reshape(-1, x.shape[-1])

@@ -163,8 +163,8 @@ def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
 
 # Float tensors a float32 model on the CPU holds in bfloat16 where a checkpoint stores them so (mapped where they lie,
 # or copied as they are): the token embeddings (rows converted as they are gathered) and the LM head (read through
-# bfloat16 panels by decode rows, blas.make_bf16_panels; converted for other products). Only large ones, which decode
-# reads through panels: V4.1-Flash's are 1.3 GB each in bfloat16, and their float32 copies took most of a mapped load.
+# its bfloat16 panels, blas.make_bf16_panels, by eager and compiled steps alike). Only large ones, which the engine
+# gives panels: V4.1-Flash's are 1.3 GB each in bfloat16, and their float32 copies took most of a mapped load.
 KEEP_STORED = frozenset({"embed.weight", "head.weight"})
 KEEP_STORED_MIN_ELEMENTS = 1 << 24  # blas.BF16_PANEL_MIN_ELEMENTS
 
@@ -172,9 +172,13 @@ KEEP_STORED_MIN_ELEMENTS = 1 << 24  # blas.BF16_PANEL_MIN_ELEMENTS
 def hold_as_stored(model: Transformer, path: Path) -> list[str]:
     """Make the float32 parameters of :data:`KEEP_STORED` that ``path`` stores in bfloat16 (and that hold at least
     :data:`KEEP_STORED_MIN_ELEMENTS` values) bfloat16, before anything is allocated (``model`` on ``meta``), so the
-    loader maps or copies their stored bytes as they are. Returns their names."""
+    loader maps or copies their stored bytes as they are; where the CPU kernels that read bfloat16 panels are not
+    available, none (each step would convert them). Returns their names."""
+    from . import cpu_kernels
     from .checkpoint import stored_dtypes
 
+    if not cpu_kernels.dense_rows_available():  # decode would convert the head every step: float32 copies instead
+        return []
     params = dict(model.named_parameters())
     done = []
     for name, dtype in stored_dtypes(path, KEEP_STORED).items():

@@ -62,15 +62,19 @@ def column_major_tall_weights(model: nn.Module) -> list[str]:
     return done
 
 
-def bf16_panels_for_decode(model: nn.Module) -> list[str]:
+def bf16_panels_for_decode(model: nn.Module, held_only: bool = False) -> list[str]:
     """Give the large float32 weights of ``model``'s modules (their ``ROW_WEIGHTS``) whose values bfloat16 holds
     (a bf16 checkpoint's LM head read into a float32 engine) bfloat16 panels that an eager step's decode rows
     read (:func:`flashserve.model.blas.make_bf16_panels`): half the bytes to stream. Returns the panels' names
-    (``<weight>_panels``); in a float32 model, also those held in bfloat16 as the checkpoint stores them."""
+    (``<weight>_panels``); in a float32 model, also those held in bfloat16 as the checkpoint stores them
+    (``loader.hold_as_stored``), and with ``held_only`` only those (a compiled step's products read them too)."""
     done = []
     stored = getattr(model, "dtype", None) == torch.float32
     for name, mod in model.named_modules():
         for w in getattr(mod, "ROW_WEIGHTS", ()):
+            weight = getattr(mod, w, None)
+            if held_only and not (stored and isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16):
+                continue
             if blas.make_bf16_panels(mod, w, stored_bf16=stored):
                 done.append(_full(name, w + blas.PANELS))
     return done

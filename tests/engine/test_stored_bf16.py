@@ -60,10 +60,12 @@ def test_large_bf16_embeddings_and_head_are_held_as_stored_with_the_tokens_of_fl
     assert panels is not None and torch.equal(panels, blas.panels(copies.model.head, "weight"))
     assert run_greedy(held, prompts, 8) == expected
     with torch.inference_mode():
-        out = model(IDS).logits  # 10 rows: the head's panels; a prompt past them converts the head
+        out = model(IDS).logits  # 10 rows: the head's panels, as the copies' decode rows read theirs
         assert out.dtype == torch.float32 and torch.equal(out, copies.model(IDS).logits)
+        # 40 rows: the held head's panels still (no float32 copy made), the copies torch's product: the same
+        # values summed in another order
         long = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(3))
-        assert torch.equal(model(long).logits, copies.model(long).logits)
+        torch.testing.assert_close(model(long).logits, copies.model(long).logits, rtol=1e-5, atol=1e-5)
 
     # copied as stored without mmap, and kept float32 for a bfloat16 model or a small table
     plain = load_model(released, with_mtp=False, mmap=False)
@@ -71,6 +73,21 @@ def test_large_bf16_embeddings_and_head_are_held_as_stored_with_the_tokens_of_fl
     assert load_model(released, dtype="bfloat16", with_mtp=False).head.weight.dtype == torch.bfloat16
     monkeypatch.setattr(loader, "KEEP_STORED_MIN_ELEMENTS", 512 * 64 + 1)
     assert load_model(released, with_mtp=False).head.weight.dtype == torch.float32
+
+
+def test_a_compiled_step_reads_a_held_head_through_its_panels(released, monkeypatch):
+    """A compiled CPU step's plan gives a head held in bf16 its bf16 panels, as the eager plan does: without them
+    each step's product would convert the whole head to float32."""
+    from flashserve.engine.execution import plan_execution
+
+    monkeypatch.setattr(blas, "BF16_PANEL_MIN_ELEMENTS", 1)
+    monkeypatch.setattr(loader, "KEEP_STORED_MIN_ELEMENTS", 1)
+    model = load_model(released, with_mtp=False)
+    assert model.head.weight.dtype == torch.bfloat16 and blas.panels(model.head, "weight") is None
+    plan = plan_execution(model, device="cpu", compiled=True, rows=4)
+    panels = blas.panels(model.head, "weight")
+    assert panels is not None and panels.dtype == torch.bfloat16
+    assert "head.weight_panels" in plan.relayouts["bfloat16 panels of bf16 weights"]
 
 
 def test_a_hybrid_model_moves_float32_copies_to_its_device(released, monkeypatch):
