@@ -139,7 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "beside fp4 and the 2-/3-bit widths")
     p.add_argument("--head-dtype", default=None, choices=("fp8", "bf16", "fp32"),
                    help="the LM head and token embeddings' storage, where it differs from the other dense weights "
-                        "(V4/V4.1: the released checkpoint keeps them bf16; an engine computing in fp32 reads fp32)")
+                        "(V4/V4.1: the released checkpoint keeps them bf16, and flashserve reads them so, also in "
+                        "float32; default: the dense weights' dtype, or bf16 with --gpu-experts/--weight-memory)")
     p.add_argument("--kv-dtype", default=None, help="cache dtype: fp4, fp8, bf16 (default: model native)")
     p.add_argument("--routing-skew", type=float, default=None, metavar="S",
                    help="how unevenly the router uses its experts: the i-th most used is selected in proportion "

@@ -198,27 +198,36 @@ def expected_distinct_experts(n_experts: int, top_k: int, tokens: float, skew: f
     return sum(1.0 - (1.0 - q) ** tokens for q in expert_popularity(n_experts, top_k, skew))
 
 
-def lfu_hit_rate(n_experts: int, top_k: int, cached: int, skew: float) -> float:
-    """Share of selected experts a cache of the ``cached`` most used experts of the layer holds (an LFU cache once
-    its counts have settled, or a static set of the most used): their share of :func:`expert_popularity`."""
+def _touched(n_experts: int, top_k: int, skew: float, tokens: float) -> list[float]:
+    """Probability that a step of ``tokens`` rows touches each expert, the most used first: 1 − (1 − qᵢ)^B."""
+    return [1.0 - (1.0 - q) ** tokens for q in expert_popularity(n_experts, top_k, skew)]
+
+
+def lfu_hit_rate(n_experts: int, top_k: int, cached: int, skew: float, tokens: float = 1) -> float:
+    """Share of the experts a step of ``tokens`` rows touches that a cache of the ``cached`` most used experts of
+    the layer holds (an LFU cache once its counts have settled, or a static set of the most used), as an engine's
+    cache counts a step's hits (each distinct expert once): Σ over the cached of pᵢ / Σ pᵢ, pᵢ = 1 − (1 − qᵢ)^B
+    (at one row, their share of the selections)."""
     if cached <= 0:
         return 0.0
-    return min(1.0, sum(expert_popularity(n_experts, top_k, skew)[:cached]) / top_k)
+    p = _touched(n_experts, top_k, skew, tokens)
+    return min(1.0, sum(p[:cached]) / sum(p))
 
 
-def lru_hit_rate(n_experts: int, top_k: int, cached: int, skew: float) -> float:
-    """Share of selected experts an LRU cache of ``cached`` experts of the layer holds, with each token drawing
-    its experts independently at the popularity of :func:`expert_popularity` (Che's approximation: an expert
-    is cached if it was selected within the last T tokens, T set so that the expected number of such experts is
-    the cache's size). Without skew this is cached / experts, as for a static set."""
+def lru_hit_rate(n_experts: int, top_k: int, cached: int, skew: float, tokens: float = 1) -> float:
+    """Share of the experts a step of ``tokens`` rows touches that an LRU cache of ``cached`` experts of the layer
+    holds, each step touching expert i with probability pᵢ = 1 − (1 − qᵢ)^B independently of the others (Che's
+    approximation: an expert is cached if a step touched it within the last T steps, T set so that the expected
+    number of such experts is the cache's size; the share weighted by pᵢ, as an engine's cache counts a step's
+    hits). Without skew this is cached / experts, as for a static set."""
     if cached >= n_experts:
         return 1.0
     if cached <= 0:
         return 0.0
-    q = expert_popularity(n_experts, top_k, skew)
+    p = _touched(n_experts, top_k, skew, tokens)
 
     def held(t: float) -> float:
-        return sum(1.0 - math.exp(-x * t) for x in q)
+        return sum(1.0 - math.exp(-x * t) for x in p)
 
     lo, hi = 0.0, 1.0
     while held(hi) < cached:
@@ -227,4 +236,4 @@ def lru_hit_rate(n_experts: int, top_k: int, cached: int, skew: float) -> float:
         mid = (lo + hi) / 2.0
         lo, hi = (mid, hi) if held(mid) < cached else (lo, mid)
     t = (lo + hi) / 2.0
-    return sum(x * (1.0 - math.exp(-x * t)) for x in q) / top_k
+    return sum(x * (1.0 - math.exp(-x * t)) for x in p) / sum(p)

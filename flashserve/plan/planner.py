@@ -536,25 +536,51 @@ def build_deployment(inp: PlanInputs, model: ModelTerms | None = None, hw: Hardw
                      dp=inp.resolved_dp(), expert_dtype=inp.weight_dtype,
                      dense_dtype=dense_dtype_for(inp.weight_dtype), draft_tokens=draft,
                      stack=stack.name if stack else None, placement=None, tables_on_disk=tables_on_disk,
-                     untimed_compute=inp.memory_bound_only, head_dtype=inp.head_dtype)
+                     untimed_compute=inp.memory_bound_only, head_dtype=_head_dtype(inp, model))
     resident, host, cache = inp.resident_experts, inp.host_experts, inp.expert_cache
     if inp.gpu_experts is not None:
-        resident = _gpu_experts(inp.gpu_experts, model, hw)
+        resident = _gpu_experts(inp, model, hw)
     if inp.weight_memory is not None:
         resident, tables_on_disk = _budget_placement(dep, parse_size(inp.weight_memory))
-        cache = None if resident is None else cache or "lru"  # the engine's slots: LRU unless told lfu
+        if resident is None:
+            _nothing_off_the_device(inp)
+        elif cache is None and inp.expert_hit_rate is None:
+            cache = "lru"  # the engine's slots: LRU unless told lfu (or a measured hit rate replaces it)
     placement = resolve_placement(resident, host, inp.host_expert_compute,
                                   model.n_experts, hw.machine.kind if hw.machine else None, hw.name,
                                   inp.expert_hit_rate, inp.tier_overlap, inp.prefill_chunk, cache,
-                                  model.top_k, model.routing_skew)
+                                  model.top_k, model.routing_skew, inp.concurrency * (1 + draft))
     if placement is not None:
         _check_tiers(placement, hw)
     return replace(dep, placement=placement, tables_on_disk=tables_on_disk)
 
 
-def _gpu_experts(n: int, model: ModelTerms, hw: Hardware) -> int:
+def _head_dtype(inp: PlanInputs, model: ModelTerms) -> str | None:
+    """``--head-dtype``; under the engine's own options (--gpu-experts, --weight-memory) the bf16 the engine holds a
+    released V4/V4.1 head and embeddings in, where the model separates them."""
+    if inp.head_dtype is None and model.head_params and (inp.gpu_experts is not None or inp.weight_memory is not None):
+        return "bf16"
+    return inp.head_dtype
+
+
+def _nothing_off_the_device(inp: PlanInputs) -> None:
+    """A ``--weight-memory`` that holds every weight places nothing: the flags about placed experts do not apply."""
+    for flag, value in (("--expert-cache", inp.expert_cache), ("--expert-hit-rate", inp.expert_hit_rate),
+                        ("--tier-overlap", inp.tier_overlap), ("--host-expert-compute", inp.host_expert_compute)):
+        if value is not None:
+            raise PlanError(flag, f"--weight-memory {inp.weight_memory} holds every weight: no expert is off the "
+                            "device for it to apply to (leave it out)")
+
+
+def _gpu_experts(inp: PlanInputs, model: ModelTerms, hw: Hardware) -> int:
     """``--gpu-experts N`` (the engine's hybrid option): N routed experts per layer on the GPU of a discrete-GPU
-    machine, the others in host memory computed by the CPU's expert kernels."""
+    machine, a fixed set, the others in host memory computed by the CPU's expert kernels."""
+    n = inp.gpu_experts
+    for flag, value, why in (("--host-expert-compute", inp.host_expert_compute, "the engine's hybrid computes "
+                              "the others on the CPU"),
+                             ("--expert-cache", inp.expert_cache, "the engine's hybrid holds a fixed set")):
+        if value is not None:
+            raise PlanError(flag, f"does not apply with --gpu-experts: {why}")
     if hw.machine is None or hw.machine.kind != "gpu":
         where = ("a datacenter preset keeps every expert in GPU memory" if hw.machine is None
                  else f"{hw.name} is a {hw.machine.kind} machine, with no discrete GPU: use --weight-memory")
@@ -592,11 +618,11 @@ def _budget_placement(dep: Deployment, budget: int) -> tuple[int | None, bool]:
                         f"experts ({fixed / 2**30:.2f} GiB) and {m.top_k} experts a layer ({per / 2**30:.3f} GiB an "
                         f"expert in every layer): give at least {need / 2**30:.2f} GiB")
     left = budget - fixed
-    share = left / ROW_SHARE if tables else 0.0
-    slots = int((left - share) // per)
+    rows = min(left / ROW_SHARE, tables)  # the row caches, at most the whole tables (which then stay in memory)
+    slots = int((left - rows) // per)
     if slots >= m.n_experts:  # every expert held: the tables take the rest, whole or from disk
         return None, dep.tables_on_disk or left - experts < tables
-    return slots, dep.tables_on_disk or tables > 0
+    return slots, dep.tables_on_disk or rows < tables
 
 
 def _tables_on_disk(inp: PlanInputs, model: ModelTerms, hw: Hardware) -> bool:

@@ -92,10 +92,11 @@ class ExpertPlacement:
 def resolve_placement(resident: int | None, host: int | None, compute: str | None, n_experts: int,
                       machine_kind: str | None, machine_name: str, hit_rate: float | None = None,
                       overlap: str | None = None, prefill_chunk: int = 512, cache: str | None = None,
-                      top_k: int = 1, skew: float = 0.0) -> ExpertPlacement | None:
+                      top_k: int = 1, skew: float = 0.0, tokens: float = 1) -> ExpertPlacement | None:
     """The placement the flags ask for (None: every expert on the device, as without the flags), with the
-    measured hit rate, or under ``cache="lru"`` the hit rate of an LRU cache of the resident experts for a
-    router choosing ``top_k`` at popularity ``skew``, and the tiers' overlap when given.
+    measured hit rate, or under ``cache="lru"``/``"lfu"`` the hit rate of such a cache of the resident experts for
+    a router choosing ``top_k`` at popularity ``skew``, over steps of ``tokens`` rows, and the tiers' overlap when
+    given.
 
     On a discrete-GPU machine ``--resident-experts N`` alone puts the rest in host memory, ``--host-experts M``
     alone keeps the rest on the GPU, both put what is left on disk. On a unified or GPU-less machine there is
@@ -108,16 +109,17 @@ def resolve_placement(resident: int | None, host: int | None, compute: str | Non
                                 "on the device)")
         return None
     placement = _counts(resident, host, compute, n_experts, machine_kind, machine_name)
-    if hit_rate is not None and placement.host + placement.disk == 0:
-        raise PlanError("--expert-hit-rate", f"every one of the {n_experts} experts per layer is resident: "
-                        "nothing is missed (leave the hit rate out)")
+    for flag, given in (("--expert-hit-rate", hit_rate), ("--expert-cache", cache in ("lru", "lfu") or None)):
+        if given is not None and placement.host + placement.disk == 0:
+            raise PlanError(flag, f"every one of the {n_experts} experts per layer is resident: nothing is missed "
+                            "(leave it out)")
     source = "measured"
     if cache in ("lru", "lfu"):
         if hit_rate is not None:
             raise PlanError("--expert-cache", f"{cache} derives the hit rate that --expert-hit-rate gives: pass one "
                             "of them")
         rate = lru_hit_rate if cache == "lru" else lfu_hit_rate
-        hit_rate, source = rate(n_experts, top_k, placement.resident, skew), cache
+        hit_rate, source = rate(n_experts, top_k, placement.resident, skew, tokens), cache
     return replace(placement, hit_rate=hit_rate, hit_source=source, overlap=overlap or DEFAULT_TIER_OVERLAP,
                    prefill_chunk=prefill_chunk)
 

@@ -32,12 +32,15 @@ def test_gpu_experts_is_the_hybrid_split(tmp_path, capsys) -> None:
     box = write_machine(tmp_path, BOX)
     base = ["--hardware", box, "--model", "deepseek-v4-flash", *TERMS]
     hybrid = plan_json(capsys, base + ["--gpu-experts", "16"])
-    counts = plan_json(capsys, base + ["--resident-experts", "16"])
+    counts = plan_json(capsys, base + ["--resident-experts", "16", "--head-dtype", "bf16"])  # as the engine holds it
     assert hybrid["machine"]["placement"] == counts["machine"]["placement"]
     assert hybrid["machine"]["placement"]["host_experts_per_layer"] == 240
     assert hybrid["step_time_ms"] == counts["step_time_ms"]
     assert _error(base + ["--gpu-experts", "257"], capsys) == "--gpu-experts"
     assert _error(base + ["--gpu-experts", "16", "--resident-experts", "16"], capsys) == "--gpu-experts"
+    # the engine's hybrid computes a fixed set on the GPU and the others on the CPU
+    assert _error(base + ["--gpu-experts", "16", "--host-expert-compute", "gpu"], capsys) == "--host-expert-compute"
+    assert _error(base + ["--gpu-experts", "16", "--expert-cache", "lru"], capsys) == "--expert-cache"
     cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
     assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--gpu-experts", "4"], capsys) == "--gpu-experts"
 
@@ -48,7 +51,8 @@ def test_weight_memory_holds_the_other_weights_then_slots_of_experts(tmp_path, c
     cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
     m = resolve_model("deepseek-v4-flash")
     per = m.n_moe_layers * m.expert_params * FP4  # one expert in every layer
-    fixed = m.dense_params_total * 1.0  # FP8 beside MXFP4 experts
+    # FP8 beside MXFP4 experts, the embeddings and head bf16 as the engine holds them
+    fixed = (m.dense_params_total - m.head_params - m.embed_params) * 1.0 + (m.head_params + m.embed_params) * 2.0
     budget = int(fixed + 20.5 * per)
     base = ["--hardware", cpu, "--model", "deepseek-v4-flash", *TERMS, "--memory-bound-only",
             "--weight-memory", str(budget)]
@@ -62,6 +66,12 @@ def test_weight_memory_holds_the_other_weights_then_slots_of_experts(tmp_path, c
     whole = plan_json(capsys, ["--hardware", cpu, "--model", "deepseek-v4-flash", *TERMS, "--memory-bound-only",
                                "--weight-memory", str(int(fixed + 256 * per) + 1)])
     assert whole["machine"]["placement"] is None
+    assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--memory-bound-only", "--weight-memory",
+                   str(int(fixed + 256 * per) + 1), "--expert-cache", "lfu"], capsys) == "--expert-cache"
+    # a measured hit rate replaces the cache's
+    measured = plan_json(capsys, base + ["--expert-hit-rate", "0.5"])
+    assert measured["machine"]["placement"]["expert_hit_rate"] == 0.5
+    assert measured["machine"]["placement"]["expert_hit_rate_from"] == "measured"
     small = ["--hardware", cpu, "--model", "deepseek-v4-flash", "--weight-memory", f"{(fixed + 5 * per) / GIB}GiB"]
     assert _error(small, capsys) == "--weight-memory"
     box = write_machine(tmp_path, BOX)
@@ -77,7 +87,7 @@ def test_weight_memory_gives_engram_tables_a_sixteenth_and_reads_them_from_disk(
     cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
     m = resolve_model("deepseek-v41-flash")
     per = m.n_moe_layers * m.expert_params * FP4
-    fixed = m.dense_params_total * 1.0
+    fixed = (m.dense_params_total - m.head_params - m.embed_params) * 1.0 + (m.head_params + m.embed_params) * 2.0
     budget = int(fixed + 64 * per)
     d = plan_json(capsys, ["--hardware", cpu, "--model", "deepseek-v41-flash", *TERMS, "--memory-bound-only",
                            "--weight-memory", str(budget)])

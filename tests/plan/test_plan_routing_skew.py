@@ -42,7 +42,14 @@ def test_lru_hit_rate_by_hand() -> None:
     # 2/3 (1 - x^2) + 1/3 (1 - x) = (1 + x)/3
     x = (math.sqrt(5) - 1) / 2
     assert lru_hit_rate(2, 1, 1, 1.0) == pytest.approx((1 + x) / 3, rel=1e-9)
-    # without skew a cache holds its share, as a static set does
+    # a step of two rows touches the first expert with probability 8/9 and the second 5/9: the share of the
+    # step's touched experts an LFU cache of the first holds is 8/13 (a cache counts each touched expert once)
+    from flashserve.plan.model_terms import lfu_hit_rate
+
+    assert lfu_hit_rate(2, 1, 1, 1.0, tokens=2) == pytest.approx(8 / 13, rel=1e-12)
+    assert lfu_hit_rate(2, 1, 1, 1.0) == pytest.approx(2 / 3, rel=1e-12)
+    # without skew a cache holds its share, as a static set does, at any step size
+    assert lru_hit_rate(384, 6, 223, 0.0, tokens=8) == pytest.approx(223 / 384, rel=1e-9)
     assert lru_hit_rate(384, 6, 223, 0.0) == pytest.approx(223 / 384, rel=1e-9)
     assert lru_hit_rate(384, 6, 0, ROUTING_SKEW) == 0.0 and lru_hit_rate(384, 6, 384, ROUTING_SKEW) == 1.0
     # the used experts stay: more than the share, less than the most used 223's own share
@@ -104,6 +111,13 @@ def test_an_lru_cache_of_resident_experts_hits_at_the_skews_rate(tmp_path, capsy
     # a measured hit rate is the other way to say it; the two together, or a cache with nothing placed, are refused
     assert main_error(base + ["--expert-cache", "lru", "--expert-hit-rate", "0.5"], capsys) == "--expert-cache"
     assert main_error(["--hardware", box, "--model", MODEL, "--expert-cache", "lru"], capsys) == "--expert-cache"
+    # a cache of every expert misses nothing
+    assert main_error(base[:-2] + ["--resident-experts", "256", "--expert-cache", "lru"], capsys) == "--expert-cache"
+    # eight sequences: the hit rate is that of a step's touched experts
+    eight = plan_json(capsys, base + ["--expert-cache", "lru", "--concurrency", "8"])
+    assert eight["machine"]["placement"]["expert_hit_rate"] == pytest.approx(
+        lru_hit_rate(256, 6, 16, ROUTING_SKEW, tokens=8), rel=1e-12)
+    assert eight["machine"]["placement"]["expert_hit_rate"] < hit
 
 
 def test_slice_runs_are_planned_with_uniform_routing() -> None:
