@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             free = shutil.disk_usage(args.gguf.parent if args.gguf.parent.exists() else Path.cwd()).free
             if free < total * 1.1:  # the GGUF is about the slice's size (Q8_0 dense weights are a little larger)
                 raise OSError(f"{args.gguf.parent} has {_gib(free)} free; the GGUF needs about {_gib(total)}")
+            args.gguf.parent.mkdir(parents=True, exist_ok=True)
             llamacpp.make_gguf_file(args.out, args.gguf)
             print(f"wrote {args.gguf}")
     except (ValueError, OSError, RuntimeError) as e:
