@@ -27,7 +27,8 @@ def sweep(base: PlanInputs, levels: Sequence[int] = DEFAULT_LEVELS) -> list[Plan
 
 
 def sweep_points(results: Sequence[PlanResult]) -> list[dict[str, float | int | bool]]:
-    """The curve in ``bench sweep``'s point format, plus the planner's bound and fit flag."""
+    """The curve in ``bench sweep``'s point format, plus the planner's bound and fit flag, and on a machine each
+    tier's bytes per token and time (``tiers``) and the bottleneck."""
     points: list[dict[str, float | int | bool]] = []
     for r in results:
         point: dict[str, float | int | bool] = {
@@ -44,6 +45,12 @@ def sweep_points(results: Sequence[PlanResult]) -> list[dict[str, float | int | 
             point["output_tokens_per_s_per_gpu_without_speculation"] = (
                 r.output_tokens_per_s_per_gpu * without / r.tokens_per_s_per_agent)
             point["speculation_speedup"] = r.speculation.speedup
+        if r.deployment.hw.machine is not None:  # a machine: each tier's bytes and time at this concurrency
+            from .planner import tier_summary
+
+            t = tier_summary(r)
+            point["tiers"] = [{k: row[k] for k in ("tier", "bytes_per_token", "time_ms")} for row in t["tiers"]]
+            point["bottleneck"] = t["bottleneck"]
         points.append(point)
     return points
 

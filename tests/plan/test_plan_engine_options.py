@@ -127,3 +127,11 @@ def test_sweep_on_a_machine_plans_each_level_with_its_tiers(tmp_path, capsys) ->
     for p in pts:
         single = plan_json(capsys, base + ["--concurrency", str(p["concurrency"])])
         assert p["tokens_per_s_per_agent"] == pytest.approx(single["tokens_per_s_per_agent"], rel=1e-12)
+        tiers = single["decode_tiers"]
+        assert [t["tier"] for t in p["tiers"]] == [t["tier"] for t in tiers["tiers"]]
+        assert [t["time_ms"] for t in p["tiers"]] == pytest.approx([t["time_ms"] for t in tiers["tiers"]], rel=1e-12)
+        assert p["bottleneck"] == tiers["bottleneck"]
+    # the CPU's share grows with the streams: more of them touch more of its experts
+    host = [next(t["bytes_per_token"] for t in p["tiers"] if t["tier"] == "host memory") * p["concurrency"]
+            for p in pts]
+    assert host == sorted(host)
