@@ -31,6 +31,19 @@ for sub in ("model", "engine", "server", "config", "plan"):
         sys.path.insert(0, str(path))
 
 
+@pytest.fixture(scope="session")
+def released_tiny_v41(tmp_path_factory) -> Path:
+    """tiny-v41 written in the released storage (FP8 blocks, MXFP4 experts: 8 a layer in 10 MoE layers, FP8 engram
+    tables, BF16 embedding and head), once a test process; tests that change files copy it first."""
+    from flashserve.config import load_config
+    from flashserve.model.checkpoint import save_checkpoint
+    from flashserve.model.loader import load_model
+
+    path = tmp_path_factory.mktemp("tiny_v41_released")
+    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), path, load_config("tiny-v41"))
+    return path
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("flashserve order")
     group.addoption("--reverse", action="store_true", help="run the collected tests in reverse order")

@@ -13,20 +13,17 @@ import pytest
 import torch
 
 from engine_helpers import prompt_of, run_greedy
-from flashserve.config import ConfigError, load_config
+from flashserve.config import ConfigError
 from flashserve.engine import EngineConfig, LLMEngine
-from flashserve.model.checkpoint import save_checkpoint
 from flashserve.model.expert_cache import cache_stats, expert_caches
 from flashserve.model.loader import load_model
 from flashserve.model.moe import MoE
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
+def released(released_tiny_v41) -> Path:
     """tiny-v41 as released (MXFP4 experts: 8 a layer, 10 MoE layers)."""
-    path = tmp_path_factory.mktemp("tiny_v41_streamed")
-    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), path, load_config("tiny-v41"))
-    return path
+    return released_tiny_v41
 
 
 def _engine(path: Path, **kw) -> LLMEngine:

@@ -13,21 +13,17 @@ import pytest
 import torch
 
 from engine_helpers import prompt_of, run_greedy
-from flashserve.config import load_config
 from flashserve.engine import EngineConfig, LLMEngine
 from flashserve.model import blas, loader
-from flashserve.model.checkpoint import save_checkpoint
 from flashserve.model.loader import load_model
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
+def released(released_tiny_v41) -> Path:
     """tiny-v41 as released: BF16 embedding and head (512 x 64)."""
-    path = tmp_path_factory.mktemp("tiny_v41_bf16_head")
-    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), path, load_config("tiny-v41"))
-    return path
+    return released_tiny_v41
 
 
 def _engine(path: Path, **kw) -> LLMEngine:

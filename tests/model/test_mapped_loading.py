@@ -16,20 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashserve.config import load_config
 from flashserve.model import checkpoint
-from flashserve.model.checkpoint import CheckpointError, save_checkpoint
+from flashserve.model.checkpoint import CheckpointError
 from flashserve.model.loader import load_model
 
 IDS = torch.tensor([[1, 5, 9, 33, 2, 7, 100, 3, 3, 9]])
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory) -> Path:
+def released(released_tiny_v41) -> Path:
     """tiny-v41 in the released storage: FP8 blocks, MXFP4 experts, FP8 engram tables, BF16 embedding and head."""
-    path = tmp_path_factory.mktemp("tiny_v41_released")
-    save_checkpoint(load_model("tiny-v41", with_mtp=False).checkpoint_tensors(), path, load_config("tiny-v41"))
-    return path
+    return released_tiny_v41
 
 
 def _mapped_ranges(model) -> list[tuple[int, int]]:
