@@ -177,16 +177,16 @@ def hold_as_stored(model: Transformer, path: Path) -> list[str]:
     from . import cpu_kernels
     from .checkpoint import stored_dtypes
 
-    if not cpu_kernels.dense_rows_available():  # decode would convert the head every step: float32 copies instead
-        return []
     params = dict(model.named_parameters())
-    done = []
-    for name, dtype in stored_dtypes(path, KEEP_STORED).items():
-        p = params.get(name)
-        if dtype == "BF16" and p is not None and p.dtype == torch.float32 and p.numel() >= KEEP_STORED_MIN_ELEMENTS:
-            p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
-            done.append(name)
-    return done
+    held = [name for name, dtype in stored_dtypes(path, KEEP_STORED).items()
+            if dtype == "BF16" and (p := params.get(name)) is not None and p.dtype == torch.float32
+            and p.numel() >= KEEP_STORED_MIN_ELEMENTS]
+    if not held or not cpu_kernels.dense_rows_available():  # without the kernels each step would convert the head
+        return []
+    for name in held:
+        p = params[name]
+        p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+    return held
 
 
 def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool,
