@@ -163,12 +163,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, panels: torch.Tensor | None = None)
     float32 rows over ``panels`` (``w``'s copy from :func:`make_panels`, None where it has none)
     :func:`~flashserve.model.cpu_kernels.dense_rows`, and one row too where the panels are bfloat16 (half the
     bytes of the float32 weight)."""
-    if bf16_rows(x, panels):
-        flat = x.reshape(-1, x.shape[-1])
-        return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
-    if w.dtype == torch.bfloat16 and _bf16_panels_for(x, panels) and x.numel():
-        # more rows than a decode batch over a weight held in bf16 (loader.hold_as_stored): its panels still, rather
-        # than a float32 copy of the weight each call
+    # decode rows over bf16 panels; a weight held in bf16 (loader.hold_as_stored) at any row count, rather than a
+    # float32 copy of it each call
+    if bf16_rows(x, panels) or (w.dtype == torch.bfloat16 and _bf16_panels_for(x, panels) and x.numel()):
         flat = x.reshape(-1, x.shape[-1])
         return cpu_kernels.dense_rows(flat, panels, w.shape[0]).view(*x.shape[:-1], w.shape[0])
     if not takes(x, w):

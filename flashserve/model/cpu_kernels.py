@@ -398,29 +398,16 @@ def _register_fakes_once() -> None:
         return (q.new_empty((R, k), dtype=torch.int64), q.new_empty((R, k), dtype=torch.bool),
                 q.new_empty((R, n_blocks), dtype=torch.int64))
 
-    @fake("flashserve::mxfp4_pairs")
-    def _(x, experts, q, s):
+    def pairs(x, experts, q, s):  # one product an (expert, row) pair
         return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
 
-    @fake("flashserve::mxfp4_pairs_a8")
-    def _(x, experts, q, s):
-        return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
-
-    @fake("flashserve::mxfp4_gate_up_a8")
-    def _(x, experts, q1, s1, q3, s3):
+    def gate_up(x, experts, q1, s1, q3, s3):  # the gate and up products of each pair
         return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
 
-    @fake("flashserve::mxfp4_gate_up")
-    def _(x, experts, q1, s1, q3, s3):
-        return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
-
-    @fake("flashserve::int8_pairs")
-    def _(x, experts, q, scale):
-        return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
-
-    @fake("flashserve::int8_gate_up")
-    def _(x, experts, q1, s1, q3, s3):
-        return x.new_empty((2, experts.numel(), q1.shape[1]), dtype=torch.float32)
+    for name in ("mxfp4_pairs", "mxfp4_pairs_a8", "int8_pairs"):
+        fake(f"flashserve::{name}")(pairs)
+    for name in ("mxfp4_gate_up", "mxfp4_gate_up_a8", "int8_gate_up"):
+        fake(f"flashserve::{name}")(gate_up)
 
     @fake("flashserve::fp8_pairs")
     def _(x, experts, q, s, row_block, col_block):

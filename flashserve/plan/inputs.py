@@ -175,14 +175,12 @@ def validate(inp: PlanInputs) -> None:
             parse_size(inp.weight_memory)
         except ValueError as e:
             raise PlanError("--weight-memory", str(e)) from None
-    for flag, value in (("--gpu-experts", inp.gpu_experts), ("--weight-memory", inp.weight_memory)):
-        if value is None:
-            continue
-        for other, given in (("--resident-experts", inp.resident_experts), ("--host-experts", inp.host_experts),
-                             ("--gpu-experts", inp.gpu_experts if flag != "--gpu-experts" else None)):
-            if given is not None:
-                raise PlanError(flag, f"places the experts as the engine's option does; {other} places them too: "
-                                "give one of them")
+    placing = [flag for flag, value in (("--gpu-experts", inp.gpu_experts), ("--weight-memory", inp.weight_memory),
+                                        ("--resident-experts", inp.resident_experts),
+                                        ("--host-experts", inp.host_experts)) if value is not None]
+    if placing[:1] in (["--gpu-experts"], ["--weight-memory"]) and len(placing) > 1:  # counts combine, these do not
+        raise PlanError(placing[0], f"places the experts as the engine's option does; {placing[1]} places them too: "
+                        "give one of them")
     if inp.expert_cache is not None and inp.expert_cache not in EXPERT_CACHE:
         raise PlanError("--expert-cache", f"unknown {inp.expert_cache!r}; choose one of {', '.join(EXPERT_CACHE)}")
     if inp.tier_overlap is not None and inp.tier_overlap not in TIER_OVERLAP:

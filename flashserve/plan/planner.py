@@ -288,7 +288,7 @@ def expert_advice(dep: Deployment, cap: Capacity, concurrency: int, ctx: float) 
                 + f"and {concurrency:,} session(s) at context {ctx:,.0f} ({sessions / 1e9:,.3g} GB) leave {device} "
                 "no room for even one routed expert per layer: "
                 + ("keep the engram tables on disk with --engram-tables disk, or " if tables else "")
-                + "fewer sessions, a shorter context, more memory or a smaller model")
+                + "fewer concurrent requests, a shorter context, more memory or a smaller model")
     fit = min(int(room // per), e)
     rest = e - fit
     resident = dep.placement.resident if dep.placement else e
@@ -605,7 +605,7 @@ def _budget_placement(dep: Deployment, budget: int) -> tuple[int | None, bool]:
                  else f"{hw.name} has a discrete GPU (the engine's --weight-memory and --gpu-experts do not combine): "
                       "use --gpu-experts")
         raise PlanError("--weight-memory", f"budgets the memory of a machine without a discrete GPU; {where}")
-    cap = capacity(dep, 1.0)  # its weight bytes (the sessions are checked with the plan)
+    cap = capacity(dep, 1.0)  # its weight bytes (the KV cache is checked with the plan)
     per = cap.routed_bytes_per_expert_per_gpu
     experts = cap.routed_bytes_per_gpu
     fixed = cap.weight_bytes_per_gpu - experts

@@ -326,7 +326,7 @@ def _freetoken(concurrency: int, decode: float, row: str) -> PublishedLocal:
         f"released MXFP4 experts and FP8 dense weights; {FREETOKEN_RESIDENT} of 256 experts per layer on the GPU, "
         "the rest computed by the CPU expert kernel at its measured 110.3 GB/s (`ft bench bw`, same issue; the "
         "split is not published: 30 is within the 40 a layer the planner fits on the card beside the other weights "
-        "and 8 sessions; between 0 and 36 resident the prediction moves -8% to +2% at one stream and -10% to +2% "
+        "and 8 sequences; between 0 and 36 resident the prediction moves -8% to +2% at one stream and -10% to +2% "
         "at eight); routing at V4-Flash's measured skew; "
         "prompt 1,024 and output 1,024 tokens assumed (not published)",
         "fp4", "stated: the released MXFP4 experts")

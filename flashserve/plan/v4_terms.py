@@ -14,7 +14,7 @@ from .model_terms import DraftTerms, LayerAttention, ModelTerms
 
 # How unevenly V4-Flash's router uses its experts, as a Zipf exponent (model_terms.expert_popularity). Measured
 # by JustVugg/colibri issue 864 (gcap0n1, 2026-08-18) from V4-Flash routing counts (43 layers x 256 experts,
-# 31,841 selections of chat and benchmark sessions): the most used 8 / 16 / 32 / 64 experts of a layer take
+# 31,841 selections of chat and benchmark runs): the most used 8 / 16 / 32 / 64 experts of a layer take
 # 35.6% / 46.5% / 58.5% / 71.2% of its selections; s = 0.88 gives 35.6 / 46.2 / 57.9 / 70.7% (least squares on
 # the log shares). nibor1896/Crow issue 89 measured the same order for the V4-Flash preview (half the
 # selections on 8.8% of the experts; s = 0.88 puts half on 8.2%). V4.1 (384 experts) has no published

@@ -9,16 +9,10 @@ import pytest
 from flashserve.plan.cli import main
 from flashserve.plan.model_terms import expert_popularity, lfu_hit_rate, lru_hit_rate
 from flashserve.plan.models import resolve_model
-from tier_box import BOX, FP4, TERMS, plan_json, write_machine
+from tier_box import BOX, FP4, TERMS, plan_error, plan_json, write_machine
 
 CPU_BOX = {"name": "cpu-box", "host": {"memory_gib": 512, "bandwidth_gbs": 200}, "disk": {"read_gbs": 5}}
 GIB = 2**30
-
-
-def _error(argv: list[str], capsys) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    return err.split(":")[2].strip()
 
 
 def test_lfu_hit_rate_is_the_most_used_experts_share() -> None:
@@ -36,13 +30,15 @@ def test_gpu_experts_is_the_hybrid_split(tmp_path, capsys) -> None:
     assert hybrid["machine"]["placement"] == counts["machine"]["placement"]
     assert hybrid["machine"]["placement"]["host_experts_per_layer"] == 240
     assert hybrid["step_time_ms"] == counts["step_time_ms"]
-    assert _error(base + ["--gpu-experts", "257"], capsys) == "--gpu-experts"
-    assert _error(base + ["--gpu-experts", "16", "--resident-experts", "16"], capsys) == "--gpu-experts"
+    assert plan_error(capsys, base + ["--gpu-experts", "257"]) == "--gpu-experts"
+    assert plan_error(capsys, base + ["--gpu-experts", "16", "--resident-experts", "16"]) == "--gpu-experts"
     # the engine's hybrid computes a fixed set on the GPU and the others on the CPU
-    assert _error(base + ["--gpu-experts", "16", "--host-expert-compute", "gpu"], capsys) == "--host-expert-compute"
-    assert _error(base + ["--gpu-experts", "16", "--expert-cache", "lru"], capsys) == "--expert-cache"
+    refused = base + ["--gpu-experts", "16", "--host-expert-compute", "gpu"]
+    assert plan_error(capsys, refused) == "--host-expert-compute"
+    assert plan_error(capsys, base + ["--gpu-experts", "16", "--expert-cache", "lru"]) == "--expert-cache"
     cpu = write_machine(tmp_path, CPU_BOX, "cpu.json")
-    assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--gpu-experts", "4"], capsys) == "--gpu-experts"
+    no_gpu = ["--hardware", cpu, "--model", "deepseek-v4-flash", "--gpu-experts", "4"]
+    assert plan_error(capsys, no_gpu) == "--gpu-experts"
 
 
 def test_weight_memory_holds_the_other_weights_then_slots_of_experts(tmp_path, capsys) -> None:
@@ -66,19 +62,19 @@ def test_weight_memory_holds_the_other_weights_then_slots_of_experts(tmp_path, c
     whole = plan_json(capsys, ["--hardware", cpu, "--model", "deepseek-v4-flash", *TERMS, "--memory-bound-only",
                                "--weight-memory", str(int(fixed + 256 * per) + 1)])
     assert whole["machine"]["placement"] is None
-    assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--memory-bound-only", "--weight-memory",
-                   str(int(fixed + 256 * per) + 1), "--expert-cache", "lfu"], capsys) == "--expert-cache"
+    assert plan_error(capsys, ["--hardware", cpu, "--model", "deepseek-v4-flash", "--memory-bound-only",
+                               "--weight-memory", str(int(fixed + 256 * per) + 1), "--expert-cache", "lfu"]
+                      ) == "--expert-cache"
     # a measured hit rate replaces the cache's
     measured = plan_json(capsys, base + ["--expert-hit-rate", "0.5"])
     assert measured["machine"]["placement"]["expert_hit_rate"] == 0.5
     assert measured["machine"]["placement"]["expert_hit_rate_from"] == "measured"
     small = ["--hardware", cpu, "--model", "deepseek-v4-flash", "--weight-memory", f"{(fixed + 5 * per) / GIB}GiB"]
-    assert _error(small, capsys) == "--weight-memory"
+    assert plan_error(capsys, small) == "--weight-memory"
     box = write_machine(tmp_path, BOX)
-    assert _error(["--hardware", box, "--model", "deepseek-v4-flash", "--weight-memory", "8GiB"],
-                  capsys) == "--weight-memory"
-    assert _error(["--hardware", cpu, "--model", "deepseek-v4-flash", "--weight-memory", "lots"],
-                  capsys) == "--weight-memory"
+    for hw, size in ((box, "8GiB"), (cpu, "lots")):  # a discrete GPU; not a size
+        argv = ["--hardware", hw, "--model", "deepseek-v4-flash", "--weight-memory", size]
+        assert plan_error(capsys, argv) == "--weight-memory"
 
 
 def test_weight_memory_gives_engram_tables_a_sixteenth_and_reads_them_from_disk(tmp_path, capsys) -> None:

@@ -13,7 +13,7 @@ from flashserve.plan.model_terms import expected_distinct_experts, expert_popula
 from flashserve.plan.models import resolve_model
 from flashserve.plan.scenarios import PUBLISHED_LOCAL
 from flashserve.plan.v4_terms import ROUTING_SKEW
-from tier_box import BOX, CTX, FP4, MODEL, TERMS, plan_json, write_machine
+from tier_box import BOX, CTX, FP4, MODEL, TERMS, plan_error, plan_json, write_machine
 
 
 def test_popularity_is_zipf_and_sums_to_top_k() -> None:
@@ -81,16 +81,7 @@ def test_a_step_reads_the_distinct_experts_of_its_skew(tmp_path, capsys) -> None
         distinct = sum(1 - (1 - x) ** 8 for x in q)
         assert d["step"]["distinct_experts_per_layer"] == pytest.approx(distinct, rel=1e-9), skew
         assert d["step"]["bytes_experts"] == pytest.approx(distinct * per_expert, rel=1e-9), skew
-    assert main_error(["--model", MODEL, "--hardware", "h100", "--routing-skew", "-1"], capsys) == "--routing-skew"
-
-
-def main_error(argv: list[str], capsys) -> str:
-    from flashserve.plan.cli import main
-
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("flashserve plan: error: "), err
-    return err.split(":")[2].strip()
+    assert plan_error(capsys, ["--model", MODEL, "--hardware", "h100", "--routing-skew", "-1"]) == "--routing-skew"
 
 
 def test_an_lru_cache_of_resident_experts_hits_at_the_skews_rate(tmp_path, capsys) -> None:
@@ -109,10 +100,10 @@ def test_an_lru_cache_of_resident_experts_hits_at_the_skews_rate(tmp_path, capsy
     assert static["step"]["bytes_host_experts"] == pytest.approx(240 / 256 * selected, rel=1e-9)
     assert lru["tokens_per_s_per_agent"] > static["tokens_per_s_per_agent"]
     # a measured hit rate is the other way to say it; the two together, or a cache with nothing placed, are refused
-    assert main_error(base + ["--expert-cache", "lru", "--expert-hit-rate", "0.5"], capsys) == "--expert-cache"
-    assert main_error(["--hardware", box, "--model", MODEL, "--expert-cache", "lru"], capsys) == "--expert-cache"
+    assert plan_error(capsys, base + ["--expert-cache", "lru", "--expert-hit-rate", "0.5"]) == "--expert-cache"
+    assert plan_error(capsys, ["--hardware", box, "--model", MODEL, "--expert-cache", "lru"]) == "--expert-cache"
     # a cache of every expert misses nothing
-    assert main_error(base[:-2] + ["--resident-experts", "256", "--expert-cache", "lru"], capsys) == "--expert-cache"
+    assert plan_error(capsys, base[:-2] + ["--resident-experts", "256", "--expert-cache", "lru"]) == "--expert-cache"
     # eight sequences: the hit rate is that of a step's touched experts
     eight = plan_json(capsys, base + ["--expert-cache", "lru", "--concurrency", "8"])
     assert eight["machine"]["placement"]["expert_hit_rate"] == pytest.approx(

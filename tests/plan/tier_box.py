@@ -32,3 +32,11 @@ def write_machine(tmp_path: Path, data: dict, name: str = "box.json") -> str:
 def plan_json(capsys, argv: list[str]) -> dict:
     assert main([*argv, "--json"]) == 0, capsys.readouterr().err
     return json.loads(capsys.readouterr().out)
+
+
+def plan_error(capsys, argv: list[str]) -> str:
+    """The flag a refused plan names (exit status 2, one line ``flashserve plan: error: FLAG: why``)."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashserve plan: error: "), err
+    return err.split(":")[2].strip()
