@@ -1,7 +1,7 @@
 """Decode speed on a real-size slice (python -m flashserve.bench.slice) against this machine's memory-read bound.
 
     python scripts/bench_slice.py SLICE_DIR [--threads 2] [--new 16] [--batches 1 16] [--repeats 3]
-                                  [--no-enforce-eager] [--quantization w4a8]
+                                  [--enforce-eager] [--quantization w4a8]
 
 Loads the slice as the engine does (its FP8 and MXFP4 weights kept packed), and reports per batch size: decode-only
 tokens/s (medians of ``--repeats``), the bytes a decode step reads (every dense weight once, the routed experts
@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new", type=int, default=16, help="tokens decoded per request and run")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                    help="decode eagerly (default: the engine's, a compiled step)")
     ap.add_argument("--weight-memory", default=None,
                     help="resident budget for the weights (e.g. 6GiB): the routed experts beyond it are streamed")
     ap.add_argument("--expert-cache-policy", default="lru", choices=("lru", "lfu"))
@@ -134,11 +135,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{cache_stats(expert_caches(model))['slots']} experts a layer held; the slice's files read at "
               f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
     print(model.load_report.describe())
-    print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
-          f"{args.threads} threads, decode {'eager' if args.enforce_eager else 'compiled'}"
-          f"{', experts w4a8' if args.quantization else ''}")
     engine = engine_for(model, str(args.slice), max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
                         threads=args.threads, speculative_config="off", max_model_len=4096)
+    print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
+          f"{args.threads} threads, decode {'compiled' if engine.plan.compiled else 'eager'}"
+          f"{', experts w4a8' if args.quantization else ''}")
     rows = []
     for b in args.batches:
         batch = prompts(b, 32, 40 + b)
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "slice": str(args.slice), "load_s": load_s, "resident": resident, "threads": args.threads,
-            "enforce_eager": args.enforce_eager, "mmap": args.mmap, "weight_memory": budget,
+            "enforce_eager": not engine.plan.compiled, "mmap": args.mmap, "weight_memory": budget,
             "quantization": args.quantization,
             "expert_cache_policy": args.expert_cache_policy if budget is not None else None,
             "experts_held_per_layer": slots, "disk_read_GB_s": None if disk is None else disk / 1e9,

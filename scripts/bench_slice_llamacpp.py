@@ -5,8 +5,8 @@
     python scripts/bench_slice_llamacpp.py SLICE SLICE.gguf [--batches 1 16] [--repeats 3] [--new 16] [--threads 2]
                                            [--quantizations stored w4a8]
 
-Each repeat runs, one after the other, a fresh flashserve process (``scripts/bench_slice.py``, eager as the CPU
-default decodes a slice, the checkpoint mapped) and a fresh llama.cpp process (llama-cpp-python with its defaults:
+Each repeat runs, one after the other, a fresh flashserve process (``scripts/bench_slice.py``, the engine's default
+compiled step, the checkpoint mapped) and a fresh llama.cpp process (llama-cpp-python with its defaults:
 the file mapped, F16 KV cache, flash attention auto) on the prompts ``bench_slice.py`` makes (32 tokens each), and
 reports the medians and their ratio; each engine's files are made resident right before its run (the other's
 dropped from the page cache: both do not fit beside flashserve's memory here). The converter's GGUF is what a

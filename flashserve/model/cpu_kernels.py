@@ -409,6 +409,10 @@ def _register_fakes_once() -> None:
     for name in ("mxfp4_gate_up", "mxfp4_gate_up_a8", "int8_gate_up"):
         fake(f"flashserve::{name}")(gate_up)
 
+    @fake("flashserve::mxfp4_mapped")
+    def _(x, experts, table, n, a8):
+        return x.new_empty((table.shape[0] // 2, experts.numel(), n), dtype=torch.float32)
+
     @fake("flashserve::fp8_pairs")
     def _(x, experts, q, s, row_block, col_block):
         return x.new_empty((experts.numel(), q.shape[1]), dtype=torch.float32)
@@ -434,6 +438,14 @@ def mxfp4_gate_up(x: torch.Tensor, experts: torch.Tensor, q1: torch.Tensor, s1: 
     ``up``), as the operator ``flashserve::mxfp4_gate_up``."""
     op = torch.ops.flashserve.mxfp4_gate_up_a8 if a8 else torch.ops.flashserve.mxfp4_gate_up
     return op(x, experts, q1, s1, q3, s3)
+
+
+def mxfp4_mapped(x: torch.Tensor, experts: torch.Tensor, table: torch.Tensor, n: int, a8: bool = False) -> torch.Tensor:
+    """The pair products of MXFP4 experts held one matrix an expert, [m, P, n]: ``table`` [2m, E] int64 holds the
+    addresses of each expert's bytes ``[n, K/2]`` and scales ``[n, K/32]`` for m = 1 matrix (``mxfp4_pairs``) or
+    2 (``mxfp4_gate_up``: gate, then up), as the operator ``flashserve::mxfp4_mapped``. The same kernel and sums
+    as the stacked operators; the caller keeps the tensors at those addresses alive."""
+    return torch.ops.flashserve.mxfp4_mapped(x, experts, table, n, a8)
 
 
 def int8_pairs(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -473,7 +485,8 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
            "fp8_pairs_eager", "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",
-           "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_pairs",
+           "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_mapped",
+           "mxfp4_pairs",
            "mxfp4_pairs_available", "mxfp4_pairs_eager", "bf16_panels_of_exact", "pack_panels", "pack_stream_panels",
            "sinkhorn",
            "sinkhorn_available", "sinkhorn_eager", "streams"]

@@ -3,12 +3,11 @@
 A checkpoint stores each expert's projections as tensors of their own; the stacked experts of
 :class:`~flashserve.model.packed.PackedExperts` (one ``[E, N, K/2]`` tensor a projection and layer) must copy them.
 :class:`MappedExperts` instead holds one MXFP4 matrix and scale an expert and projection, each a view of the mapped
-file, and runs each expert the step routes to through the MXFP4 kernel on its own (``cpu_kernels.mxfp4_gate_up``
-and ``mxfp4_pairs`` over a one-expert stack: no copy). Its products are the stacked experts' to the bit (the
-kernel's sums of a row do not depend on the other rows of its call); what it costs is a host sync on the routing
-and two kernel calls an expert the step uses, small against an expert of the real model's size (18.8 MB) and not
-against a small checkpoint's: experts smaller than :data:`MIN_EXPERT_BYTES` are stacked as before. A decode step
-over such experts runs eagerly.
+file, and a table of their addresses, which the MXFP4 kernel reads in place of a stacked tensor's rows
+(``cpu_kernels.mxfp4_mapped``: the gate and up projections in one call, the down projection in another). Its
+products are the stacked experts' to the bit (the same kernel, each row's sums taken in the same order), with no
+host sync on the routing, so a compiled step runs them as it runs stacked ones. Experts smaller than
+:data:`MIN_EXPERT_BYTES` are stacked as before (a copy of a small checkpoint costs little).
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from .moe import clamped_swiglu
 from .norms import fp32
 from .packed import _STORED_FP4, MXFP4, PackedExperts, PackedSlot, encode, packed_shapes
 
+TABLES = ("experts.gate_up_table", "experts.down_table")  # names' ends of the address tables: not checkpoint tensors
 # an expert's three matrices, packed, from this many bytes are used where they lie (smaller ones are stacked)
 MIN_EXPERT_BYTES = 4 << 20
 NAMES = ("w1", "w2", "w3")
@@ -41,30 +41,42 @@ class MappedExperts(nn.Module):
         # projection -> [(qweight, scale) of each expert]: filled by the loader (checkpoint names experts.{e}.w*)
         self.matrices: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {
             name: [None] * self.n_experts for name in NAMES}
+        # the kernel's tables: the addresses of each expert's bytes and scales, rows (w1 bytes, w1 scales, w3 bytes,
+        # w3 scales) and (w2 bytes, w2 scales); 0 until the loader holds the matrix (the kernel refuses a 0)
+        device = src.w1_packed.qweight.device
+        self.register_buffer("gate_up_table", torch.zeros(4, self.n_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("down_table", torch.zeros(2, self.n_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+
+    def reset_buffers(self) -> None:
+        """The tables after ``to_empty`` (which leaves them uninitialised): the matrices held so far."""
+        for table in (self.gate_up_table, self.down_table):
+            if table.device.type != "meta":
+                table.zero_()
+        for name in NAMES:
+            for e, held in enumerate(self.matrices[name]):
+                if held is not None:
+                    self.hold(e, name, *held)
+
+    def hold(self, e: int, name: str, q: torch.Tensor, s: torch.Tensor) -> None:
+        """Expert ``e``'s projection ``name`` is ``q`` (bytes) and ``s`` (scales), used where they lie."""
+        self.matrices[name][e] = (q, s)
+        table, row = (self.down_table, 0) if name == "w2" else (self.gate_up_table, 0 if name == "w1" else 2)
+        if table.device.type != "meta":
+            table[row, e], table[row + 1, e] = q.data_ptr(), s.data_ptr()
 
     def slot(self, e: int, name: str) -> "ExpertMatrix":
         return ExpertMatrix(self, e, name)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Σ_k w[t,k] · expert_{idx[t,k]}(x_t), each expert hit run on its rows."""
+        """Σ_k w[t,k] · expert_{idx[t,k]}(x_t): two kernel calls over all the pairs, as the stacked experts make."""
         T, k = idx.shape
         flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()  # host sync: this module is eager-only
-        y = torch.empty(T * k, self.dim, dtype=x.dtype, device=x.device)
-        zeros = torch.zeros(T * k, dtype=torch.long)  # each call's expert indices: its one-expert stack's 0
-        pos = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            pairs = order[pos:pos + n]
-            pos += n
-            one = zeros[:n]
-            (q1, s1), (q2, s2), (q3, s3) = (self.matrices[name][e] for name in NAMES)
-            gate_up = cpu_kernels.mxfp4_gate_up(x[pairs // k], one, q1[None], s1[None], q3[None], s3[None],
-                                                self.int8_activations).to(x.dtype)
-            act = clamped_swiglu(gate_up[0], gate_up[1], self.limit)
-            y[pairs] = cpu_kernels.mxfp4_pairs(act, one, q2[None], s2[None], self.int8_activations).to(x.dtype)
+        a8 = self.int8_activations
+        gate_up = cpu_kernels.mxfp4_mapped(x, flat, self.gate_up_table, self.inter, a8).to(x.dtype)  # [2, T*k, inter]
+        act = clamped_swiglu(gate_up[0], gate_up[1], self.limit)
+        y = cpu_kernels.mxfp4_mapped(act, flat, self.down_table, self.dim, a8)[0].to(x.dtype)  # [T*k, dim]
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -89,7 +101,10 @@ class ExpertMatrix(PackedSlot):
     def _hold(self, q: torch.Tensor, s: torch.Tensor) -> bool:
         if (tuple(q.shape), tuple(s.shape)) != self.packed_shapes or q.element_size() != 1 or s.element_size() != 1:
             return False
-        self.experts.matrices[self.name][self.e] = (q.view(torch.uint8), s.view(torch.uint8))
+        q, s = q.view(torch.uint8), s.view(torch.uint8)
+        if not (q.is_contiguous() and s.is_contiguous()):  # the kernel reads each matrix's rows in order
+            q, s = q.contiguous(), s.contiguous()
+        self.experts.hold(self.e, self.name, q, s)
         return True
 
     def adopt(self, q: torch.Tensor, s: torch.Tensor) -> bool:
@@ -128,8 +143,6 @@ def use_in_place(model: nn.Module) -> int:
 
 def eager_only(model: nn.Module) -> str | None:
     """Why ``model``'s layers need an eager step (their routing read on the host), or None."""
-    if any(isinstance(m, MappedExperts) for m in model.modules()):
-        return "routed experts used where they lie in the mapped checkpoint"
     if expert_caches(model):
         return "routed experts streamed under weight_memory"
     if getattr(model, "streamed_rows", None):

@@ -240,10 +240,12 @@ class Transformer(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Released checkpoint name → tensor (views into stacked experts for per-expert names), or a
         :class:`~flashserve.model.packed.PackedSlot` for packed modules."""
+        from .mapped_experts import TABLES
         from .packed import PACKED_BUFFERS, packed_destinations, streamed_prefixes
 
         out: dict[str, torch.Tensor] = dict(packed_destinations(self))  # packed modules take stored bytes
-        not_stored = (*PACKED_BUFFERS, blas.PANELS, *blas.INT8_JOINT_BUFFERS)  # names' ends: no checkpoint tensor
+        # names' ends: no checkpoint tensor
+        not_stored = (*PACKED_BUFFERS, *TABLES, blas.PANELS, *blas.INT8_JOINT_BUFFERS)
         slots = streamed_prefixes(self)  # row caches: their tensors are slots, filled as rows are read
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
             if name.startswith(("rope.", "engram_hasher.", *slots)) or name.endswith(not_stored):

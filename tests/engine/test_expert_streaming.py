@@ -117,16 +117,20 @@ def test_a_budget_below_what_the_model_needs_is_refused_with_the_least_that_does
         LLMEngine(EngineConfig(model=str(released), weight_memory="lots"))
 
 
-def test_an_engine_over_experts_used_where_they_lie_decodes_eagerly_with_the_same_tokens(released, monkeypatch):
+def test_an_engine_over_experts_used_where_they_lie_decodes_compiled_with_the_same_tokens(released, monkeypatch):
+    """Experts held one matrix an expert (views of the files) run through the kernel's address tables: a compiled
+    step takes them as it takes stacked ones, and gives the eager stacked engine's tokens."""
     from flashserve.model import mapped_experts
 
     prompts = [prompt_of(30, seed=4), prompt_of(7, seed=5)]
     expected = run_greedy(_engine(released, mmap=False), prompts, 8)
     monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)
-    engine = _engine(released, enforce_eager=False)
+    engine = _engine(released, enforce_eager=False, compile_backend="eager")  # dynamo traces; inductor not needed
+    engine.wait_compiled()
     assert isinstance(engine.model.layers[0].ffn.experts, mapped_experts.MappedExperts)
-    assert engine.runner.decode_step.regions is None and engine.plan.formats["mxfp4 experts (mapped)"] == 10
+    assert engine.runner.decode_step.regions is not None and engine.plan.formats["mxfp4 experts (mapped)"] == 10
     assert run_greedy(engine, prompts, 8) == expected
+    assert engine.runner.decode_step.regions.planned()  # each kind's graph called for its layers
 
 
 def test_a_full_set_gives_up_its_least_recently_used_row():

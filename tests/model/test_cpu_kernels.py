@@ -91,6 +91,56 @@ def test_mxfp4_pair_products_refuse_what_they_cannot_read():
         cpu_kernels.mxfp4_pairs_eager(x[:, :32], torch.tensor([0, 1]), pw.qweight, pw.scale)
 
 
+def _scattered(pw: PackedWeights) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each expert's bytes and scales copied into tensors of their own (as a mapped checkpoint holds them: each
+    where its file put it), with another allocation between each two so that none follows the last."""
+    qs, ss, spacers = [], [], []
+    for e in range(pw.qweight.shape[0]):
+        qs.append(pw.qweight[e].clone())
+        spacers.append(torch.empty(4099, dtype=torch.uint8))
+        ss.append(pw.scale[e].clone())
+    return qs, ss
+
+
+def _table(*matrices: tuple[list[torch.Tensor], list[torch.Tensor]]) -> torch.Tensor:
+    return torch.tensor([[t.data_ptr() for t in ts] for q, s in matrices for ts in (q, s)], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("a8", [False, True])
+def test_experts_held_a_matrix_each_give_the_stacked_experts_products_bit_for_bit(a8):
+    """``mxfp4_mapped`` reads each expert's matrix at the address its table gives (experts one tensor each, as a
+    mapped checkpoint holds them): the gate and up products and the down products equal the stacked operators',
+    bit for bit, exact and with 8-bit activations, eager and in a compiled graph; a table entry never filled, or a
+    table of another shape, is refused."""
+    gate, up, down = _experts(6, 71, 64, seed=1), _experts(6, 71, 64, seed=2), _experts(6, 64, 96, seed=3)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(5, 64, generator=g)
+    experts = torch.tensor([[0, 5, 2], [0, 1, 5], [0, 3, 4], [0, 2, 5], [1, 3, 0]]).flatten()
+    act = torch.randn(15, 96, generator=g)
+    held = [_scattered(pw) for pw in (gate, up, down)]
+    gate_up_table, down_table = _table(held[0], held[1]), _table(held[2])
+    want = cpu_kernels.mxfp4_gate_up(x, experts.view(5, 3), gate.qweight, gate.scale, up.qweight, up.scale, a8)
+    got = cpu_kernels.mxfp4_mapped(x, experts, gate_up_table, 71, a8)
+    assert got.shape == (2, 15, 71) and torch.equal(got, want)
+    want_down = cpu_kernels.mxfp4_pairs(act, experts, down.qweight, down.scale, a8)
+    assert torch.equal(cpu_kernels.mxfp4_mapped(act, experts, down_table, 64, a8)[0], want_down)
+
+    def f(x, experts, table):
+        return cpu_kernels.mxfp4_mapped(x * 2, experts, table, 71, a8).relu()
+
+    torch._dynamo.reset()
+    compiled = compile_as_step(f, fullgraph=True, dynamic=False, options={"cpp_wrapper": True})
+    assert torch.equal(compiled(x, experts, gate_up_table), f(x, experts, gate_up_table))
+    unfilled = gate_up_table.clone()
+    unfilled[3, 4] = 0
+    with pytest.raises(RuntimeError, match=r"mxfp4_mapped: expert 4 has no matrix \(table entry 22\)"):
+        cpu_kernels.mxfp4_mapped(x, experts, unfilled, 71, a8)
+    with pytest.raises(RuntimeError, match=r"mxfp4_mapped: table \[3, 6\] must be int64 \[2 or 4, E\]"):
+        cpu_kernels.mxfp4_mapped(x, experts, gate_up_table[:3], 71, a8)
+    with pytest.raises(IndexError, match="expert index out of range"):
+        cpu_kernels.mxfp4_mapped(x, torch.full((15,), 6), gate_up_table, 71, a8)
+
+
 @pytest.mark.parametrize("a8", [False, True])
 @pytest.mark.parametrize("cpp_wrapper", [False, True])
 def test_a_compiled_graph_calls_the_kernel_with_the_eager_values(cpp_wrapper, a8):
@@ -248,7 +298,8 @@ def test_the_operators_are_declared_and_implemented_in_cpp():
     implementations, with no Python implementation beside them (a compiled step's C++ calls them without Python);
     they check shapes in C++ too."""
     assert cpu_kernels.build() == "flashserve" and cpu_kernels.built() == list(cpu_kernels.KERNELS)
-    for op in ("mxfp4_pairs", "mxfp4_gate_up", "dense_rows", "int8_pairs", "int8_gate_up", "sinkhorn", "index_topk"):
+    for op in ("mxfp4_pairs", "mxfp4_gate_up", "mxfp4_mapped", "dense_rows", "int8_pairs", "int8_gate_up", "sinkhorn",
+               "index_topk"):
         name = f"flashserve::{op}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU")
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd")

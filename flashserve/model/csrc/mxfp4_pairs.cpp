@@ -370,12 +370,13 @@ inline void a8_tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* 
 
 }  // namespace
 
-// Pair p = row p / k of x [P / k, K] times expert experts[p]'s matrix (q, s), into out[p] (out [P, N]); with
-// matrices = 2 also times (q2, s2) (the up projection beside the gate), into out[P + p] (q2, s2 unread with 1).
-static void kernel(const float* x, const int64_t* experts, const uint8_t* q, const uint8_t* s,
-                       const uint8_t* q2_or_unused, const uint8_t* s2_or_unused, float* out, int64_t P, int64_t k,
-                       int64_t E, int64_t N, int64_t K, int64_t matrices, int64_t threads, bool a8) {
-    const uint8_t *q2 = matrices == 2 ? q2_or_unused : nullptr, *s2 = matrices == 2 ? s2_or_unused : nullptr;
+// Pair p = row p / k of x [P / k, K] times expert experts[p]'s matrix, its bytes at q[e] ([N, K/2]) and scales at
+// s[e] ([N, K/32]), into out[p] (out [P, N]); with q2 and s2 (not null) also times the second matrix of each expert
+// (the up projection beside the gate), into out[P + p]. The experts' matrices need not lie in one tensor: a
+// checkpoint's mapped files hold each one where it was written.
+static void kernel(const float* x, const int64_t* experts, const uint8_t* const* q, const uint8_t* const* s,
+                   const uint8_t* const* q2, const uint8_t* const* s2, float* out, int64_t P, int64_t k, int64_t E,
+                   int64_t N, int64_t K, int64_t threads, bool a8) {
     const ExpertGroups groups(experts, P, E, "mxfp4_pairs");
     const std::vector<int64_t>& first = groups.first;
     const std::vector<int64_t>& order = groups.order;
@@ -412,7 +413,6 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
 #pragma omp parallel for num_threads(threads) schedule(guided)
     for (int64_t i = 0; i < n_items; ++i) {
         const int64_t e = items[i] / tiles, n0 = (items[i] % tiles) * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
-        const int64_t at = e * N * (K / 2), sat = e * N * (K / BLOCK);
         for (int64_t c0 = first[e]; c0 < first[e + 1]; c0 += ROWS) {
             const int64_t R = first[e + 1] - c0 < ROWS ? first[e + 1] - c0 : ROWS;
             const float* rows[ROWS];
@@ -430,12 +430,11 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
                 }
             }
             if (quantized) {
-                a8_tile_products(q + at, s + sat, q2 ? q2 + at : nullptr, q2 ? s2 + sat : nullptr, n0, n1, rows_q,
-                                 rows_d, R, K, outs, outs2);
+                a8_tile_products(q[e], s[e], q2 ? q2[e] : nullptr, q2 ? s2[e] : nullptr, n0, n1, rows_q, rows_d, R,
+                                 K, outs, outs2);
                 continue;
             }
-            tile_products(q + at, s + sat, q2 ? q2 + at : nullptr, q2 ? s2 + sat : nullptr, n0, n1, rows, R, K,
-                          outs, outs2);
+            tile_products(q[e], s[e], q2 ? q2[e] : nullptr, q2 ? s2[e] : nullptr, n0, n1, rows, R, K, outs, outs2);
         }
     }
 }
@@ -468,9 +467,40 @@ at::Tensor pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tenso
     const at::Tensor qc = q.contiguous(), sc = s.contiguous();
     const at::Tensor q2c = q2 ? q2->contiguous() : qc, s2c = s2 ? s2->contiguous() : sc;
     at::Tensor out = at::empty({q2 ? 2 : 1, P, N}, xs.options());
-    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), qc.data_ptr<uint8_t>(), sc.data_ptr<uint8_t>(),
-           q2c.data_ptr<uint8_t>(), s2c.data_ptr<uint8_t>(), out.data_ptr<float>(), P, P / x.size(0), q.size(0), N,
-           x.size(1), q2 ? 2 : 1, at::get_num_threads(), a8);
+    const int64_t E = q.size(0), K = x.size(1);
+    std::vector<const uint8_t*> bases[4];  // each expert's first byte of q, s, q2, s2 in the stacked tensors
+    const at::Tensor* stacked[4] = {&qc, &sc, &q2c, &s2c};
+    for (int m = 0; m < 4; ++m) {
+        const uint8_t* base = stacked[m]->data_ptr<uint8_t>();
+        const int64_t stride = N * (m % 2 ? K / BLOCK : K / 2);
+        for (int64_t e = 0; e < E; ++e) bases[m].push_back(base + e * stride);
+    }
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), bases[0].data(), bases[1].data(),
+           q2 ? bases[2].data() : nullptr, q2 ? bases[3].data() : nullptr, out.data_ptr<float>(), P, P / x.size(0), E,
+           N, K, at::get_num_threads(), a8);
+    return out;
+}
+
+// flashserve::mxfp4_mapped(x, experts, table, n, a8): the pair products of experts held one matrix an expert
+// (flashserve.model.mapped_experts): table [2 * m, E] int64 holds, for each of m = 1 or 2 matrices (gate and up,
+// or down), the address of each expert's bytes [n, K/2] and of its scales [n, K/32], laid out as the stacked
+// tensors' rows are. out [m, P, n]. The caller keeps the tensors at those addresses alive (the module holds them).
+at::Tensor mapped_op(const at::Tensor& x, const at::Tensor& experts, const at::Tensor& table, int64_t n, bool a8) {
+    TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0 && x.size(0) > 0 && experts.numel() % x.size(0) == 0,
+                "mxfp4_mapped: x ", x.sizes(), " and experts ", experts.sizes(), " do not match (K a multiple of 32)");
+    TORCH_CHECK(table.dim() == 2 && (table.size(0) == 2 || table.size(0) == 4) && table.scalar_type() == at::kLong &&
+                    n > 0,
+                "mxfp4_mapped: table ", table.sizes(), " must be int64 [2 or 4, E], n ", n, " positive");
+    const at::Tensor tc = table.contiguous();
+    const int64_t E = tc.size(1), P = experts.numel(), K = x.size(1);
+    const auto* addr = reinterpret_cast<const uint8_t* const*>(tc.data_ptr<int64_t>());
+    for (int64_t i = 0; i < tc.numel(); ++i)
+        TORCH_CHECK(addr[i] != nullptr, "mxfp4_mapped: expert ", i % E, " has no matrix (table entry ", i, ")");
+    const at::Tensor xs = x.to(at::kFloat).contiguous(), ex = experts.to(at::kLong).contiguous();
+    const bool two = tc.size(0) == 4;
+    at::Tensor out = at::empty({two ? 2 : 1, P, n}, xs.options());
+    kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), addr, addr + E, two ? addr + 2 * E : nullptr,
+           two ? addr + 3 * E : nullptr, out.data_ptr<float>(), P, P / x.size(0), E, n, K, at::get_num_threads(), a8);
     return out;
 }
 
@@ -514,4 +544,5 @@ FS_LIBRARY_IMPL(m) {
     m.impl("mxfp4_gate_up", &mxfp4_gate_up_op);
     m.impl("mxfp4_pairs_a8", &mxfp4_pairs_a8_op);
     m.impl("mxfp4_gate_up_a8", &mxfp4_gate_up_a8_op);
+    m.impl("mxfp4_mapped", &mapped_op);
 }

@@ -13,6 +13,8 @@ FS_LIBRARY_FRAGMENT(m) {
     // flag (inductor's C++ wrapper does not pass an argument it was not given)
     m.def("mxfp4_pairs_a8(Tensor x, Tensor experts, Tensor q, Tensor s) -> Tensor");
     m.def("mxfp4_gate_up_a8(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
+    // experts held one matrix an expert (a mapped checkpoint's views): their addresses in a table, [2 or 4, E]
+    m.def("mxfp4_mapped(Tensor x, Tensor experts, Tensor table, int n, bool a8) -> Tensor");
     m.def("dense_rows(Tensor x, Tensor panels, int n) -> Tensor");
     m.def("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor");
     m.def("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
