@@ -94,7 +94,7 @@ inline __m256 scaled(__m256 halves, uint8_t b) {
 }
 #endif
 
-#if defined(FS_AVX2)
+#if defined(FS_AVX2) || defined(FS_AVX512)
 // eight E4M3 codes as float32 times 2^-120, in three instructions: sign-extended to 32 bits and moved up by 20, a
 // code's sign lands in bit 31 (the mask clears its copies in bits 27..30) and its exponent and mantissa in bits
 // 26..20, where a float32 with exponent field e and mantissa m is worth (1 + m / 8) 2^(e - 127): the code's
@@ -197,6 +197,39 @@ inline bool prescale(const uint8_t* srow, int64_t cb, const float* const* xs, co
 #endif
 
 #if defined(FS_AVX512)
+// prescaled_row_products with sixteen lanes, for blocks of a multiple of 16 columns: row_products16's sums (sixteen
+// lanes over k, then the lanes in order, then the last columns one by one from the unscaled rows), each weight
+// decoded in three instructions (e4m3x8_tiny's, sixteen at a time) instead of row_products16's nine and a multiply
+// by its scale. One row of a 8192x4096 matrix, 2 threads, AMD EPYC with AVX-512: see docs/engine-speed.md.
+template <int64_t J, int64_t R>
+inline void prescaled_row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs,
+                                     const float* const* xt, int64_t K, float (*sums)[ROWS]) {
+    __m512 acc[J][R];
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+    const __m512i keep = _mm512_set1_epi32(static_cast<int32_t>(0x87F00000u));
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 w[J];
+        for (int64_t j = 0; j < J; ++j) {
+            const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * K + k)));
+            w[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), keep));
+        }
+        for (int64_t r = 0; r < R; ++r) {
+            const __m512 xv = _mm512_loadu_ps(xt[r] + k);
+            for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm512_fmadd_ps(w[j], xv, acc[j][r]);
+        }
+    }
+    for (int64_t j = 0; j < J; ++j)
+        for (int64_t r = 0; r < R; ++r) {
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, acc[j][r]);
+            float sum = 0.f;
+            for (float v : lanes) sum += v;
+            sums[j][r] = tail_sum(sum, q + j * K, sc[j], cb, xs[r], k, K);
+        }
+}
+
 // sixteen E4M3 codes as float32, the same values as e4m3()
 inline __m512 e4m3x16(const uint8_t* q) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -326,7 +359,7 @@ inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb
     with_rows<ROWS>(R, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs, K, sums); });
 }
 
-#if defined(FS_AVX2)
+#if defined(FS_AVX2) || defined(FS_AVX512)
 // A tile's rows of x prescaled for one row block of scales at a time (prescale), or not where that is not exact
 struct Prescaled {
     const RowRanges& ranges;
@@ -362,15 +395,25 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
         const int64_t m = n1 - n < QUAD ? 1 : QUAD;
         const uint8_t* sc[QUAD];
         for (int64_t j = 0; j < m; ++j) sc[j] = s + ((n + j) / rb) * sk;
-#if defined(FS_AVX2)
+#if defined(FS_AVX2) || defined(FS_AVX512)
         const float* xt_rows = pre ? pre->for_rows(s, sk, rb, cb, n, m, xs, R, K) : nullptr;
         if (xt_rows) {
             const float* xt[ROWS];
             for (int64_t r = 0; r < R; ++r) xt[r] = xt_rows + r * K;
             // four matrix rows at a time for one or two rows of x, two at a time for more: J x R sums, J weights
-            // and a row of x stay within the 16 registers (four by four spilled: 1.46x slower at 4 rows)
+            // and a row of x stay within the 16 registers (four by four spilled: 1.46x slower at 4 rows); AVX-512's
+            // 32 registers hold four by four
             with_rows<ROWS>(R, [&](auto r) {
                 constexpr int64_t RR = decltype(r)::value;
+#if defined(FS_AVX512)
+                if (cb % 16 == 0) {
+                    if (m == QUAD)
+                        prescaled_row_products16<QUAD, RR>(qn, sc, cb, xs, xt, K, sums);
+                    else
+                        prescaled_row_products16<1, RR>(qn, sc, cb, xs, xt, K, sums);
+                    return;
+                }
+#endif
                 if (m == QUAD && RR <= 2) {
                     prescaled_row_products<QUAD, RR>(qn, sc, cb, xs, xt, K, sums);
                 } else if (m == QUAD) {
@@ -400,13 +443,13 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* q, con
                    int64_t k, int64_t E, int64_t N, int64_t K, int64_t rb, int64_t cb, int64_t threads) {
     const ExpertGroups groups(experts, P, E, "fp8_pairs");
     const int64_t scale_rows = (N + rb - 1) / rb, scale_cols = (K + cb - 1) / cb;
-#if defined(FS_AVX2)
+#if defined(FS_AVX2) || defined(FS_AVX512)
     const RowRanges ranges(x, P / k, K);
 #endif
     pair_tiles<ROWS, TILE>(groups, x, out, P, k, N, K, 1, threads,
                            [&](int64_t, int64_t e, int64_t n0, int64_t n1, const float* const* rows, int64_t R,
                                float* const* outs) {
-#if defined(FS_AVX2)
+#if defined(FS_AVX2) || defined(FS_AVX512)
                                // prescaled rows need subnormal weights read as they are: this thread's
                                // MXCSR without denormals-are-zero (torch.set_flush_denormal sets it per thread)
                                const bool prescaling = (_mm_getcsr() & 0x40) == 0;
