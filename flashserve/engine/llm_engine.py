@@ -15,6 +15,7 @@ from ..config import ConfigError
 from ..model.expert_cache import cache_stats, expert_caches
 from ..model.hybrid import REBALANCE_STEPS, hybrid_layers, hybrid_stats, rebalance
 from ..model.row_cache import row_cache_stats, row_caches
+from ..model.mapped import page_in
 from ..model.mapped_experts import eager_only
 from ..model.packed import prepare_kernels
 
@@ -65,6 +66,9 @@ class LLMEngine:
                                                                 expert_cache_policy=c.expert_cache_policy,
                                                                 gpu_experts=c.gpu_experts)
         self.dtype = self.model.dtype
+        # the weights used where they lie in the mapped files faulted in on a thread of their own (MAP_POPULATE's
+        # effect without waiting for it); --mlock has read and locked them already
+        self.page_in = None if c.mlock else page_in(self.model)
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
@@ -373,6 +377,8 @@ class LLMEngine:
         """Ends the decode step's compiling child process, if one runs (the :class:`~.interface.Engine`
         interface)."""
         self.runner.decode_step.close()
+        if self.page_in is not None:
+            self.page_in.stop()
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:

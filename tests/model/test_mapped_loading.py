@@ -165,3 +165,38 @@ def test_large_mxfp4_experts_are_used_where_they_lie_with_the_stacked_experts_pr
         for ids in (IDS[:, :1], IDS):
             assert torch.equal(stacked(ids).logits, model(ids).logits)
         torch.testing.assert_close(stacked(long).logits, model(long).logits, rtol=1e-4, atol=1e-4)
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+def test_the_weights_used_where_they_lie_are_paged_in_ahead_when_they_fit(released, monkeypatch, caplog):
+    """What a step would fault in page by page the first time it reads it (the mapped weights, the experts held a
+    matrix each among them) is faulted in by PageIn, as llama.cpp's MAP_POPULATE does; where the mapped bytes are
+    more than the available memory nothing is started and the log says why; ``--mlock`` covers the experts too."""
+    from flashserve.model import mapped, mapped_experts
+
+    monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)
+    model = load_model(released, with_mtp=False)
+    spans = mapped.mapped_spans(model)
+    total = sum(n for _, n in spans)
+    q, s = model.layers[0].ffn.experts.matrices["w2"][3]
+    held = {a for a, _ in spans}
+    assert q.untyped_storage().data_ptr() in held and s.untyped_storage().data_ptr() in held
+    assert total >= sum(model.load_report.mapped.values())  # every part held where it lies
+    before = _rss_file()
+    pages = mapped.PageIn(spans)
+    pages.run()  # the thread's work, here
+    assert pages.error is None and pages.done >= total and pages.seconds is not None
+    assert _rss_file() - before >= 0.9 * total
+
+    monkeypatch.setattr(mapped, "available_memory", lambda: total // 2)
+    with caplog.at_level("INFO", logger="flashserve.model.mapped"):
+        assert mapped.page_in(model) is None
+    assert "are more than the available memory" in caplog.text
+    monkeypatch.undo()
+    started = mapped.page_in(model)
+    started.stop(timeout=30)
+    assert not started._thread.is_alive()

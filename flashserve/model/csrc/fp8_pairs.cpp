@@ -22,7 +22,12 @@
 
 namespace {
 
+#if defined(FS_AVX512)
+constexpr int64_t ROWS = 8;   // rows of x sharing one decode of the bytes (prescaled: sums in 32 registers)
+#else
 constexpr int64_t ROWS = 4;   // rows of x sharing one decode of the bytes
+#endif
+constexpr int64_t FEW = 4;    // rows a call of the unscaled path and of AVX2's prescaled one (16 registers)
 constexpr int64_t QUAD = 4;   // matrix rows multiplied at a time
 constexpr int64_t TILE = 64;  // matrix rows per work item
 constexpr int64_t AHEAD = 16;  // matrix rows requested ahead of the four multiplied
@@ -353,10 +358,25 @@ inline void row_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb,
         }
 }
 
+// f(r0, Rc, part) for the rows r0 .. r0 + Rc - 1 of R, FEW at a time, part's sums then copied into sums' columns
+// r0 ..: paths whose sums for more rows would not stay in the registers
+template <typename F>
+inline void few_at_a_time(int64_t R, int64_t m, float (*sums)[ROWS], F&& f) {
+    for (int64_t r0 = 0; r0 < R; r0 += FEW) {
+        const int64_t Rc = R - r0 < FEW ? R - r0 : FEW;
+        float part[QUAD][ROWS];
+        f(r0, Rc, part);
+        for (int64_t j = 0; j < m; ++j)
+            for (int64_t r = 0; r < Rc; ++r) sums[j][r0 + r] = part[j][r];
+    }
+}
+
 template <int64_t J>
 inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t R,
                           int64_t K, float (*sums)[ROWS]) {
-    with_rows<ROWS>(R, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs, K, sums); });
+    few_at_a_time(R, J, sums, [&](int64_t r0, int64_t Rc, float (*part)[ROWS]) {
+        with_rows<FEW>(Rc, [&](auto r) { row_products<J, decltype(r)::value>(q, sc, cb, xs + r0, K, part); });
+    });
 }
 
 #if defined(FS_AVX2) || defined(FS_AVX512)
@@ -400,28 +420,40 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
         if (xt_rows) {
             const float* xt[ROWS];
             for (int64_t r = 0; r < R; ++r) xt[r] = xt_rows + r * K;
-            // four matrix rows at a time for one or two rows of x, two at a time for more: J x R sums, J weights
-            // and a row of x stay within the 16 registers (four by four spilled: 1.46x slower at 4 rows); AVX-512's
-            // 32 registers hold four by four
-            with_rows<ROWS>(R, [&](auto r) {
-                constexpr int64_t RR = decltype(r)::value;
 #if defined(FS_AVX512)
-                if (cb % 16 == 0) {
-                    if (m == QUAD)
+            // AVX-512's 32 registers: J x R sums and J weights for four matrix rows by up to four rows of x, two
+            // by up to eight. Sixteen rows of an 8192x4096 matrix, eight rows a decode against four: 1.6x (one
+            // matrix row by sixteen rows of x was slower still: the sixteen rows no longer stay in the L1 cache)
+            if (cb % 16 == 0) {
+                with_rows<ROWS>(R, [&](auto r) {
+                    constexpr int64_t RR = decltype(r)::value;
+                    if (m == QUAD && RR <= 4) {
                         prescaled_row_products16<QUAD, RR>(qn, sc, cb, xs, xt, K, sums);
-                    else
+                    } else if (m == QUAD) {
+                        prescaled_row_products16<2, RR>(qn, sc, cb, xs, xt, K, sums);
+                        prescaled_row_products16<2, RR>(qn + 2 * K, sc + 2, cb, xs, xt, K, sums + 2);
+                    } else {
                         prescaled_row_products16<1, RR>(qn, sc, cb, xs, xt, K, sums);
-                    return;
-                }
+                    }
+                });
+            } else
 #endif
-                if (m == QUAD && RR <= 2) {
-                    prescaled_row_products<QUAD, RR>(qn, sc, cb, xs, xt, K, sums);
-                } else if (m == QUAD) {
-                    prescaled_row_products<2, RR>(qn, sc, cb, xs, xt, K, sums);
-                    prescaled_row_products<2, RR>(qn + 2 * K, sc + 2, cb, xs, xt, K, sums + 2);
-                } else {
-                    prescaled_row_products<1, RR>(qn, sc, cb, xs, xt, K, sums);
-                }
+            // four matrix rows at a time for one or two rows of x, two at a time for more: J x R sums, J weights
+            // and a row of x stay within the 16 registers (four by four spilled: 1.46x slower at 4 rows)
+            few_at_a_time(R, m, sums, [&](int64_t r0, int64_t Rc, float (*part)[ROWS]) {
+                with_rows<FEW>(Rc, [&](auto r) {
+                    constexpr int64_t RR = decltype(r)::value;
+                    const float* const* xs0 = xs + r0;
+                    const float* const* xt0 = xt + r0;
+                    if (m == QUAD && RR <= 2) {
+                        prescaled_row_products<QUAD, RR>(qn, sc, cb, xs0, xt0, K, part);
+                    } else if (m == QUAD) {
+                        prescaled_row_products<2, RR>(qn, sc, cb, xs0, xt0, K, part);
+                        prescaled_row_products<2, RR>(qn + 2 * K, sc + 2, cb, xs0, xt0, K, part + 2);
+                    } else {
+                        prescaled_row_products<1, RR>(qn, sc, cb, xs0, xt0, K, part);
+                    }
+                });
             });
         } else
 #else
