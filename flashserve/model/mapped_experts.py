@@ -25,6 +25,9 @@ TABLES = ("experts.gate_up_table", "experts.down_table")  # names' ends of the a
 # an expert's three matrices, packed, from this many bytes are used where they lie (smaller ones are stacked)
 MIN_EXPERT_BYTES = 4 << 20
 NAMES = ("w1", "w2", "w3")
+# tokens a kernel call: a long prompt's pairs in pieces, so that their products ([2, pairs, inter] float32) stay
+# tens of megabytes (each row's sums are the same whatever rows share its call)
+PREFILL_TOKENS = 512
 
 
 class MappedExperts(nn.Module):
@@ -72,6 +75,9 @@ class MappedExperts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Σ_k w[t,k] · expert_{idx[t,k]}(x_t): two kernel calls over all the pairs, as the stacked experts make."""
         T, k = idx.shape
+        if T > PREFILL_TOKENS:
+            return torch.cat([self(x[i:i + PREFILL_TOKENS], idx[i:i + PREFILL_TOKENS], w[i:i + PREFILL_TOKENS])
+                              for i in range(0, T, PREFILL_TOKENS)])
         flat = idx.flatten()
         a8 = self.int8_activations
         gate_up = cpu_kernels.mxfp4_mapped(x, flat, self.gate_up_table, self.inter, a8).to(x.dtype)  # [2, T*k, inter]
