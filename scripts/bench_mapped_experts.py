@@ -43,7 +43,8 @@ def main() -> None:
     mapped = MappedExperts(stacked)
     for n in NAMES:
         p = getattr(stacked, f"{n}_packed")
-        mapped.matrices[n] = [(p.qweight[e], p.scale[e]) for e in range(E)]
+        for e in range(E):
+            mapped.hold(e, n, p.qweight[e], p.scale[e])
     for rows in args.rows:
         x = torch.randn(rows, D, generator=g)
         times: dict[str, list[float]] = {"stacked": [], "mapped": []}

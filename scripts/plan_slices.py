@@ -9,7 +9,8 @@ FLOP/s (torch's 2048^3 product), the engine's MXFP4 expert kernels' read rate at
 2304 x 5120, top-6 of 64, each used where it lies as a mapped slice's are), and with ``--slice`` the disk's
 sequential read of that slice's files, page cache dropped. Each value's source names the command.
 
-``check`` reads ``bench_slice.py --json`` runs (eager, one slice each, with or without ``--weight-memory``),
+``check`` reads ``bench_slice.py --json`` runs (one slice each, with or without ``--weight-memory``; the planner's
+stored runs were eager, ``bench_slice.py --enforce-eager``, the step it was fitted on),
 plans each measured batch size on the machine file (the slice's config, experts MXFP4, dense FP8, its bf16 head,
 the run's prompt and output lengths; a budget run's experts held per layer resident and the rest on disk, at the
 cache hit rate the run measured and the disk bandwidth it measured), fits eta_mem and eta_flop on the points of
@@ -68,7 +69,8 @@ def expert_kernel_gbs(threads: int, repeats: int = 9, n_experts: int = 64) -> fl
     per_expert = 0
     for n in ("w1", "w2", "w3"):
         p = getattr(stacked, f"{n}_packed")
-        mapped.matrices[n] = [(p.qweight[e], p.scale[e]) for e in range(n_experts)]
+        for e in range(n_experts):
+            mapped.hold(e, n, p.qweight[e], p.scale[e])
         per_expert += p.qweight[0].numel() + p.scale[0].numel()
     x = torch.randn(1, 5120, generator=g)
     rates = []

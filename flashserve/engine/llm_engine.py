@@ -42,7 +42,7 @@ log = logging.getLogger("flashserve.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, warm_up: bool = True):
+    def __init__(self, config: EngineConfig, model=None, warm_up: bool = True, page_in_weights: bool = True):
         from ..model.loader import load_model, resolve_dtype
 
         self.config = c = config
@@ -67,8 +67,9 @@ class LLMEngine:
                                                                 gpu_experts=c.gpu_experts)
         self.dtype = self.model.dtype
         # the weights used where they lie in the mapped files faulted in on a thread of their own (MAP_POPULATE's
-        # effect without waiting for it); --mlock has read and locked them already
-        self.page_in = None if c.mlock else page_in(self.model)
+        # effect without waiting for it); --mlock has read and locked them already, and a compiling child
+        # (page_in_weights=False) never decodes
+        self.page_in = page_in(self.model) if page_in_weights and not c.mlock else None
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
@@ -376,9 +377,11 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Ends the decode step's compiling child process, if one runs (the :class:`~.interface.Engine`
         interface)."""
-        self.runner.decode_step.close()
-        if self.page_in is not None:
-            self.page_in.stop()
+        try:
+            self.runner.decode_step.close()
+        finally:
+            if self.page_in is not None:
+                self.page_in.stop(timeout=5.0)
 
     # ------------------------------------------------------------ introspection
     def stats(self) -> dict:

@@ -69,9 +69,13 @@ def _libc():
 
 def weight_spans(model: torch.nn.Module) -> list[tuple[int, int]]:
     """(address, bytes) of the storage of every weight the model holds in host memory, each once: its parameters
-    and buffers, and the routed experts held one matrix an expert (``mapped_experts.MappedExperts.matrices``)."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    for module in model.modules():
+    and buffers, the routed experts held one matrix an expert (``mapped_experts.MappedExperts.matrices``) and the
+    host's experts of layers split with a GPU (``hybrid.HybridExperts.host``)."""
+    modules = list(model.modules())
+    hosts = [getattr(m, "host", None) for m in modules]  # a GPU split's host experts (hybrid: not submodules)
+    modules += [sub for host in hosts if isinstance(host, torch.nn.Module) for sub in host.modules()]
+    tensors = [t for m in modules for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))]
+    for module in modules:
         for held in getattr(module, "matrices", {}).values():
             tensors += [t for pair in held if pair is not None for t in pair]
     spans: dict[tuple[int, int], None] = {}
@@ -105,8 +109,9 @@ class PageIn:
     pages fit in the memory the system has available, so that a checkpoint larger than memory is still read as it
     is touched; ``--mlock`` reads and locks them instead."""
 
-    def __init__(self, spans: list[tuple[int, int]]):
+    def __init__(self, spans: list[tuple[int, int]], keep=None):
         self.spans, self.total = spans, sum(n for _, n in spans)
+        self.keep = keep  # what keeps the spans mapped while the thread runs (the model's MappedFiles)
         self.done = 0  # bytes faulted in so far
         self.seconds: float | None = None  # when finished
         self.error: str | None = None
@@ -118,6 +123,15 @@ class PageIn:
         return self
 
     def run(self) -> None:
+        try:
+            self._fault_in()
+        except Exception as e:  # a thread's exception would only reach threading.excepthook
+            self.error = f"{type(e).__name__}: {e}"
+        if self.error is not None:
+            log.info("mapped weights not paged in ahead (%s): their pages are read as steps touch them", self.error)
+        self.keep = None
+
+    def _fault_in(self) -> None:
         libc = _libc()
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         page = mmap.PAGESIZE
@@ -128,8 +142,6 @@ class PageIn:
                 n = min(PAGE_IN_CHUNK, end - start)
                 if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(n), MADV_POPULATE_READ) != 0:
                     self.error = f"madvise(MADV_POPULATE_READ): {os.strerror(ctypes.get_errno())}"
-                    log.info("mapped weights not paged in ahead (%s): their pages are read as steps touch them",
-                             self.error)
                     return
                 start += n
                 self.done += n
@@ -167,7 +179,7 @@ def page_in(model: torch.nn.Module) -> PageIn | None:
         log.info("mapped weights (%.2f GB) are more than the available memory (%.2f GB): their pages are read as "
                  "steps touch them", total / 1e9, available / 1e9)
         return None
-    return PageIn(spans).start()
+    return PageIn(spans, keep=getattr(model, "_mapped_files", None)).start()
 
 
 def lock_weights(model: torch.nn.Module) -> tuple[int, str | None]:

@@ -1,5 +1,5 @@
 """The engine's own slice runs as planner points: ``scripts/bench_slice.py --json`` files (decode-only tokens/s of a
-real-size slice at several batch sizes, eager, on this machine) planned on a machine file, calibrated on one run,
+real-size slice at several batch sizes on this machine; the stored runs are eager, ``--enforce-eager``) planned on a machine file, calibrated on one run,
 the others predicted (``scripts/plan_slices.py check``; the check in docs/plan.md section 6)."""
 
 from __future__ import annotations
