@@ -30,7 +30,7 @@ def released(released_tiny_v41) -> Path:
 
 
 def _mapped_ranges(model) -> list[tuple[int, int]]:
-    return [(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) for m in model._mapped_files.maps.values()]
+    return model._mapped_files.ranges()
 
 
 def _in(ranges, t: torch.Tensor) -> bool:

@@ -202,39 +202,6 @@ inline bool prescale(const uint8_t* srow, int64_t cb, const float* const* xs, co
 #endif
 
 #if defined(FS_AVX512)
-// prescaled_row_products with sixteen lanes, for blocks of a multiple of 16 columns: row_products16's sums (sixteen
-// lanes over k, then the lanes in order, then the last columns one by one from the unscaled rows), each weight
-// decoded in three instructions (e4m3x8_tiny's, sixteen at a time) instead of row_products16's nine and a multiply
-// by its scale. One row of a 8192x4096 matrix, 2 threads, AMD EPYC with AVX-512: see docs/engine-speed.md.
-template <int64_t J, int64_t R>
-inline void prescaled_row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs,
-                                     const float* const* xt, int64_t K, float (*sums)[ROWS]) {
-    __m512 acc[J][R];
-    for (int64_t j = 0; j < J; ++j)
-        for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
-    const __m512i keep = _mm512_set1_epi32(static_cast<int32_t>(0x87F00000u));
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 w[J];
-        for (int64_t j = 0; j < J; ++j) {
-            const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * K + k)));
-            w[j] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), keep));
-        }
-        for (int64_t r = 0; r < R; ++r) {
-            const __m512 xv = _mm512_loadu_ps(xt[r] + k);
-            for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm512_fmadd_ps(w[j], xv, acc[j][r]);
-        }
-    }
-    for (int64_t j = 0; j < J; ++j)
-        for (int64_t r = 0; r < R; ++r) {
-            alignas(64) float lanes[16];
-            _mm512_store_ps(lanes, acc[j][r]);
-            float sum = 0.f;
-            for (float v : lanes) sum += v;
-            sums[j][r] = tail_sum(sum, q + j * K, sc[j], cb, xs[r], k, K);
-        }
-}
-
 // sixteen E4M3 codes as float32, the same values as e4m3()
 inline __m512 e4m3x16(const uint8_t* q) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
@@ -248,20 +215,21 @@ inline __m512 e4m3x16(const uint8_t* q) {
     return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
-// row_products (below) with 16 lanes, for blocks of a multiple of 16 columns
-template <int64_t J, int64_t R>
-inline void row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t K,
-                           float (*sums)[ROWS]) {
+// Matrix rows q[0 .. J) against R rows of x, sixteen lanes over k then the lanes in order, then the last K % 16
+// columns one by one from the unscaled rows xs (tail_sum): weights16(j, k) gives matrix row j's sixteen weights
+// from column k as the rows x[r] multiply them
+template <int64_t J, int64_t R, typename Weights>
+inline void products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs,
+                       const float* const* x, int64_t K, float (*sums)[ROWS], Weights&& weights16) {
     int64_t k = 0;
     __m512 acc[J][R];
     for (int64_t j = 0; j < J; ++j)
         for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
         __m512 w[J];
-        for (int64_t j = 0; j < J; ++j)
-            w[j] = _mm512_mul_ps(e4m3x16(q + j * K + k), _mm512_set1_ps(e8m0(sc[j][k / cb])));  // exact
+        for (int64_t j = 0; j < J; ++j) w[j] = weights16(j, k);
         for (int64_t r = 0; r < R; ++r) {
-            const __m512 xv = _mm512_loadu_ps(xs[r] + k);
+            const __m512 xv = _mm512_loadu_ps(x[r] + k);
             for (int64_t j = 0; j < J; ++j) acc[j][r] = _mm512_fmadd_ps(w[j], xv, acc[j][r]);
         }
     }
@@ -273,6 +241,29 @@ inline void row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t c
             for (float v : lanes) sum += v;
             sums[j][r] = tail_sum(sum, q + j * K, sc[j], cb, xs[r], k, K);
         }
+}
+
+// row_products (below) with 16 lanes, for blocks of a multiple of 16 columns
+template <int64_t J, int64_t R>
+inline void row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs, int64_t K,
+                           float (*sums)[ROWS]) {
+    products16<J, R>(q, sc, cb, xs, xs, K, sums, [&](int64_t j, int64_t k) {
+        return _mm512_mul_ps(e4m3x16(q + j * K + k), _mm512_set1_ps(e8m0(sc[j][k / cb])));  // exact
+    });
+}
+
+// prescaled_row_products with sixteen lanes, for blocks of a multiple of 16 columns: row_products16's sums, each
+// weight decoded in three instructions (e4m3x8_tiny's, sixteen at a time) against the prescaled rows xt instead of
+// row_products16's nine and a multiply by its scale. One row of a 8192x4096 matrix, 2 threads, AMD EPYC with
+// AVX-512: see docs/engine-speed.md.
+template <int64_t J, int64_t R>
+inline void prescaled_row_products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, const float* const* xs,
+                                     const float* const* xt, int64_t K, float (*sums)[ROWS]) {
+    const __m512i keep = _mm512_set1_epi32(static_cast<int32_t>(0x87F00000u));
+    products16<J, R>(q, sc, cb, xs, xt, K, sums, [&](int64_t j, int64_t k) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * K + k)));
+        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(v, 20), keep));
+    });
 }
 #endif
 

@@ -473,6 +473,7 @@ at::Tensor pairs(const at::Tensor& x, const at::Tensor& experts, const at::Tenso
     for (int m = 0; m < 4; ++m) {
         const uint8_t* base = stacked[m]->data_ptr<uint8_t>();
         const int64_t stride = N * (m % 2 ? K / BLOCK : K / 2);
+        bases[m].reserve(E);
         for (int64_t e = 0; e < E; ++e) bases[m].push_back(base + e * stride);
     }
     kernel(xs.data_ptr<float>(), ex.data_ptr<int64_t>(), bases[0].data(), bases[1].data(),
