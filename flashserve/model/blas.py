@@ -133,18 +133,69 @@ def _aligned(t: torch.Tensor, labels: str, order: list[str]) -> torch.Tensor:
 
 @modes.per_mode
 def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``torch.einsum(eq, a, b)`` for two operands (no label repeated within one). In a compiled CPU step it is
-    written as a broadcast product summed over the contracted labels, which inductor fuses into its kernels:
-    as ``bmm`` each was an external MKL call with a parallel region of its own (45 a batch-1 step of the peers
-    checkpoint, about 4 us each, for products of a few KB: attention scores and values, the indexer, the
-    hyper-connection mixing)."""
+    """``torch.einsum(eq, a, b)`` for two operands (no label repeated within one). In a compiled CPU step a
+    product of fewer than :data:`FUSED_EINSUM_MACS` multiply-adds (over its fixed sizes) is written as a broadcast product summed over
+    the contracted labels, which inductor fuses into its kernels: as ``bmm`` each was an external MKL call with a
+    parallel region of its own (45 a batch-1 step of the peers checkpoint, about 4 us each, for products of a
+    few KB: attention scores and values, the indexer, the hyper-connection mixing). Larger ones stay
+    ``torch.einsum`` (MKL's ``bmm``): inductor's reduction loops make a dot product per output element, and the
+    V4-Flash slice's attention at 16 rows (64 heads of 512 over about 200 keys) took 27 ms of its 45 ms layer in
+    one such kernel."""
     return torch.einsum(eq, a, b)
+
+
+# a compiled CPU step's einsum (without an ellipsis: the hyper-connection mixing stays fused) of at least this many
+# multiply-adds, counted over the sizes fixed when it is traced (a batch, context or selection size that varies
+# counts as 1), calls MKL's bmm (:func:`einsum`). Per row the
+# V4-Flash slice's attention makes 64 heads x 512 x 128 window keys (2^22), and 64 x 512 a selected entry (2^15);
+# the peers checkpoint's largest is 8 x 64 x 32 window keys (2^14), the tiny presets' 2^12.
+FUSED_EINSUM_MACS = 1 << 15
+
+
+def _fixed_macs(a: torch.Tensor, la: str, b: torch.Tensor, lb: str) -> int:
+    """The product of every label's size where it is fixed when traced, 1 where it varies (a symbolic size)."""
+    sizes: dict[str, int] = {}
+    for t, lab in ((a, la), (b, lb)):
+        for c, n in zip(lab, t.shape):
+            sizes[c] = max(sizes.get(c, 1), n if isinstance(n, int) else 1)
+    macs = 1
+    for c in sizes:  # a plain loop: dynamo traces it (math.prod over a dict's values broke the graph)
+        macs *= sizes[c]
+    return macs
+
+
+def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str) -> torch.Tensor:
+    """``torch.einsum(f"{la},{lb}->{out}", a, b)`` as one ``bmm``: labels in both operands and the output batch it,
+    those in both operands only are summed, the rest are the rows of ``a`` and the columns of ``b``. Written out
+    (rather than ``torch.einsum``, which specialised a traced graph on its batch size) so that one graph serves
+    every batch size."""
+    size = {c: n for t, lab in ((a, la), (b, lb)) for c, n in zip(lab, t.shape)}
+    batch = [c for c in out if c in la and c in lb]
+    summed = [c for c in la if c in lb and c not in out]
+    rows, cols = [c for c in la if c not in lb], [c for c in lb if c not in la]
+
+    def flat(t: torch.Tensor, lab: str, groups: list[list[str]]) -> torch.Tensor:
+        t = t.permute([lab.index(c) for g in groups for c in g])
+        shape = []
+        for g in groups:
+            n = 1
+            for c in g:
+                n = n * size[c]
+            shape.append(n)
+        return t.reshape(shape)
+
+    y = torch.bmm(flat(a, la, [batch, rows, summed]), flat(b, lb, [batch, summed, cols]))
+    order = batch + rows + cols
+    y = y.view([size[c] for c in order])
+    return y.permute([order.index(c) for c in out])
 
 
 @einsum.variant(COMPILED_CPU)
 def _einsum_compiled_on_cpu(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ins, out = eq.replace(" ", "").split("->")
     la, lb = ins.split(",")
+    if "..." not in eq and _fixed_macs(a, la, b, lb) >= FUSED_EINSUM_MACS:
+        return _bmm_einsum(la, a, lb, b, out)
     if "..." in eq:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
         na, nb = (t.dim() - len(lab) + 3 if "..." in lab else 0 for t, lab in ((a, la), (b, lb)))
         caps = "ABCDEFGHIJ"[10 - max(na, nb):]
