@@ -134,34 +134,38 @@ def _aligned(t: torch.Tensor, labels: str, order: list[str]) -> torch.Tensor:
 @modes.per_mode
 def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``torch.einsum(eq, a, b)`` for two operands (no label repeated within one). In a compiled CPU step a
-    product of fewer than :data:`FUSED_EINSUM_MACS` multiply-adds (over its fixed sizes) is written as a broadcast product summed over
-    the contracted labels, which inductor fuses into its kernels: as ``bmm`` each was an external MKL call with a
+    product of fewer than :data:`FUSED_EINSUM_MACS` multiply-adds is written as a broadcast product summed over the
+    contracted labels, which inductor fuses into its kernels: as ``bmm`` each was an external MKL call with a
     parallel region of its own (45 a batch-1 step of the peers checkpoint, about 4 us each, for products of a
-    few KB: attention scores and values, the indexer, the hyper-connection mixing). Larger ones stay
-    ``torch.einsum`` (MKL's ``bmm``): inductor's reduction loops make a dot product per output element, and the
+    few KB: attention scores and values, the indexer, the hyper-connection mixing). Larger ones are one ``bmm``
+    (MKL's, :func:`_bmm_einsum`): inductor's reduction loops make a dot product per output element, and the
     V4-Flash slice's attention at 16 rows (64 heads of 512 over about 200 keys) took 27 ms of its 45 ms layer in
     one such kernel."""
     return torch.einsum(eq, a, b)
 
 
 # a compiled CPU step's einsum (without an ellipsis: the hyper-connection mixing stays fused) of at least this many
-# multiply-adds, counted over the sizes fixed when it is traced (a batch, context or selection size that varies
-# counts as 1), calls MKL's bmm (:func:`einsum`). Per row the
-# V4-Flash slice's attention makes 64 heads x 512 x 128 window keys (2^22), and 64 x 512 a selected entry (2^15);
-# the peers checkpoint's largest is 8 x 64 x 32 window keys (2^14), the tiny presets' 2^12.
-FUSED_EINSUM_MACS = 1 << 15
+# multiply-adds calls MKL's bmm (:func:`einsum`), counted with each size that varies at the least it can be (a batch
+# marked dynamic: 2) so that the choice holds for every size the graph serves and adds no guard. The V4-Flash
+# slice's attention at several rows makes 64 heads x 512 x 128 window keys x 2 rows (2^23) and 64 x 512 x 2 rows
+# x 2 selected entries (2^17); the peers checkpoint's largest is 8 x 64 x 32 window keys x 2 rows (2^15), the
+# tiny presets' 4 x 64 x 16 x 2 rows x 8 verified rows (2^16).
+FUSED_EINSUM_MACS = 1 << 17
 
 
-def _fixed_macs(a: torch.Tensor, la: str, b: torch.Tensor, lb: str) -> int:
-    """The product of every label's size where it is fixed when traced, 1 where it varies (a symbolic size)."""
-    sizes: dict[str, int] = {}
+def _large(a: torch.Tensor, la: str, b: torch.Tensor, lb: str) -> bool:
+    """Whether the product of every label's size is at least :data:`FUSED_EINSUM_MACS` for every size a varying
+    one can take (``statically_known_true``: decided from the sizes' ranges, no guard)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    sizes = {}
     for t, lab in ((a, la), (b, lb)):
         for c, n in zip(lab, t.shape):
-            sizes[c] = max(sizes.get(c, 1), n if isinstance(n, int) else 1)
+            sizes.setdefault(c, n)
     macs = 1
     for c in sizes:  # a plain loop: dynamo traces it (math.prod over a dict's values broke the graph)
-        macs *= sizes[c]
-    return macs
+        macs = macs * sizes[c]
+    return statically_known_true(macs >= FUSED_EINSUM_MACS)
 
 
 def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str) -> torch.Tensor:
@@ -194,7 +198,7 @@ def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str) ->
 def _einsum_compiled_on_cpu(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ins, out = eq.replace(" ", "").split("->")
     la, lb = ins.split(",")
-    if "..." not in eq and _fixed_macs(a, la, b, lb) >= FUSED_EINSUM_MACS:
+    if "..." not in eq and _large(a, la, b, lb):
         return _bmm_einsum(la, a, lb, b, out)
     if "..." in eq:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
         na, nb = (t.dim() - len(lab) + 3 if "..." in lab else 0 for t, lab in ((a, la), (b, lb)))

@@ -152,11 +152,11 @@ LARGE_EINSUMS = [("bshd,btd->bhst", (2, 1, 64, 512), (2, 6, 512)), ("bhst,btd->b
 
 @pytest.mark.parametrize("eq,sa,sb", LARGE_EINSUMS)
 def test_a_large_compiled_einsum_is_one_bmm_for_every_batch_size(eq, sa, sb):
-    """A product of at least FUSED_EINSUM_MACS multiply-adds over its fixed sizes is one ``bmm`` in the compiled
+    """A product of at least FUSED_EINSUM_MACS multiply-adds for every batch size is one ``bmm`` in the compiled
     CPU step (inductor's fused loops took 27 ms of the V4-Flash slice's 45 ms attention layer at 16 rows), with
     torch.einsum's values; traced with the batch size varying, one graph serves two batch sizes (no graph break,
     no recompile)."""
-    assert blas.FUSED_EINSUM_MACS <= 64 * 512
+    assert blas.FUSED_EINSUM_MACS <= 64 * 512 * 2 * 2  # 64 heads of 512, 2 rows (the least a batch can be), 2 keys
     g = torch.Generator().manual_seed(6)
     graphs = []
 
