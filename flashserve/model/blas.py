@@ -170,9 +170,9 @@ def _large(a: torch.Tensor, la: str, b: torch.Tensor, lb: str) -> bool:
 
 def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str) -> torch.Tensor:
     """``torch.einsum(f"{la},{lb}->{out}", a, b)`` as one ``bmm``: labels in both operands and the output batch it,
-    those in both operands only are summed, the rest are the rows of ``a`` and the columns of ``b``. Written out
-    (rather than ``torch.einsum``, which specialised a traced graph on its batch size) so that one graph serves
-    every batch size."""
+    those in both operands only are summed, the rest are the rows of ``a`` and the columns of ``b``: permutes and
+    reshapes to the operands' own sizes around it, so one traced graph serves every batch size
+    (tests/model/test_blas.py)."""
     size = {c: n for t, lab in ((a, la), (b, lb)) for c, n in zip(lab, t.shape)}
     batch = [c for c in out if c in la and c in lb]
     summed = [c for c in la if c in lb and c not in out]
