@@ -370,6 +370,20 @@ inline void rows_products(const uint8_t* q, const uint8_t* const* sc, int64_t cb
     });
 }
 
+// f(J, j) for the m matrix rows of a step (m is QUAD or 1): all four at once (J = QUAD) where the rows of x are
+// at most `all_up_to`, else two pairs (J = 2, j = 0 and 2), or the one row (J = 1); j is the first row's index
+template <int64_t all_up_to, typename F>
+inline void matrix_rows(int64_t m, int64_t R, F&& f) {
+    if (m == QUAD && R <= all_up_to) {
+        f(std::integral_constant<int64_t, QUAD>{}, 0);
+    } else if (m == QUAD) {
+        f(std::integral_constant<int64_t, 2>{}, 0);
+        f(std::integral_constant<int64_t, 2>{}, 2);
+    } else {
+        f(std::integral_constant<int64_t, 1>{}, 0);
+    }
+}
+
 #if defined(FS_AVX2) || defined(FS_AVX512)
 // A tile's rows of x prescaled for one row block of scales at a time (prescale), or not where that is not exact
 struct Prescaled {
@@ -417,15 +431,10 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
             // matrix row by sixteen rows of x was slower still: the sixteen rows no longer stay in the L1 cache)
             if (cb % 16 == 0) {
                 with_rows<ROWS>(R, [&](auto r) {
-                    constexpr int64_t RR = decltype(r)::value;
-                    if (m == QUAD && RR <= 4) {
-                        prescaled_row_products16<QUAD, RR>(qn, sc, cb, xs, xt, K, sums);
-                    } else if (m == QUAD) {
-                        prescaled_row_products16<2, RR>(qn, sc, cb, xs, xt, K, sums);
-                        prescaled_row_products16<2, RR>(qn + 2 * K, sc + 2, cb, xs, xt, K, sums + 2);
-                    } else {
-                        prescaled_row_products16<1, RR>(qn, sc, cb, xs, xt, K, sums);
-                    }
+                    matrix_rows<4>(m, R, [&](auto J, int64_t j) {
+                        prescaled_row_products16<decltype(J)::value, decltype(r)::value>(
+                            qn + j * K, sc + j, cb, xs, xt, K, sums + j);
+                    });
                 });
             } else
 #endif
@@ -433,17 +442,10 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
             // and a row of x stay within the 16 registers (four by four spilled: 1.46x slower at 4 rows)
             few_at_a_time(R, m, sums, [&](int64_t r0, int64_t Rc, float (*part)[ROWS]) {
                 with_rows<FEW>(Rc, [&](auto r) {
-                    constexpr int64_t RR = decltype(r)::value;
-                    const float* const* xs0 = xs + r0;
-                    const float* const* xt0 = xt + r0;
-                    if (m == QUAD && RR <= 2) {
-                        prescaled_row_products<QUAD, RR>(qn, sc, cb, xs0, xt0, K, part);
-                    } else if (m == QUAD) {
-                        prescaled_row_products<2, RR>(qn, sc, cb, xs0, xt0, K, part);
-                        prescaled_row_products<2, RR>(qn + 2 * K, sc + 2, cb, xs0, xt0, K, part + 2);
-                    } else {
-                        prescaled_row_products<1, RR>(qn, sc, cb, xs0, xt0, K, part);
-                    }
+                    matrix_rows<2>(m, Rc, [&](auto J, int64_t j) {
+                        prescaled_row_products<decltype(J)::value, decltype(r)::value>(
+                            qn + j * K, sc + j, cb, xs + r0, xt + r0, K, part + j);
+                    });
                 });
             });
         } else
