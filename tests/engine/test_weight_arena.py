@@ -19,6 +19,9 @@ class Mixed(nn.Module):
         self.b = nn.Linear(40, 24, bias=False)
         self.tied = nn.Linear(40, 24, bias=False)
         self.tied.weight = self.b.weight
+        with torch.no_grad():  # from g, not the global generator: the same values whatever ran before
+            for t in (self.a.weight, self.a.bias, self.b.weight):
+                t.copy_(torch.randn(t.shape, generator=g) / 8)
         self.register_buffer("q", torch.randint(-127, 128, (24, 24), dtype=torch.int8, generator=g))
         self.register_buffer("q_scale", torch.rand(24, generator=g) / 64)
         self.register_buffer("col", torch.randn(24, 16, generator=g).t())  # [16, 24], strides (1, 16)
