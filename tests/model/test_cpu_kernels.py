@@ -30,28 +30,32 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
+@pytest.mark.parametrize("K", [96, 352])
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
-def test_mxfp4_pair_products_equal_the_decoded_weights_on_every_path(isa):
+def test_mxfp4_pair_products_equal_the_decoded_weights_on_every_path(isa, K):
     """Each path of the source (AVX-512 where the CPU has it, AVX2, plain C++) gives every pair's row times its
     expert's decoded matrix: experts used once, by more rows than share one decode (11), or not at all, and a
-    matrix height that is neither a whole number of tiles (64 rows) nor even (few rows take two at a time)."""
-    pw = _experts(5, 71, 96, seed=11)
+    matrix height that is neither a whole number of tiles (64 rows) nor even (few rows take two at a time); rows
+    shorter than the 128 values AVX-512 decodes at a time, and rows of two such chunks and three 32-blocks more
+    (the 2^-127 scale in the first chunk)."""
+    pw = _experts(5, 71, K, seed=11)
     experts = torch.tensor([4, 0, 0, 2, 3, 1, 4] + [2] * 11)
-    x = torch.randn(len(experts), 96, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(len(experts), K, generator=torch.Generator().manual_seed(1))
     want = torch.bmm(pw.dequantize(torch.float64)[experts], x.double()[:, :, None])[..., 0]
     got = cpu_kernels.mxfp4_pairs_eager(x, experts, pw.qweight, pw.scale, isa)
     assert got.dtype == torch.float32 and got.shape == (18, 71)
     assert _rel(got, want) <= 1e-6
 
 
+@pytest.mark.parametrize("K", [64, 288])
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
-def test_a_tokens_row_serves_its_k_pairs_and_gate_and_up_run_in_one_pass(isa):
+def test_a_tokens_row_serves_its_k_pairs_and_gate_and_up_run_in_one_pass(isa, K):
     """``x [T, K]`` with ``experts [T, k]`` gives each token's row to its k pairs (no [T*k, K] copy), and the
     gate's and up projection's products in one pass equal two separate calls, bit for bit, on every path; so do
     the operators (their C++ implementations on the native path)."""
     g = torch.Generator().manual_seed(6)
-    gate, up = _experts(6, 71, 64, seed=1), _experts(6, 71, 64, seed=2)
-    x = torch.randn(5, 64, generator=g)
+    gate, up = _experts(6, 71, K, seed=1), _experts(6, 71, K, seed=2)
+    x = torch.randn(5, K, generator=g)
     experts = torch.tensor([[0, 5, 2], [0, 1, 5], [0, 3, 4], [0, 2, 5], [1, 3, 0]])  # expert 0: 5 pairs
     one_each = cpu_kernels.mxfp4_pairs_eager(x.repeat_interleave(3, 0), experts.flatten(), gate.qweight,
                                              gate.scale, isa)

@@ -1,9 +1,9 @@
 // MXFP4 pair products on the CPU (flashserve.model.cpu_kernels): row p of x times the MXFP4 matrix of expert
 // experts[p], decoded from its bytes as they are read. Pairs are grouped by expert so that each expert's bytes
-// are decoded once for up to ROWS rows. AVX-512 looks the 16-value E2M1 table, times a block's power-of-two scale,
-// up with one permute per 16 values; AVX2 looks up the unscaled values' bfloat16 bytes with byte shuffles (no
-// lane-crossing permute) and multiplies each block's sum of products by its scale. Two matrix rows share each load
-// of the rows where few rows use an expert. Every output is summed by one thread in a fixed order: the result does
+// are decoded once for up to ROWS rows. AVX-512 decodes 128 values (four blocks) from one 64-byte load with eight
+// permutes of the 16-value E2M1 table and multiplies each lane's sum of products by its block's scale; AVX2 looks
+// up the unscaled values' bfloat16 bytes with byte shuffles (no lane-crossing permute) and multiplies each block's
+// sum of products by its scale. Two matrix rows share each load of the rows where few rows use an expert. Every output is summed by one thread in a fixed order: the result does
 // not depend on the number of threads.
 //
 // Layout (all contiguous): x [T, K] float32, each row in k = P / T consecutive pairs (a token's routed experts);
@@ -25,14 +25,14 @@
 namespace {
 
 constexpr int64_t BLOCK = 32;  // values per scale
-constexpr int64_t ROWS = 8;    // pairs sharing one decode (two sum registers each with AVX-512)
+constexpr int64_t ROWS = 8;    // pairs sharing one decode
 #if defined(FS_AVX512)
-constexpr int64_t PAIR_ROWS = 4;  // at most this many rows take two matrix rows at a time (4 sums a row)
+constexpr int64_t PAIR_ROWS = 4;  // at most this many rows take two matrix rows at a time (4 registers a row)
 #else
 constexpr int64_t PAIR_ROWS = ROWS;  // AVX2: one sum a row, and more rows than 4 still gained 1.04x at 16 rows
 #endif
 constexpr int64_t TILE = 64;   // matrix rows per work item: 16 KB of bytes read in order (16 rows: 1.2x slower)
-constexpr int64_t AHEAD = 4;   // matrix rows prefetched ahead of the one multiplied
+constexpr int64_t AHEAD = 4;   // matrix rows prefetched ahead of the one multiplied (AVX2, scalar)
 
 
 // Bytes and scales of `count` matrix rows (a hint: addresses past the end are not read). Each step's layers
@@ -95,22 +95,7 @@ constexpr int X_ORDER[32] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 1
 template <int64_t R>
 inline void row_products(const uint8_t* q, const uint8_t* s, const float* const* xs, int64_t K, float* sums) {
     const int64_t blocks = K / BLOCK;
-#if defined(FS_AVX512)
-    const __m512 table = _mm512_load_ps(E2M1);
-    __m512 even[R], odd[R];  // two sums a row: two independent chains of additions
-    for (int64_t r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        const __m512 scaled = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s[b])));
-        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * 16)));
-        const __m512 lo = _mm512_permutexvar_ps(codes, scaled);  // the permute reads the low 4 bits only
-        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), scaled);
-        for (int64_t r = 0; r < R; ++r) {
-            even[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[r] + b * BLOCK), even[r]);
-            odd[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[r] + b * BLOCK + 16), odd[r]);
-        }
-    }
-    for (int64_t r = 0; r < R; ++r) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
-#elif defined(FS_AVX2)
+#if defined(FS_AVX2)
     __m256 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -133,40 +118,85 @@ inline void row_products(const uint8_t* q, const uint8_t* s, const float* const*
 }
 
 #if defined(FS_AVX512)
-// Two matrix rows (n and n + 1 of one matrix, or row n of the gate and of the up projection) against R <= 4
-// rows of xs: with few rows per expert (4 on average at 16 rows, top-4 of 16), one row's sums are too few chains
-// of additions to keep the FMA units busy. Each row's sums are those row_products makes, in the same order.
-template <int64_t R>
-inline void row_pair_products(const uint8_t* q0, const uint8_t* s0, const uint8_t* q1, const uint8_t* s1,
-                              const float* const* xs, int64_t K, float* sums0, float* sums1) {
-    const int64_t blocks = K / BLOCK;
+// A 128-value chunk of a matrix row (64 code bytes, four blocks) is decoded a nibble of each 32-bit word at a
+// time: lane j of nibble i holds column 8j + i, so eight permutes (and seven shifts) decode 128 values from one
+// load, where a block at a time takes a widening load, two permutes and a broadcast scale for 32. Rows of x are
+// laid out to match (chunk_layout), the chunk's products are summed unscaled in each lane and the sum is
+// multiplied by the lane's block scale (lanes 4b .. 4b + 3 are block b's): the products as exact, summed in
+// another order than the block path's. Six experts of V4.1-Flash's size (2304x5120 gate, up and down), one row,
+// weights evicted, an AMD EPYC with AVX-512, alternating: 29-34 GB/s a block at a time with a row's hints at its
+// start, 39-40 with the hints spread, 45-47 by chunks (one thread: 18-20, 20-24, 27-30; a plain read 40-45).
+constexpr int64_t CHUNK = 128;
+constexpr int64_t AHEAD_BYTES = 8192;  // how far ahead of a chunk its matrix row's bytes are requested
+
+// x's columns c .. c + 127 in the chunk's order: dst[16 i + j] = src[8 j + i]
+inline void chunk_layout(const float* src, float* dst) {
+    for (int64_t i = 0; i < 8; ++i)
+        for (int64_t j = 0; j < 16; ++j) dst[16 * i + j] = src[8 * j + i];
+}
+
+// The block scales of a chunk's lanes (its four scale bytes at s) as float32: lane j has 2^(s[j / 4] - 127)
+inline __m512 chunk_scales(const uint8_t* s) {
+    uint32_t word;
+    std::memcpy(&word, s, sizeof word);
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shifts),
+                                       _mm512_set1_epi32(0xFF));
+    const __mmask16 zero = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());  // 2^-127: a subnormal, as e8m0
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_slli_epi32(e, 23), zero, _mm512_set1_epi32(0x00400000)));
+}
+
+// M matrix rows (qm[m], sm[m]: bytes and scales) against R rows of xs (chunk_layout's order): sums[m][r]. Whole
+// chunks first, then the blocks past the last chunk (K % 128) a block at a time ([16 even | 16 odd] columns).
+template <int64_t M, int64_t R>
+inline void chunk_products(const uint8_t* const* qm, const uint8_t* const* sm, const float* const* xs, int64_t K,
+                           float (*sums)[ROWS]) {
+    const int64_t chunks = K / CHUNK;
     const __m512 table = _mm512_load_ps(E2M1);
-    __m512 even0[R], odd0[R], even1[R], odd1[R];
-    for (int64_t r = 0; r < R; ++r) even0[r] = odd0[r] = even1[r] = odd1[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-        const __m512 scaled0 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s0[b])));
-        const __m512 scaled1 = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(s1[b])));
-        const __m512i codes0 =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q0 + b * 16)));
-        const __m512i codes1 =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + b * 16)));
-        const __m512 lo0 = _mm512_permutexvar_ps(codes0, scaled0), hi0 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes0, 4), scaled0);
-        const __m512 lo1 = _mm512_permutexvar_ps(codes1, scaled1), hi1 = _mm512_permutexvar_ps(_mm512_srli_epi32(codes1, 4), scaled1);
-        for (int64_t r = 0; r < R; ++r) {
-            const __m512 xe = _mm512_loadu_ps(xs[r] + b * BLOCK), xo = _mm512_loadu_ps(xs[r] + b * BLOCK + 16);
-            even0[r] = _mm512_fmadd_ps(lo0, xe, even0[r]);
-            odd0[r] = _mm512_fmadd_ps(hi0, xo, odd0[r]);
-            even1[r] = _mm512_fmadd_ps(lo1, xe, even1[r]);
-            odd1[r] = _mm512_fmadd_ps(hi1, xo, odd1[r]);
+    __m512 acc[M][R];
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c) {
+        __m512i codes[M];
+        __m512 t[M][R];
+        for (int64_t m = 0; m < M; ++m) {
+            // a hint a chunk, AHEAD_BYTES ahead: spread out, where a burst of a row's hints at its start kept a
+            // thread at 18-20 GB/s
+            __builtin_prefetch(qm[m] + c * (CHUNK / 2) + AHEAD_BYTES);
+            if (c % 16 == 0) __builtin_prefetch(sm[m] + c * (CHUNK / BLOCK) + AHEAD_BYTES / 16);
+            codes[m] = _mm512_loadu_si512(qm[m] + c * (CHUNK / 2));
+        }
+        for (int64_t i = 0; i < 8; ++i) {
+            for (int64_t m = 0; m < M; ++m) {
+                const __m512 w = _mm512_permutexvar_ps(codes[m], table);  // the permute reads the low 4 bits only
+                codes[m] = _mm512_srli_epi32(codes[m], 4);
+                for (int64_t r = 0; r < R; ++r) {
+                    const __m512 x = _mm512_loadu_ps(xs[r] + c * CHUNK + 16 * i);
+                    t[m][r] = i ? _mm512_fmadd_ps(w, x, t[m][r]) : _mm512_mul_ps(w, x);
+                }
+            }
+        }
+        for (int64_t m = 0; m < M; ++m) {
+            const __m512 scale = chunk_scales(sm[m] + c * (CHUNK / BLOCK));
+            for (int64_t r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(t[m][r], scale, acc[m][r]);
         }
     }
-    for (int64_t r = 0; r < R; ++r) {
-        sums0[r] = _mm512_reduce_add_ps(_mm512_add_ps(even0[r], odd0[r]));
-        sums1[r] = _mm512_reduce_add_ps(_mm512_add_ps(even1[r], odd1[r]));
-    }
+    for (int64_t b = chunks * (CHUNK / BLOCK); b < K / BLOCK; ++b)
+        for (int64_t m = 0; m < M; ++m) {
+            const __m512 scaled = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(sm[m][b])));
+            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm[m] + b * 16)));
+            const __m512 lo = _mm512_permutexvar_ps(codes, scaled), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), scaled);
+            for (int64_t r = 0; r < R; ++r) {
+                acc[m][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[r] + b * BLOCK), acc[m][r]);
+                acc[m][r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[r] + b * BLOCK + 16), acc[m][r]);
+            }
+        }
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t r = 0; r < R; ++r) sums[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 #elif defined(FS_AVX2)
-// As above with AVX2, for up to ROWS rows: two matrix rows share each load of xs and each row's sums are those
+// Two matrix rows (n and n + 1 of one matrix, or row n of the gate and of the up projection) against up to
+// ROWS rows of xs: two matrix rows share each load of xs and each row's sums are those
 // row_products makes, in the same order. One projection of the peers checkpoint (16 x 256x512 and 512x256,
 // weights evicted, 1 thread, AMD EPYC Zen 3): 1.12-1.15x one row at a time at 16 rows, 1.2-1.3x at 1 to 8.
 template <int64_t R>
@@ -198,9 +228,33 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
                           int64_t n1, const float* const* rows, int64_t R, int64_t K, float* const* out,
                           float* const* out2) {
     const int64_t qrow = K / 2, srow = K / BLOCK;
+#if defined(FS_AVX512)
+    with_rows<ROWS>(R, [&](auto count) {
+        constexpr int64_t RR = decltype(count)::value;
+        float sums[2][ROWS];
+        for (int64_t n = n0; n < n1;) {
+            // two matrix rows a pass (rows n and n + 1, or row n of both matrices) for up to PAIR_ROWS rows of x
+            const bool two = RR <= PAIR_ROWS && (q2 || n + 1 < n1);
+            const uint8_t* qm[2] = {q + n * qrow, q2 ? q2 + n * qrow : q + (n + 1) * qrow};
+            const uint8_t* sm[2] = {s + n * srow, q2 ? s2 + n * srow : s + (n + 1) * srow};
+            if (two) {
+                chunk_products<2, RR>(qm, sm, rows, K, sums);
+            } else {
+                chunk_products<1, RR>(qm, sm, rows, K, sums);
+                if (q2) chunk_products<1, RR>(qm + 1, sm + 1, rows, K, sums + 1);
+            }
+            for (int64_t r = 0; r < RR; ++r) {
+                out[r][n] = sums[0][r];
+                if (q2) out2[r][n] = sums[1][r];
+                else if (two) out[r][n + 1] = sums[1][r];
+            }
+            n += q2 || !two ? 1 : 2;
+        }
+    });
+#else
     float sums[ROWS], sums1[ROWS];
     int64_t n = n0;
-#if defined(FS_AVX512) || defined(FS_AVX2)
+#if defined(FS_AVX2)
     if (R <= PAIR_ROWS)
         for (; n + (q2 ? 0 : 1) < n1; n += q2 ? 1 : 2) {  // rows n and n + 1, or row n of both matrices
             const uint8_t *qa = q + n * qrow, *sa = s + n * srow;
@@ -211,15 +265,11 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
                 case 1: row_pair_products<1>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 2: row_pair_products<2>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 3: row_pair_products<3>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-#if defined(FS_AVX2)
                 case 4: row_pair_products<4>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 5: row_pair_products<5>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 6: row_pair_products<6>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 case 7: row_pair_products<7>(qa, sa, qb, sb, rows, K, sums, sums1); break;
                 default: row_pair_products<8>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-#else
-                default: row_pair_products<4>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-#endif
             }
             for (int64_t r = 0; r < R; ++r) {
                 out[r][n] = sums[r];
@@ -243,6 +293,7 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
             }
             for (int64_t r = 0; r < R; ++r) (m ? out2 : out)[r][n] = sums[r];
         }
+#endif
 }
 
 // Activations quantized to 8 bits (a8: the option that trades exactness for llama.cpp's speed): each 32-block of
@@ -380,7 +431,8 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* const*
     const ExpertGroups groups(experts, P, E, "mxfp4_pairs");
     const std::vector<int64_t>& first = groups.first;
     const std::vector<int64_t>& order = groups.order;
-    // x with each 32-block reordered as [even | odd] columns (AVX2: in decode32's order, X_ORDER)
+    // x laid out as the products read it: each 32-block as [even | odd] columns (AVX2: in decode32's order,
+    // X_ORDER); AVX-512 lays each whole 128-chunk out in chunk_layout's order and the blocks past them as [even | odd]
     const int64_t T = P / k;
     const auto xs_buf = aligned_floats(T * K, false);  // every value written below
     float* const xs = xs_buf.get();
@@ -389,6 +441,11 @@ static void kernel(const float* x, const int64_t* experts, const uint8_t* const*
             const float* src = x + t * K + c;
             float* dst = xs + t * K + c;
 #if defined(FS_AVX512)
+            if (c + CHUNK <= K) {
+                chunk_layout(src, dst);
+                c += CHUNK - BLOCK;
+                continue;
+            }
             const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
             const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
             const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
