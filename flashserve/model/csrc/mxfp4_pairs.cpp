@@ -3,8 +3,8 @@
 // are decoded once for up to ROWS rows. AVX-512 decodes 128 values (four blocks) from one 64-byte load with eight
 // permutes of the 16-value E2M1 table and multiplies each lane's sum of products by its block's scale; AVX2 looks
 // up the unscaled values' bfloat16 bytes with byte shuffles (no lane-crossing permute) and multiplies each block's
-// sum of products by its scale. Two matrix rows share each load of the rows where few rows use an expert. Every output is summed by one thread in a fixed order: the result does
-// not depend on the number of threads.
+// sum of products by its scale. Two matrix rows share each load of the rows where few rows use an expert. Every
+// output is summed by one thread in a fixed order: the result does not depend on the number of threads.
 //
 // Layout (all contiguous): x [T, K] float32, each row in k = P / T consecutive pairs (a token's routed experts);
 // experts [P] int64 in [0, E); q [E, N, K/2] uint8, two E2M1 codes a byte, the low nibble the even column;
@@ -184,8 +184,10 @@ inline void chunk_products(const uint8_t* const* qm, const uint8_t* const* sm, c
     for (int64_t b = chunks * (CHUNK / BLOCK); b < K / BLOCK; ++b)
         for (int64_t m = 0; m < M; ++m) {
             const __m512 scaled = _mm512_mul_ps(table, _mm512_set1_ps(e8m0(sm[m][b])));
-            const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm[m] + b * 16)));
-            const __m512 lo = _mm512_permutexvar_ps(codes, scaled), hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), scaled);
+            const __m512i codes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qm[m] + b * 16)));
+            const __m512 lo = _mm512_permutexvar_ps(codes, scaled);
+            const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(codes, 4), scaled);
             for (int64_t r = 0; r < R; ++r) {
                 acc[m][r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xs[r] + b * BLOCK), acc[m][r]);
                 acc[m][r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xs[r] + b * BLOCK + 16), acc[m][r]);
