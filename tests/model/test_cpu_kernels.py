@@ -37,14 +37,18 @@ def test_mxfp4_pair_products_equal_the_decoded_weights_on_every_path(isa, K):
     expert's decoded matrix: experts used once, by more rows than share one decode (11), or not at all, and a
     matrix height that is neither a whole number of tiles (64 rows) nor even (few rows take two at a time); rows
     shorter than the 128 values AVX-512 decodes at a time, and rows of two such chunks and three 32-blocks more
-    (the 2^-127 scale in the first chunk)."""
+    (a row scaled by 2^-127 throughout, checked against its own size)."""
     pw = _experts(5, 71, K, seed=11)
+    pw.scale[0, 3] = 0  # expert 0's row 3: every block 2^-127 (a subnormal scale)
     experts = torch.tensor([4, 0, 0, 2, 3, 1, 4] + [2] * 11)
     x = torch.randn(len(experts), K, generator=torch.Generator().manual_seed(1))
     want = torch.bmm(pw.dequantize(torch.float64)[experts], x.double()[:, :, None])[..., 0]
     got = cpu_kernels.mxfp4_pairs_eager(x, experts, pw.qweight, pw.scale, isa)
     assert got.dtype == torch.float32 and got.shape == (18, 71)
     assert _rel(got, want) <= 1e-6
+    tiny = want[1:3, 3]  # the pairs of expert 0: products of about 1e-37 (subnormal weights on the paths that scale
+    assert 0 < tiny.abs().min() < 1e-35  # each weight first, so 1e-4 below)
+    assert _rel(got[1:3, 3], tiny) <= 1e-4
 
 
 @pytest.mark.parametrize("K", [64, 288])

@@ -232,7 +232,8 @@ inline void products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, c
     // a hint a cache line, the same column of a later group of QUAD rows (the rows lie one after another): spread
     // out, where a burst of four rows' hints before each four (tile_products: more rows than SPREAD_ROWS, whose
     // products are compute-bound) kept one row against 4096x8192 at about 33 GB/s
-    const int64_t ahead = QUAD * K * (QUAD * K >= AHEAD_BYTES ? 1 : AHEAD_BYTES / (QUAD * K));
+    const int64_t group = QUAD * K;  // a group's bytes: the hints go a whole number of groups ahead, at least 16 KB
+    const int64_t ahead = group >= AHEAD_BYTES || group == 0 ? group : (AHEAD_BYTES + group - 1) / group * group;
     for (; k + 16 <= K; k += 16) {
         if constexpr (R <= SPREAD_ROWS) {
             if (k % 64 == 0)
@@ -431,15 +432,19 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
     float sums[QUAD][ROWS];
     for (int64_t n = n0; n < n1;) {
         const uint8_t* qn = q + n * K;
-#if defined(FS_AVX512)
-        if (cb % 16 != 0 || R > SPREAD_ROWS)  // else products16 requests the bytes as it goes
-#endif
-            for (int64_t l = 0; l < QUAD * K; l += 64) __builtin_prefetch(qn + AHEAD * K + l);  // a hint: no fault
         const int64_t m = n1 - n < QUAD ? 1 : QUAD;
         const uint8_t* sc[QUAD];
         for (int64_t j = 0; j < m; ++j) sc[j] = s + ((n + j) / rb) * sk;
 #if defined(FS_AVX2) || defined(FS_AVX512)
         const float* xt_rows = pre ? pre->for_rows(s, sk, rb, cb, n, m, xs, R, K) : nullptr;
+#endif
+#if defined(FS_AVX512)
+        // products16 requests the bytes as it goes for up to SPREAD_ROWS rows a call: the prescaled path below
+        // calls it with all R rows, the unscaled one FEW rows at a time
+        if (cb % 16 != 0 || (xt_rows && R > SPREAD_ROWS))
+#endif
+            for (int64_t l = 0; l < QUAD * K; l += 64) __builtin_prefetch(qn + AHEAD * K + l);  // a hint: no fault
+#if defined(FS_AVX2) || defined(FS_AVX512)
         if (xt_rows) {
             const float* xt[ROWS];
             for (int64_t r = 0; r < R; ++r) xt[r] = xt_rows + r * K;

@@ -89,8 +89,9 @@ constexpr int X_ORDER[32] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 1
                              16, 18, 20, 22, 17, 19, 21, 23, 24, 26, 28, 30, 25, 27, 29, 31};
 #endif
 
-// One matrix row (n) of one expert against R <= ROWS rows of xs, each 32-block of xs laid out as
-// [16 even columns | 16 odd columns] so that the low and the high nibbles meet their inputs in order.
+// One matrix row (n) of one expert against R <= ROWS rows of xs (AVX2, scalar), each 32-block of xs laid out as
+// decode32 reads it (AVX2: X_ORDER) or as [16 even columns | 16 odd columns] (scalar) so that the low and the high
+// nibbles meet their inputs in order.
 // R is a template argument so that the loops over rows unroll and the sums stay in registers.
 template <int64_t R>
 inline void row_products(const uint8_t* q, const uint8_t* s, const float* const* xs, int64_t K, float* sums) {
