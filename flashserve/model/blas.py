@@ -153,40 +153,43 @@ def einsum(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 FUSED_EINSUM_MACS = 1 << 17
 
 
-def _large(a: torch.Tensor, la: str, b: torch.Tensor, lb: str) -> bool:
+def _label_sizes(a: torch.Tensor, la: str, b: torch.Tensor, lb: str) -> dict[str, int]:
+    """Each label's size in the operands that have it."""
+    sizes: dict[str, int] = {}
+    for t, lab in ((a, la), (b, lb)):
+        for c, n in zip(lab, t.shape):
+            sizes.setdefault(c, n)
+    return sizes
+
+
+def _product(sizes: list) -> int:
+    """The product of ``sizes`` as a plain loop: dynamo traces it (math.prod over a dict's values broke the graph)."""
+    n = 1
+    for size in sizes:
+        n = n * size
+    return n
+
+
+def _large(sizes: dict[str, int]) -> bool:
     """Whether the product of every label's size is at least :data:`FUSED_EINSUM_MACS` for every size a varying
     one can take (``statically_known_true``: decided from the sizes' ranges, no guard)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    sizes = {}
-    for t, lab in ((a, la), (b, lb)):
-        for c, n in zip(lab, t.shape):
-            sizes.setdefault(c, n)
-    macs = 1
-    for c in sizes:  # a plain loop: dynamo traces it (math.prod over a dict's values broke the graph)
-        macs = macs * sizes[c]
-    return statically_known_true(macs >= FUSED_EINSUM_MACS)
+    return statically_known_true(_product([sizes[c] for c in sizes]) >= FUSED_EINSUM_MACS)
 
 
-def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str) -> torch.Tensor:
-    """``torch.einsum(f"{la},{lb}->{out}", a, b)`` as one ``bmm``: labels in both operands and the output batch it,
-    those in both operands only are summed, the rest are the rows of ``a`` and the columns of ``b``: permutes and
-    reshapes to the operands' own sizes around it, so one traced graph serves every batch size
-    (tests/model/test_blas.py)."""
-    size = {c: n for t, lab in ((a, la), (b, lb)) for c, n in zip(lab, t.shape)}
+def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str, size: dict[str, int]) -> torch.Tensor:
+    """``torch.einsum(f"{la},{lb}->{out}", a, b)`` as one ``bmm`` (``size``: :func:`_label_sizes`): labels in both
+    operands and the output batch it, those in both operands only are summed, the rest are the rows of ``a`` and
+    the columns of ``b``: permutes and reshapes to the operands' own sizes around it, so one traced graph serves
+    every batch size (tests/model/test_blas.py)."""
     batch = [c for c in out if c in la and c in lb]
     summed = [c for c in la if c in lb and c not in out]
     rows, cols = [c for c in la if c not in lb], [c for c in lb if c not in la]
 
     def flat(t: torch.Tensor, lab: str, groups: list[list[str]]) -> torch.Tensor:
         t = t.permute([lab.index(c) for g in groups for c in g])
-        shape = []
-        for g in groups:
-            n = 1
-            for c in g:
-                n = n * size[c]
-            shape.append(n)
-        return t.reshape(shape)
+        return t.reshape([_product([size[c] for c in g]) for g in groups])
 
     y = torch.bmm(flat(a, la, [batch, rows, summed]), flat(b, lb, [batch, summed, cols]))
     order = batch + rows + cols
@@ -198,9 +201,11 @@ def _bmm_einsum(la: str, a: torch.Tensor, lb: str, b: torch.Tensor, out: str) ->
 def _einsum_compiled_on_cpu(eq: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ins, out = eq.replace(" ", "").split("->")
     la, lb = ins.split(",")
-    if "..." not in eq and _large(a, la, b, lb):
-        return _bmm_einsum(la, a, lb, b, out)
-    if "..." in eq:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
+    if "..." not in eq:
+        sizes = _label_sizes(a, la, b, lb)
+        if _large(sizes):
+            return _bmm_einsum(la, a, lb, b, out, sizes)
+    else:  # the ellipsis as capital labels, aligned from the right as broadcasting aligns them
         na, nb = (t.dim() - len(lab) + 3 if "..." in lab else 0 for t, lab in ((a, la), (b, lb)))
         caps = "ABCDEFGHIJ"[10 - max(na, nb):]
         la, lb = la.replace("...", caps[len(caps) - na:]), lb.replace("...", caps[len(caps) - nb:])

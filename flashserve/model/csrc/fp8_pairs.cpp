@@ -27,13 +27,13 @@ constexpr int64_t ROWS = 8;   // rows of x sharing one decode of the bytes (pres
 #else
 constexpr int64_t ROWS = 4;   // rows of x sharing one decode of the bytes
 #endif
-constexpr int64_t FEW = 4;    // rows a call of the unscaled path and of AVX2's prescaled one (16 registers)
+constexpr int64_t FEW = 4;    // rows a call of the unscaled path and of AVX2's prescaled one (16 registers);
+                              // AVX-512: products16 requests the bytes itself for up to this many (more: compute-bound)
 constexpr int64_t QUAD = 4;   // matrix rows multiplied at a time
 constexpr int64_t TILE = 64;  // matrix rows per work item
 constexpr int64_t AHEAD = 16;  // matrix rows requested ahead of the four multiplied
 #if defined(FS_AVX512)
 constexpr int64_t AHEAD_BYTES = 16384;  // at least this far ahead products16 requests the rows' bytes
-constexpr int64_t SPREAD_ROWS = 4;  // up to this many rows of x, products16 requests them (more: compute-bound)
 #endif
 
 // 2^(b - 127) (b = 0: the subnormal 2^-127), as flashserve.model.quant.e8m0_to_float gives it
@@ -230,12 +230,12 @@ inline void products16(const uint8_t* q, const uint8_t* const* sc, int64_t cb, c
     for (int64_t j = 0; j < J; ++j)
         for (int64_t r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
     // a hint a cache line, the same column of a later group of QUAD rows (the rows lie one after another): spread
-    // out, where a burst of four rows' hints before each four (tile_products: more rows than SPREAD_ROWS, whose
+    // out, where a burst of four rows' hints before each four (tile_products: more rows than FEW, whose
     // products are compute-bound) kept one row against 4096x8192 at about 33 GB/s
     const int64_t group = QUAD * K;  // a group's bytes: the hints go a whole number of groups ahead, at least 16 KB
     const int64_t ahead = group >= AHEAD_BYTES || group == 0 ? group : (AHEAD_BYTES + group - 1) / group * group;
     for (; k + 16 <= K; k += 16) {
-        if constexpr (R <= SPREAD_ROWS) {
+        if constexpr (R <= FEW) {
             if (k % 64 == 0)
                 for (int64_t j = 0; j < J; ++j) __builtin_prefetch(q + j * K + k + ahead);  // a hint: no fault
         }
@@ -439,9 +439,9 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, int64_t rb, int64_
         const float* xt_rows = pre ? pre->for_rows(s, sk, rb, cb, n, m, xs, R, K) : nullptr;
 #endif
 #if defined(FS_AVX512)
-        // products16 requests the bytes as it goes for up to SPREAD_ROWS rows a call: the prescaled path below
+        // products16 requests the bytes as it goes for up to FEW rows a call: the prescaled path below
         // calls it with all R rows, the unscaled one FEW rows at a time
-        if (cb % 16 != 0 || (xt_rows && R > SPREAD_ROWS))
+        if (cb % 16 != 0 || (xt_rows && R > FEW))
 #endif
             for (int64_t l = 0; l < QUAD * K; l += 64) __builtin_prefetch(qn + AHEAD * K + l);  // a hint: no fault
 #if defined(FS_AVX2) || defined(FS_AVX512)

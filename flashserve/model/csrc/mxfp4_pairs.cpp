@@ -264,16 +264,9 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
             const uint8_t *qb = q2 ? q2 + n * qrow : qa + qrow, *sb = q2 ? s2 + n * srow : sa + srow;
             prefetch_rows(qa + AHEAD * qrow, sa + AHEAD * srow, q2 ? 1 : 2, K);
             if (q2) prefetch_rows(qb + AHEAD * qrow, sb + AHEAD * srow, 1, K);
-            switch (R) {
-                case 1: row_pair_products<1>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 2: row_pair_products<2>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 3: row_pair_products<3>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 4: row_pair_products<4>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 5: row_pair_products<5>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 6: row_pair_products<6>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                case 7: row_pair_products<7>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-                default: row_pair_products<8>(qa, sa, qb, sb, rows, K, sums, sums1); break;
-            }
+            with_rows<ROWS>(R, [&](auto count) {
+                row_pair_products<decltype(count)::value>(qa, sa, qb, sb, rows, K, sums, sums1);
+            });
             for (int64_t r = 0; r < R; ++r) {
                 out[r][n] = sums[r];
                 (q2 ? out2[r][n] : out[r][n + 1]) = sums1[r];
@@ -284,16 +277,7 @@ inline void tile_products(const uint8_t* q, const uint8_t* s, const uint8_t* q2,
         for (int64_t m = 0; m < (q2 ? 2 : 1); ++m) {
             const uint8_t *qn = (m ? q2 : q) + n * qrow, *sn = (m ? s2 : s) + n * srow;
             prefetch_rows(qn + AHEAD * qrow, sn + AHEAD * srow, 1, K);
-            switch (R) {
-                case 1: row_products<1>(qn, sn, rows, K, sums); break;
-                case 2: row_products<2>(qn, sn, rows, K, sums); break;
-                case 3: row_products<3>(qn, sn, rows, K, sums); break;
-                case 4: row_products<4>(qn, sn, rows, K, sums); break;
-                case 5: row_products<5>(qn, sn, rows, K, sums); break;
-                case 6: row_products<6>(qn, sn, rows, K, sums); break;
-                case 7: row_products<7>(qn, sn, rows, K, sums); break;
-                default: row_products<8>(qn, sn, rows, K, sums); break;
-            }
+            with_rows<ROWS>(R, [&](auto count) { row_products<decltype(count)::value>(qn, sn, rows, K, sums); });
             for (int64_t r = 0; r < R; ++r) (m ? out2 : out)[r][n] = sums[r];
         }
 #endif
