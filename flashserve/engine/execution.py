@@ -4,7 +4,7 @@
 compiled, the CPU's vector ISA, the weight format of every module, which of torch's int8 kernels pays on this
 CPU (timed here, or given: ``int8_kernel``), and it lays out again the weights that the chosen path reads in
 another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
-CPU steps). On a CPU it builds the C++ kernels (or loads their cached build) before anything runs, so that no
+CPU steps, block-FP8 codes in column panels for every CPU decode step). On a CPU it builds the C++ kernels (or loads their cached build) before anything runs, so that no
 request waits for a compiler. The engine logs
 :meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
 
@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model import cpu_kernels, modes, packed
+from ..model.expert_cache import expert_caches
+from ..model.row_cache import row_caches
 from ..model.weight_layout import bf16_panels_for_decode, column_major_tall_weights, join_int8_rows, prepack_for_rows
 from .engine_config import INT8_KERNELS
 
 log = logging.getLogger("flashserve.engine")
+FP8_PANELS = "FP8 codes in column panels"  # the relayout of packed.make_fp8_panels
 _MODE_WORDS = {modes.EAGER: "eager", modes.COMPILED: "compiled", modes.COMPILED_CPU: "compiled (inductor's C++ kernels)"}
 
 @dataclass
@@ -89,6 +92,11 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
         plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
         if rows > 1:
             plan.relayouts["panel copies for several rows"] = prepack_for_rows(model)
+    if device == "cpu":
+        # block-FP8 decode rows, eager or compiled, read their codes in column panels: a copy, which a model
+        # streaming its weights under a budget (weight_memory) does not make (the budget holds them as stored)
+        streamed = bool(expert_caches(model) or row_caches(model))
+        plan.relayouts[FP8_PANELS] = [] if streamed else packed.make_fp8_panels(model)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for what, names in plan.relayouts.items():  # the weights' own bytes: copied once (joins: moved, not added)
         plan.relayout_bytes[what] = sum(tensors[n].numel() * tensors[n].element_size() for n in names if n in tensors)

@@ -362,8 +362,40 @@ class PackedLinear(_PackedMatrix):
         if p.fmt.name == INT8:
             return int8_mm(x, p.qweight, p.scale)
         if self.fp8_kernel(x):
+            panels = self.current_fp8_panels()
+            if panels is not None:
+                return cpu_kernels.fp8_panels_linear(x, panels, p.scale, p.shape[0], p.fmt.row_block,
+                                                     p.fmt.col_block).to(x.dtype)
             return cpu_kernels.fp8_linear(x, p.qweight, p.scale, p.fmt.row_block, p.fmt.col_block).to(x.dtype)
         return blas.linear(x, p.dequantize(x.dtype))
+
+    @torch.no_grad()
+    def make_fp8_panels(self) -> bool:
+        """Copy this block-FP8 CPU layer's codes into the column panels :func:`cpu_kernels.fp8_panels` reads
+        (:func:`cpu_kernels.pack_fp8_panels`), as the buffer ``fp8_panels``: its decode rows' products then read
+        those (the engine's execution plan makes them at start-up; the copy costs the codes' bytes again). False,
+        changing nothing, for another format, a row block that is not a multiple of 16, or where the kernel is
+        not available."""
+        p = self.packed
+        if (p.fmt.name != FP8 or p.qweight.device.type != "cpu" or p.qweight.dim() != 2
+                or p.fmt.row_block % cpu_kernels.LANES or not cpu_kernels.fp8_pairs_available()):
+            return False
+        self.register_buffer(FP8_PANELS, cpu_kernels.pack_fp8_panels(p.qweight[None])[0], persistent=False)
+        self._fp8_panels_of = _identity(p.qweight)
+        return True
+
+    @modes.per_mode
+    def current_fp8_panels(self) -> torch.Tensor | None:
+        """The panels :meth:`make_fp8_panels` made, or None where there are none or the codes changed since (a
+        load, a ``set_float``: the stored codes are then read as they are); a compiled step takes them as made."""
+        panels = self._buffers.get(FP8_PANELS)
+        if panels is None or getattr(self, "_fp8_panels_of", None) != _identity(self.packed.qweight):
+            return None
+        return panels
+
+    @current_fp8_panels.variant(COMPILED)
+    def _current_fp8_panels_compiled(self) -> torch.Tensor | None:
+        return self._buffers.get(FP8_PANELS)
 
     def fp8_kernel(self, x: torch.Tensor, groups: int = 1) -> bool:
         """Whether ``x``'s product reads this layer's FP8 bytes as stored (:func:`cpu_kernels.fp8_pairs`): block
@@ -395,9 +427,15 @@ class PackedLinear(_PackedMatrix):
         G, K = x.shape[-2], x.shape[-1]
         Ng = p.shape[0] // G
         if self.fp8_kernel(x, G) and Ng % p.fmt.row_block == 0:  # group g: matrix g of the FP8 kernel
-            q, sc = p.qweight.view(G, Ng, K), p.scale.view(G, Ng // p.fmt.row_block, -1)
+            sc = p.scale.view(G, Ng // p.fmt.row_block, -1)
             groups = torch.arange(G, device=x.device).repeat(x.numel() // (G * K))
-            y = cpu_kernels.fp8_pairs(x.reshape(-1, K), groups, q, sc, p.fmt.row_block, p.fmt.col_block)
+            panels = self.current_fp8_panels()
+            if panels is not None:  # a group's rows are whole panels (16 divides the row block)
+                y = cpu_kernels.fp8_panels(x.reshape(-1, K), groups, panels.view(G, -1, K, cpu_kernels.LANES), sc,
+                                           Ng, p.fmt.row_block, p.fmt.col_block)
+            else:
+                y = cpu_kernels.fp8_pairs(x.reshape(-1, K), groups, p.qweight.view(G, Ng, K), sc,
+                                          p.fmt.row_block, p.fmt.col_block)
             return y.to(x.dtype).view(*x.shape[:-1], Ng)
         if p.fmt.name not in INT8_ROWS:
             return blas.grouped_linear(x, p.dequantize(x.dtype))
@@ -785,6 +823,22 @@ def dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Released name -> the float weights a packed model computes with (float32), for the reference forward."""
     return {name: slot.weights.dequantize(torch.float32, slot.index) for name, slot in
             packed_destinations(model).items()}
+
+
+FP8_PANELS = "fp8_panels"  # a block-FP8 layer's panel copy of its codes (PackedLinear.make_fp8_panels)
+
+
+def _identity(t: torch.Tensor) -> tuple[int, int]:
+    """Where ``t``'s values are and how often they were written in place: a copy made from it is current while
+    this is unchanged."""
+    return t.data_ptr(), t._version
+
+
+def make_fp8_panels(model: nn.Module) -> list[str]:
+    """Give every block-FP8 CPU layer of ``model`` the panel copy of its codes that its decode rows' products read
+    (:meth:`PackedLinear.make_fp8_panels`); returns the panels' names."""
+    return [f"{name}.{FP8_PANELS}" for name, m in model.named_modules()
+            if isinstance(m, PackedLinear) and m.make_fp8_panels()]
 
 
 def prepare_kernels(model: nn.Module) -> int:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 
 from flashserve.config import ConfigError
 from flashserve.engine.engine_config import EngineConfig
-from flashserve.model import packed
+from flashserve.model import cpu_kernels, packed
 
 OPTS = dict(model="tiny-v41", kv_memory="8MiB", max_num_seqs=2, enforce_eager=True)
 
@@ -98,3 +99,35 @@ def test_the_plan_counts_the_bytes_it_laid_out_again(monkeypatch, caplog):
     nbytes = sum(w.numel() * 4 for w in weights)
     assert plan.relayout_bytes["column-major tall weights"] == nbytes
     assert f"column-major tall weights: {len(names)} weights, {nbytes / 1e6:.1f} MB" in plan.describe()
+
+
+def test_the_plan_gives_block_fp8_layers_panels_that_their_decode_rows_read(released_tiny_v41):
+    """On a CPU the plan copies every block-FP8 layer's codes into column panels (counted like every copy), eager
+    or compiled; the decode rows' logits then agree with the codes read as stored (the same products, each output
+    summed in another order)."""
+    from flashserve.engine.execution import FP8_PANELS, plan_execution
+    from flashserve.model.loader import load_model
+
+    stored = load_model(released_tiny_v41, with_mtp=False)
+    model = load_model(released_tiny_v41, with_mtp=False)
+    plan = plan_execution(model, device="cpu", compiled=False, rows=1, int8_kernel="chunked")
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, packed.PackedLinear) and m.packed.fmt.name == "fp8"}
+    names = plan.relayouts[FP8_PANELS]
+    assert fp8 and sorted(names) == sorted(f"{n}.fp8_panels" for n in fp8)
+    nbytes = sum(model.get_buffer(n).numel() for n in names)
+    assert plan.relayout_bytes[FP8_PANELS] == nbytes >= sum(model.get_submodule(n).packed.qweight.numel() for n in fp8)
+    assert f"{FP8_PANELS}: {len(names)} weights, {nbytes / 1e6:.1f} MB" in plan.describe()
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7]])
+    calls = []
+    real = cpu_kernels.fp8_panels
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    with torch.no_grad(), mock.patch.object(cpu_kernels, "fp8_panels", counting):
+        got = model(ids).logits
+        made = len(calls)
+        assert made >= len(fp8) and set(calls) <= {6, 6 * model.cfg.o_groups}
+        torch.testing.assert_close(got, stored(ids).logits, rtol=1e-4, atol=1e-4)
+        assert len(calls) == made  # a model without panels reads its codes as stored

@@ -647,3 +647,132 @@ def test_fp8_layers_multiply_decode_rows_as_stored_and_prompts_as_decoded():
     torch.testing.assert_close(grouped, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(batch, torch.einsum("tgk,gnk->tgn", xg[:rows], wg), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(prompt, torch.einsum("tgk,gnk->tgn", xg, wg), rtol=1e-5, atol=1e-5)
+
+
+def _fp8_codes(N: int, K: int, row_block: int, col_block: int, seed: int, scales: tuple[int, int] = (112, 122)):
+    """Block-FP8 weights of random codes (every E4M3 code but the NaNs) and random scales in ``scales``."""
+    from flashserve.model.packed import Format
+
+    pw = PackedWeights((N, K), Format("fp8", row_block, col_block))
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    pw.qweight.copy_(codes[torch.randint(len(codes), (N, K), generator=g)])
+    pw.qweight.view(-1)[:len(codes)] = codes
+    pw.scale.copy_(torch.randint(*scales, pw.scale.shape, generator=g, dtype=torch.uint8))
+    return pw
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("N, K, row_block, col_block", [(40, 96, 16, 32), (300, 520, 128, 128), (72, 200, 32, 24)])
+def test_fp8_panel_products_equal_the_decoded_weights_and_do_not_depend_on_rows_or_threads(isa, N, K, row_block,
+                                                                                           col_block):
+    """fp8_panels over pack_fp8_panels' copy: the float64 product of the decoded weights on every path, for
+    a matrix height that is not a whole number of panels (16) or of tiles (128 columns), partial column blocks,
+    row counts below, at and past one pass (12 rows on AVX-512, 6 on AVX2); each row's products are the same bits
+    alone, beside other rows, and with one or two threads; a grouped projection takes one matrix a group."""
+    pw = _fp8_codes(N, K, row_block, col_block, seed=N)
+    w = pw.dequantize(torch.float32).double()
+    panels = cpu_kernels.pack_fp8_panels(pw.qweight[None])
+    assert panels.shape == (1, -(-N // 16), K, 16) and panels[0, 1, 5, 3] == pw.qweight[19, 5]
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(25, K, generator=g)
+
+    def products(rows: torch.Tensor) -> torch.Tensor:
+        experts = torch.zeros(len(rows), dtype=torch.long)
+        return cpu_kernels.fp8_panels_eager(rows, experts, panels, pw.scale[None], N, row_block, col_block, isa)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        every = products(x)
+        torch.set_num_threads(1)
+        assert torch.equal(products(x), every)
+    finally:
+        torch.set_num_threads(threads)
+    assert every.shape == (25, N) and _rel(every, x.double() @ w.T) <= 1e-6
+    for rows in (1, 2, 5, 12, 16):
+        assert torch.equal(products(x[3:3 + rows]), every[3:3 + rows])
+    three = [_fp8_codes(N, K, row_block, col_block, seed=s) for s in (1, 2, 3)]
+    pan3 = cpu_kernels.pack_fp8_panels(torch.stack([p.qweight for p in three]))
+    s3 = torch.stack([p.scale for p in three])
+    experts = torch.tensor([2, 0, 1, 1, 2, 0, 2])
+    want = torch.stack([x[i].double() @ three[e].dequantize(torch.float32).double().T for i, e in enumerate(experts)])
+    got = cpu_kernels.fp8_panels_eager(x[:7], experts, pan3, s3, N, row_block, col_block, isa)
+    assert _rel(got, want) <= 1e-6
+    with pytest.raises(ValueError, match=r"fp8_panels: .* blocks 8x32 do not match"):
+        cpu_kernels.fp8_panels_eager(x, torch.zeros(25, dtype=torch.long), panels, pw.scale[None], N, 8, 32, isa)
+    with pytest.raises(RuntimeError, match="fp8_panels: x .* do not match"):
+        torch.ops.flashserve.fp8_panels(x[:, :K - 8], torch.zeros(25, dtype=torch.long), panels, pw.scale[None], N,
+                                        row_block, col_block)
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_fp8_panel_weights_are_decoded_exactly_at_every_scale_and_denormal_setting(isa):
+    """Each weight fp8_panels multiplies is e4m3(code) x 2^(b - 127) to the bit: every E4M3 code, scales from the
+    subnormal 2^-127 through 134 (one multiply) to 254 (two), read back a column at a time by one-hot rows; and
+    the same bits where the thread reads subnormal inputs as zero (subnormal codes decode to subnormal floats)."""
+    from flashserve.model.packed import Format
+
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    scales = torch.tensor([0, 1, 100, 127, 134, 135, 200, 247, 254], dtype=torch.uint8)
+    N, K = len(scales) * 16, 256
+    q = codes[torch.arange(N * K) % len(codes)].reshape(N, K)
+    big = scales.repeat_interleave(16) >= 200
+    q[big] &= 0xBF  # values under 2 at the largest scales: finite weights, so 0 x weight stays 0
+    pw = PackedWeights((N, K), Format("fp8", 16, 32))
+    pw.qweight.copy_(q)
+    pw.scale.copy_(scales.reshape(-1, 1).expand(len(scales), K // 32))
+    want = pw.dequantize(torch.float32)
+    assert torch.isfinite(want).all() and (want[big] != 0).any() and (want.abs() < 2.0 ** -126).any()
+    panels = cpu_kernels.pack_fp8_panels(pw.qweight[None])
+    x = torch.eye(K)
+    got = cpu_kernels.fp8_panels_eager(x, torch.zeros(K, dtype=torch.long), panels, pw.scale[None], N, 16, 32, isa)
+    assert torch.equal(got.T, want)
+    was = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # the kernel runs on this thread, whose MXCSR set_flush_denormal changes
+        assert torch.set_flush_denormal(True)
+        flushed = cpu_kernels.fp8_panels_eager(x, torch.zeros(K, dtype=torch.long), panels, pw.scale[None], N, 16,
+                                               32, isa)
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(was)
+    assert torch.equal(flushed, got)
+
+
+def test_fp8_layers_read_their_panels_once_made_and_their_codes_once_changed():
+    """A block-FP8 layer given panels (the engine's plan does it on a CPU) multiplies its decode rows over them, its
+    grouped products too; a set_float afterwards is read from the new codes (the panels are stale), and a layer
+    whose row block is not a multiple of 16 gets none."""
+    from flashserve.model.packed import Format, PackedLinear
+
+    lin = PackedLinear(256, 192, Format("fp8", 32, 32))
+    lin.packed.set_float(torch.randn(192, 256, generator=torch.Generator().manual_seed(4)) * 0.05)
+    wo = PackedLinear(64, 4 * 64, Format("fp8", 32, 32))
+    wo.packed.set_float(torch.randn(256, 64, generator=torch.Generator().manual_seed(6)) * 0.05)
+    odd = PackedLinear(64, 48, Format("fp8", 8, 32))
+    assert lin.make_fp8_panels() and wo.make_fp8_panels() and not odd.make_fp8_panels()
+    assert lin.fp8_panels.shape == (12, 256, 16) and "fp8_panels" not in lin.state_dict()
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
+    xg = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(7))
+    calls = []
+    real = cpu_kernels.fp8_panels
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    import unittest.mock as mock
+
+    w = lin.packed.dequantize(torch.float32)
+    with mock.patch.object(cpu_kernels, "fp8_panels", counting):
+        y = lin(x)
+        yg = wo.grouped(xg)
+        assert calls == [5, 3 * 4]
+        lin.packed.set_float(torch.randn(192, 256, generator=torch.Generator().manual_seed(8)) * 0.05)
+        changed = lin(x)
+        assert calls == [5, 3 * 4] and lin.current_fp8_panels() is None
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-5)
+    wg = wo.packed.dequantize(torch.float32).view(4, 64, 64)
+    torch.testing.assert_close(yg, torch.einsum("tgk,gnk->tgn", xg, wg), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(changed, x @ lin.packed.dequantize(torch.float32).T, rtol=1e-5, atol=1e-5)

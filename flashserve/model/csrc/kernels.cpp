@@ -15,6 +15,9 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +35,9 @@ namespace fs_int8_pairs {
 }
 namespace fs_fp8_pairs {
 #include "fp8_pairs.cpp"
+}
+namespace fs_fp8_panels {
+#include "fp8_panels.cpp"
 }
 namespace fs_sinkhorn {
 #include "sinkhorn.cpp"

@@ -19,6 +19,9 @@ FS_LIBRARY_FRAGMENT(m) {
     m.def("int8_pairs(Tensor x, Tensor experts, Tensor q, Tensor scale) -> Tensor");
     m.def("int8_gate_up(Tensor x, Tensor experts, Tensor q1, Tensor s1, Tensor q3, Tensor s3) -> Tensor");
     m.def("fp8_pairs(Tensor x, Tensor experts, Tensor q, Tensor s, int row_block, int col_block) -> Tensor");
+    // the same products over a copy of the codes in column panels [E, ceil(n / 16), K, 16] (pack_fp8_panels)
+    m.def("fp8_panels(Tensor x, Tensor experts, Tensor panels, Tensor s, int n, int row_block, int col_block) -> "
+          "Tensor");
     m.def("sinkhorn(Tensor comb, int iters, float eps) -> Tensor");
     m.def("index_topk(Tensor q, Tensor w, Tensor pages, Tensor table, Tensor limit, Tensor cand, int k, int block, "
           "int n_blocks) -> (Tensor, Tensor, Tensor)");
