@@ -427,27 +427,41 @@ class Attention(nn.Module):
         j = torch.arange(T, device=t.device)
         return (j[None, None, :] < ((t + 1) // self.ratio)[..., None]) & (j[None, None, :] < n_entries[:, None, None])
 
-    def _attend(self, q: torch.Tensor, t: torch.Tensor, keys: torch.Tensor, kpos: torch.Tensor,
-                comp_logits: torch.Tensor | None, values: tuple[str, torch.Tensor] | None,
-                noncausal: bool) -> torch.Tensor:
-        """One softmax over window keys, compressed entries and the sink for query rows ``q`` [B,s,H,hd]
-        at positions ``t`` [B,s]; window ``keys`` [B,T,hd] (shared K = V) at ``kpos`` [B,T] (−1: empty)."""
-        B, s, H, hd = q.shape
+    def _window_ok(self, t: torch.Tensor, kpos: torch.Tensor, noncausal: bool) -> torch.Tensor:
+        """[B,s,T]: query row at position ``t`` [B,s] may see window key ``j`` at ``kpos`` [B,T] (−1: empty)."""
         kp = kpos[:, None, :]
-        win_ok = (kp >= 0) if noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
+        return (kp >= 0) if noncausal else (kp >= 0) & (kp <= t[..., None]) & (kp > t[..., None] - self.window)
+
+    def _attend(self, q: torch.Tensor, t: torch.Tensor, keys: torch.Tensor, kpos: torch.Tensor,
+                comp: tuple[torch.Tensor, torch.Tensor] | None, noncausal: bool) -> torch.Tensor:
+        """One softmax over window keys, compressed entries and the sink for query rows ``q`` [B,s,H,hd]
+        at positions ``t`` [B,s]; window ``keys`` [B,T,hd] (shared K = V) at ``kpos`` [B,T] (−1: empty);
+        ``comp``: the compressed entries (their own values) [B,s',E,hd] (s' 1: the same for every row, or s:
+        each row's picks) and which each row may see [B,s,E]."""
+        B, s, H, hd = q.shape
+        win_ok = self._window_ok(t, kpos, noncausal)
+        sink = fp32(self.attn_sink)
+        if (q.device.type == "cpu" and q.dtype == torch.float32 and s <= cpu_kernels.ATTEND_ROWS_MAX
+                and cpu_kernels.attend_rows_preferred()):
+            # only the keys and entries each row may see are read (a decode step's fixed shapes hold them all)
+            ent, ent_ok = comp if comp is not None else (q.new_zeros(B, 1, 0, hd), win_ok.new_zeros(B, s, 0))
+            return cpu_kernels.attend_rows(q, fp32(keys), win_ok.expand(B, s, -1), fp32(ent),
+                                           ent_ok.expand(B, s, -1), sink, hd ** -0.5)
         kf = blas.shared_operand(fp32(keys), B * s)
         window_scores = blas.einsum("bshd,btd->bhst", q, kf) * hd ** -0.5
         logits = [window_scores.masked_fill(~win_ok[:, None], NEG_INF)]
-        if comp_logits is not None:
-            logits.append(comp_logits)
-        sink = fp32(self.attn_sink).view(1, H, 1, 1).expand(B, H, s, 1)
+        if comp is not None:
+            ent, ent_ok = comp
+            dense = ent.shape[1] == 1
+            ent = blas.shared_operand(fp32(ent[:, 0] if dense else ent), B * s)
+            pattern = "bshd,btd->bhst" if dense else "bshd,bskd->bhsk"
+            logits.append((blas.einsum(pattern, q, ent) * hd ** -0.5).masked_fill(~ent_ok[:, None], NEG_INF))
+        sink = sink.view(1, H, 1, 1).expand(B, H, s, 1)
         probs = torch.softmax(torch.cat(logits + [sink], dim=-1), dim=-1)[..., :-1]
         tw = keys.shape[1]
         out = blas.einsum("bhst,btd->bshd", probs[..., :tw], kf)
-        if values is not None:
-            kind, v = values
-            pattern = "bhst,btd->bshd" if kind == "dense" else "bhsk,bskd->bshd"
-            out = out + blas.einsum(pattern, probs[..., tw:], v)
+        if comp is not None:
+            out = out + blas.einsum("bhst,btd->bshd" if dense else "bhsk,bskd->bshd", probs[..., tw:], ent)
         return out
 
     # -------------------------------------------------------------- forward
@@ -469,38 +483,31 @@ class Attention(nn.Module):
         keys, kpos = ctx.state.window(self.layer, kv)
         t = ctx.positions
         qf = blas.shared_operand(fp32(q), B * S)
-        comp_logits, values = None, None  # compressed entries: masked logits [B,H,S,X] and their values
+        comp = None  # compressed entries [B,1 or S,E,hd] and which each row may see [B,S,E]
         if self.ratio > 0:
             if self.src_main == self.main_key:
                 self.produce(x, ctx, made)
             idx_src = self.cfg.index_source(self.layer)
             if idx_src is None:  # V4 HCA: attend to every visible entry
                 entries, n_entries = ctx.state.compressed(self.src_main)
-                entries = blas.shared_operand(fp32(entries), B * S)
-                comp = blas.einsum("bshd,btd->bhst", qf, entries) * hd ** -0.5
-                comp_logits = comp.masked_fill(~self._visible(t, entries.shape[1], n_entries)[:, None], NEG_INF)
-                values = ("dense", entries)
+                comp = (entries[:, None], self._visible(t, entries.shape[1], n_entries))
             else:
                 if idx_src == self.layer:
                     idx, valid = self._select(x, qr, ctx, t, made)
                 else:
                     idx, valid = ctx.topk[idx_src]
-                picked = ctx.state.compressed_rows(self.src_main, idx)  # [B,S,k,hd]: only the rows picked
-                picked = blas.shared_operand(fp32(picked), B * S)
-                comp = blas.einsum("bshd,bskd->bhsk", qf, picked) * hd ** -0.5
-                comp_logits = comp.masked_fill(~valid[:, None], NEG_INF)
-                values = ("sparse", picked)
+                comp = (ctx.state.compressed_rows(self.src_main, idx), valid)  # [B,S,k,hd]: only the rows picked
         block = max(WINDOW_BLOCK, self.window)
         if ctx.noncausal or S <= block:
-            out = self._attend(qf, t, keys, kpos, comp_logits, values, ctx.noncausal)
+            out = self._attend(qf, t, keys, kpos, comp, ctx.noncausal)
         else:  # long chunks: each block of query rows reads only the window keys it can see
             T, outs = keys.shape[1], []
             for a in range(0, S, block):
                 b = min(a + block, S)
                 lo, hi = max(0, T - S + a - self.window + 1), T - S + b  # new row i is key T - S + i
-                vals = values if values is None or values[0] == "dense" else ("sparse", values[1][:, a:b])
-                outs.append(self._attend(qf[:, a:b], t[:, a:b], keys[:, lo:hi], kpos[:, lo:hi],
-                                         None if comp_logits is None else comp_logits[:, :, a:b], vals, False))
+                part = None if comp is None else (comp[0] if comp[0].shape[1] == 1 else comp[0][:, a:b],
+                                                  comp[1][:, a:b])
+                outs.append(self._attend(qf[:, a:b], t[:, a:b], keys[:, lo:hi], kpos[:, lo:hi], part, False))
             out = torch.cat(outs, dim=1)
         out = apply_rope(out, cos[:, :, None], sin[:, :, None], inverse=True).to(x.dtype)
         u = self.wo_a.grouped(out.reshape(B, S, self.o_groups, -1))  # [B, S, G, o_lora_rank]

@@ -20,6 +20,9 @@ API when an engine starts (:func:`build`; cached between runs).
   :func:`fp8_panels` makes the same products over a copy of the codes in column panels (:func:`pack_fp8_panels`,
   ``csrc/fp8_panels.cpp``), made at start-up: each output one sum over k in order, the decode of a panel line
   shared by all the rows, about twice :func:`fp8_pairs`' rate at 16 rows.
+* :func:`attend_rows`: a few query rows' attention (``csrc/attend_rows.cpp``): one softmax over the window keys,
+  the compressed entries (or picked ones) and the sink, reading and multiplying only the keys each row may see,
+  where a decode step's fixed shapes give every row the indexer's whole pick and the whole window.
 * :func:`sinkhorn`: mHC's Sinkhorn normalisation of a batch of small matrices, eight matrices a vector
   (``csrc/sinkhorn.cpp``). Compiled CPU steps call it instead of tracing the iterations
   (:func:`flashserve.model.mhc.sinkhorn`): the same values (bit for bit for mHC's 4x4 matrices), and far fewer
@@ -124,7 +127,8 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:10]
 
 
-KERNELS = ("mxfp4_pairs", "dense_rows", "int8_pairs", "fp8_pairs", "fp8_panels", "sinkhorn", "index_topk")
+KERNELS = ("mxfp4_pairs", "dense_rows", "int8_pairs", "fp8_pairs", "fp8_panels", "attend_rows", "sinkhorn",
+           "index_topk")
 _READY: set[str] = set()  # the paths built or loaded in this process
 
 
@@ -275,6 +279,35 @@ def fp8_panels_linear(x: torch.Tensor, panels: torch.Tensor, s: torch.Tensor, n:
     flat = x.reshape(-1, x.shape[-1])
     experts = torch.zeros(flat.shape[0], dtype=torch.int64, device=x.device)
     return fp8_panels(flat, experts, panels[None], s[None], n, row_block, col_block).view(*x.shape[:-1], n)
+
+
+ATTEND_ROWS_MAX = 16  # query rows a forward attends through attend_rows (decode and verification steps)
+
+
+@torch.compiler.assume_constant_result
+def attend_rows_preferred() -> bool:
+    """Whether decode rows attend through :func:`attend_rows`: on CPUs with AVX-512 (its vector path; others keep
+    torch's products), where it is built."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and build() is not None
+
+
+def attend_rows_eager(q: torch.Tensor, win: torch.Tensor, win_ok: torch.Tensor, ent: torch.Tensor,
+                      ent_ok: torch.Tensor, sink: torch.Tensor, scale: float, isa: str = "native") -> torch.Tensor:
+    """Each query row ``q [B, S, H, D]``'s attention: one softmax over the window keys ``win [B, T, D]`` it may see
+    (``win_ok [B, S, T]``), the entries ``ent [B, Se, E, D]`` it may see (``ent_ok [B, S, E]``; ``Se`` 1: one list
+    for every row, ``S``: each row its own picks) and each head's ``sink [H]`` logit, with logits ``q . k *
+    scale``; returns the probability-weighted sum of the keys and entries (V4's keys are their values), [B, S, H,
+    D] float32. Only the keys and entries a row may see are read. ``Attention._attend``'s masked softmax and
+    products, tested equal to them."""
+    B, S, H, D = q.shape if q.dim() == 4 else (0, 0, 0, 0)
+    if (q.dim() != 4 or win.dim() != 3 or win.shape[::2] != (B, D) or win_ok.shape != (B, S, win.shape[1])
+            or ent.dim() != 4 or ent.shape[0] != B or ent.shape[1] not in (1, S) or ent.shape[3] != D
+            or ent_ok.shape != (B, S, ent.shape[2]) or sink.shape != (H,)
+            or win_ok.dtype != torch.bool or ent_ok.dtype != torch.bool):
+        raise ValueError(f"attend_rows: q {tuple(q.shape)}, win {tuple(win.shape)}, win_ok {tuple(win_ok.shape)}, "
+                         f"ent {tuple(ent.shape)}, ent_ok {tuple(ent_ok.shape)}, sink {tuple(sink.shape)} do not "
+                         "match (masks bool)")
+    return _ops(isa).attend_rows(q, win, win_ok, ent, ent_ok, sink, float(scale))
 
 
 def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -465,6 +498,10 @@ def _register_fakes_once() -> None:
     def _(x, experts, panels, s, n, row_block, col_block):
         return x.new_empty((experts.numel(), n), dtype=torch.float32)
 
+    @fake("flashserve::attend_rows")
+    def _(q, win, win_ok, ent, ent_ok, sink, scale):
+        return q.new_empty(q.shape, dtype=torch.float32)
+
     @fake("flashserve::sinkhorn")
     def _(comb, iters, eps):
         return torch.empty_like(comb, memory_format=torch.contiguous_format)
@@ -520,6 +557,12 @@ def fp8_panels(x: torch.Tensor, experts: torch.Tensor, panels: torch.Tensor, s: 
     return torch.ops.flashserve.fp8_panels(x, experts, panels, s, n, row_block, col_block)
 
 
+def attend_rows(q: torch.Tensor, win: torch.Tensor, win_ok: torch.Tensor, ent: torch.Tensor, ent_ok: torch.Tensor,
+                sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attend_rows_eager` with the CPU's own path, as the operator ``flashserve::attend_rows``."""
+    return torch.ops.flashserve.attend_rows(q, win, win_ok, ent, ent_ok, sink, scale)
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """:func:`sinkhorn_eager` as the operator ``flashserve::sinkhorn``."""
     return torch.ops.flashserve.sinkhorn(comb, iters, eps)
@@ -537,7 +580,8 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
-           "fp8_pairs_eager", "fp8_panels", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
+           "fp8_pairs_eager", "fp8_panels", "ATTEND_ROWS_MAX", "attend_rows", "attend_rows_eager",
+           "attend_rows_preferred", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
            "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",
            "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_mapped",

@@ -131,3 +131,32 @@ def test_the_plan_gives_block_fp8_layers_panels_that_their_decode_rows_read(rele
         assert made >= len(fp8) and set(calls) <= {6, 6 * model.cfg.o_groups}
         torch.testing.assert_close(got, stored(ids).logits, rtol=1e-4, atol=1e-4)
         assert len(calls) == made  # a model without panels reads its codes as stored
+
+
+def test_decode_rows_attend_through_the_kernel_with_the_tokens_of_torchs_products(monkeypatch):
+    """Where it is preferred (AVX-512 CPUs; here on any CPU) a decode step's rows attend through cpu_kernels.attend_rows (only the keys and picked
+    entries each row may see), long prompts through torch's products; the greedy tokens are those of torch's
+    products throughout (tiny-v41: window, compressed and sparse layers, a prompt longer than the window)."""
+    from engine_helpers import prompt_of, run_greedy
+    from flashserve.engine.llm_engine import LLMEngine
+    from flashserve.model import attention
+
+    prompts = [prompt_of(70, seed=1), prompt_of(9, seed=2), prompt_of(33, seed=3)]
+    rows = []
+    real = cpu_kernels.attend_rows
+
+    def counting(q, *args):
+        rows.append(q.shape[1])
+        return real(q, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(attention.cpu_kernels, "attend_rows", counting)
+        m.setattr(attention.cpu_kernels, "attend_rows_preferred", lambda: True)
+        kernel = run_greedy(LLMEngine(EngineConfig(**{**OPTS, "kv_memory": "32MiB", "max_num_seqs": 3})), prompts, 12)
+    # decode rows, and prompts (or their chunks) of up to ATTEND_ROWS_MAX rows; longer ones take torch's products
+    assert 1 in rows and max(rows) <= cpu_kernels.ATTEND_ROWS_MAX and 70 not in rows
+    with monkeypatch.context() as m:
+        m.setattr(attention.cpu_kernels, "attend_rows_preferred", lambda: False)
+        torch_products = run_greedy(LLMEngine(EngineConfig(**{**OPTS, "kv_memory": "32MiB", "max_num_seqs": 3})),
+                                    prompts, 12)
+    assert kernel == torch_products

@@ -776,3 +776,46 @@ def test_fp8_layers_read_their_panels_once_made_and_their_codes_once_changed():
     wg = wo.packed.dequantize(torch.float32).view(4, 64, 64)
     torch.testing.assert_close(yg, torch.einsum("tgk,gnk->tgn", xg, wg), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(changed, x @ lin.packed.dequantize(torch.float32).T, rtol=1e-5, atol=1e-5)
+
+
+def _attend_reference(q, win, win_ok, ent, ent_ok, sink, scale):
+    """Attention._attend's masked softmax and products in float64: every key and entry multiplied, the ones a row
+    may not see masked."""
+    B, S, H, D = q.shape
+    q, win, ent, sink = q.double(), win.double(), ent.double(), sink.double()
+    ent = ent.expand(B, S, *ent.shape[2:])
+    lw = torch.einsum("bshd,btd->bhst", q, win) * scale
+    le = torch.einsum("bshd,bsed->bhse", q, ent) * scale
+    logits = torch.cat([lw.masked_fill(~win_ok[:, None], float("-inf")), le.masked_fill(~ent_ok[:, None], float("-inf")),
+                        sink.view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    T = win.shape[1]
+    return (torch.einsum("bhst,btd->bshd", probs[..., :T], win)
+            + torch.einsum("bhse,bsed->bshd", probs[..., T:-1], ent))
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+@pytest.mark.parametrize("H, D, shared", [(20, 96, True), (64, 128, False), (16, 64, False)])
+def test_attend_rows_equal_the_masked_softmax_over_every_key(isa, H, D, shared):
+    """attend_rows reads only the keys and entries each row may see and gives the float64 masked softmax's result
+    over all of them: a head count that is not a whole number of vectors, one entry list for every row or one per
+    row, and a row that may see nothing (its sink takes the whole probability: zeros)."""
+    g = torch.Generator().manual_seed(H + D)
+    B, S, T, E = 3, 2, 7, 9
+    q = torch.randn(B, S, H, D, generator=g)
+    win, ent = torch.randn(B, T, D, generator=g), torch.randn(B, 1 if shared else S, E, D, generator=g)
+    win_ok = torch.rand(B, S, T, generator=g) < 0.6
+    ent_ok = torch.rand(B, S, E, generator=g) < 0.5
+    win_ok[1, 0], ent_ok[1, 0] = False, False
+    sink = torch.randn(H, generator=g)
+    got = cpu_kernels.attend_rows_eager(q, win, win_ok, ent, ent_ok, sink, D ** -0.5, isa)
+    want = _attend_reference(q, win, win_ok, ent, ent_ok, sink, D ** -0.5)
+    assert got.shape == (B, S, H, D) and _rel(got, want) <= 1e-5
+    assert torch.equal(got[1, 0], torch.zeros(H, D))
+    # keys a row may not see are not read: changing them changes nothing
+    win2, ent2 = win.clone(), ent.clone()
+    win2[0, ~win_ok[0].any(0)] = float("nan")
+    ent2[0, :, ~ent_ok[0].any(0)] = float("nan")
+    assert torch.equal(cpu_kernels.attend_rows_eager(q, win2, win_ok, ent2, ent_ok, sink, D ** -0.5, isa), got)
+    with pytest.raises(ValueError, match=r"attend_rows: q \(3, 2, .*\) do not match"):
+        cpu_kernels.attend_rows_eager(q, win, win_ok[:, :1], ent, ent_ok, sink, D ** -0.5, isa)

@@ -39,6 +39,9 @@ namespace fs_fp8_pairs {
 namespace fs_fp8_panels {
 #include "fp8_panels.cpp"
 }
+namespace fs_attend_rows {
+#include "attend_rows.cpp"
+}
 namespace fs_sinkhorn {
 #include "sinkhorn.cpp"
 }

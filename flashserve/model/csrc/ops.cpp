@@ -22,6 +22,8 @@ FS_LIBRARY_FRAGMENT(m) {
     // the same products over a copy of the codes in column panels [E, ceil(n / 16), K, 16] (pack_fp8_panels)
     m.def("fp8_panels(Tensor x, Tensor experts, Tensor panels, Tensor s, int n, int row_block, int col_block) -> "
           "Tensor");
+    m.def("attend_rows(Tensor q, Tensor win, Tensor win_ok, Tensor ent, Tensor ent_ok, Tensor sink, float scale) -> "
+          "Tensor");
     m.def("sinkhorn(Tensor comb, int iters, float eps) -> Tensor");
     m.def("index_topk(Tensor q, Tensor w, Tensor pages, Tensor table, Tensor limit, Tensor cand, int k, int block, "
           "int n_blocks) -> (Tensor, Tensor, Tensor)");
