@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model import cpu_kernels, modes, packed
-from ..model.expert_cache import expert_caches
-from ..model.row_cache import row_caches
 from ..model.weight_layout import bf16_panels_for_decode, column_major_tall_weights, join_int8_rows, prepack_for_rows
 from .engine_config import INT8_KERNELS
 
@@ -94,9 +92,9 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
             plan.relayouts["panel copies for several rows"] = prepack_for_rows(model)
     if device == "cpu":
         # block-FP8 decode rows, eager or compiled, read their codes in column panels: a copy, which a model
-        # streaming its weights under a budget (weight_memory) does not make (the budget holds them as stored)
-        streamed = bool(expert_caches(model) or row_caches(model))
-        plan.relayouts[FP8_PANELS] = [] if streamed else packed.make_fp8_panels(model)
+        # loaded under a weight budget (weight_memory) does not make (the budget holds the weights as stored)
+        budgeted = getattr(model, "weight_memory", None) is not None
+        plan.relayouts[FP8_PANELS] = [] if budgeted else packed.make_fp8_panels(model)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for what, names in plan.relayouts.items():  # the weights' own bytes: copied once (joins: moved, not added)
         plan.relayout_bytes[what] = sum(tensors[n].numel() * tensors[n].element_size() for n in names if n in tensors)

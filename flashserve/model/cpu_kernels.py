@@ -18,8 +18,8 @@ API when an engine starts (:func:`build`; cached between runs).
   ``csrc/fp8_pairs.cpp``): the released checkpoints' dense layers (one matrix every row uses) and grouped output
   projection (a matrix a group), without decoding the matrix into float32 first.
   :func:`fp8_panels` makes the same products over a copy of the codes in column panels (:func:`pack_fp8_panels`,
-  ``csrc/fp8_panels.cpp``), made at start-up: each output one sum over k in order, the decode of a panel line
-  shared by all the rows, about twice :func:`fp8_pairs`' rate at 16 rows.
+  ``csrc/fp8_panels.cpp``), made at start-up: each output a sum of its column blocks' sums in order, the decode of
+  a panel line shared by up to 12 rows, 1.4-1.7x :func:`fp8_pairs`' rate at 16 rows.
 * :func:`attend_rows`: a few query rows' attention (``csrc/attend_rows.cpp``): one softmax over the window keys,
   the compressed entries (or picked ones) and the sink, reading and multiplying only the keys each row may see,
   where a decode step's fixed shapes give every row the indexer's whole pick and the whole window.
@@ -259,9 +259,10 @@ def pack_fp8_panels(q: torch.Tensor) -> torch.Tensor:
 def fp8_panels_eager(x: torch.Tensor, experts: torch.Tensor, panels: torch.Tensor, s: torch.Tensor, n: int,
                      row_block: int, col_block: int, isa: str = "native") -> torch.Tensor:
     """:func:`fp8_pairs_eager`'s products over ``panels = pack_fp8_panels(q)`` (``q [E, n, K]``), with the same
-    scales ``s``: [P, n] float32, each output the sum over k in order of one fused multiply-add a k (fp8_pairs sums
-    sixteen lanes over k, then the lanes: the same products, summed in another order). ``row_block`` must be a
-    multiple of 16 (a panel lies in one row block)."""
+    scales ``s``: [P, n] float32, each output the sum of its column blocks' sums in order, each block's one fused
+    multiply-add a k in order (fp8_pairs sums sixteen lanes over k, then the lanes: the same products, summed in
+    another order), whatever the rows beside it or the threads. ``row_block`` must be a multiple of 16 (a panel
+    lies in one row block)."""
     E, J, K, lanes = panels.shape if panels.dim() == 4 else (0, 0, 0, 0)
     if (panels.dim() != 4 or lanes != LANES or n < 1 or J != -(-n // LANES) or x.dim() != 2 or x.shape[1] != K
             or not x.shape[0] or experts.numel() % x.shape[0] or row_block < LANES or row_block % LANES

@@ -370,6 +370,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
                      if expert_cache_policy == "lru" else ", evicting the least used")
         _engram_map_from_folder(model, Path(path_or_preset))
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
+    model.weight_memory = weight_memory  # the engine's plan makes no copies of weights under a budget
     if mlock:
         from .mapped import lock_weights
 

@@ -828,10 +828,13 @@ def dequantized_state(model: nn.Module) -> dict[str, torch.Tensor]:
 FP8_PANELS = "fp8_panels"  # a block-FP8 layer's panel copy of its codes (PackedLinear.make_fp8_panels)
 
 
-def _identity(t: torch.Tensor) -> tuple[int, int]:
+def _identity(t: torch.Tensor) -> tuple[int, int | None]:
     """Where ``t``'s values are and how often they were written in place: a copy made from it is current while
-    this is unchanged."""
-    return t.data_ptr(), t._version
+    this is unchanged (an inference tensor keeps no version: its storage has to do, as w8a8's kernels do)."""
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:
+        return t.data_ptr(), None
 
 
 def make_fp8_panels(model: nn.Module) -> list[str]:

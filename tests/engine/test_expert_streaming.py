@@ -54,6 +54,8 @@ def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(release
     assert len(slots) == 1 and 3 <= min(slots) < 8  # the engram tables' 12458 rows keep 8192: an expert more
     assert all(m.expert_cache.policy == policy for m in engine.model.modules() if isinstance(m, MoE))
     assert _weights(engine.model) <= budget and engine.plan.relayouts[FP8_PANELS] == []
+    roomy = _engine(released, weight_memory=4 * whole)  # every weight fits: nothing streamed, still no copies
+    assert not expert_caches(roomy.model) and roomy.plan.relayouts[FP8_PANELS] == []
     assert run_greedy(engine, prompts, 8) == expected
     stats = engine.stats()["expert_cache"]
     assert stats["slots"] in slots and stats["experts"] == 8 and stats["layers"] == 10 and stats["policy"] == policy

@@ -714,16 +714,17 @@ def test_fp8_panel_weights_are_decoded_exactly_at_every_scale_and_denormal_setti
     from flashserve.model.packed import Format
 
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    scales = torch.tensor([0, 1, 100, 127, 134, 135, 200, 247, 254], dtype=torch.uint8)
+    scales = torch.tensor([0, 1, 100, 127, 134, 135, 200, 246, 247, 254], dtype=torch.uint8)
     N, K = len(scales) * 16, 256
     q = codes[torch.arange(N * K) % len(codes)].reshape(N, K)
-    big = scales.repeat_interleave(16) >= 200
+    big = scales.repeat_interleave(16) >= 247
     q[big] &= 0xBF  # values under 2 at the largest scales: finite weights, so 0 x weight stays 0
     pw = PackedWeights((N, K), Format("fp8", 16, 32))
     pw.qweight.copy_(q)
     pw.scale.copy_(scales.reshape(-1, 1).expand(len(scales), K // 32))
     want = pw.dequantize(torch.float32)
-    assert torch.isfinite(want).all() and (want[big] != 0).any() and (want.abs() < 2.0 ** -126).any()
+    tiny = (want != 0) & (want.abs() < 2.0 ** -126)
+    assert torch.isfinite(want).all() and (want[big].abs() > 2.0 ** 120).any() and tiny.any()  # subnormal weights
     panels = cpu_kernels.pack_fp8_panels(pw.qweight[None])
     x = torch.eye(K)
     got = cpu_kernels.fp8_panels_eager(x, torch.zeros(K, dtype=torch.long), panels, pw.scale[None], N, 16, 32, isa)
@@ -734,6 +735,7 @@ def test_fp8_panel_weights_are_decoded_exactly_at_every_scale_and_denormal_setti
         assert torch.set_flush_denormal(True)
         flushed = cpu_kernels.fp8_panels_eager(x, torch.zeros(K, dtype=torch.long), panels, pw.scale[None], N, 16,
                                                32, isa)
+        assert (torch.tensor([2.0 ** -130]) * 1.0).item() == 0.0  # the thread's flags as they were: still flushing
     finally:
         torch.set_flush_denormal(False)
         torch.set_num_threads(was)
@@ -795,11 +797,12 @@ def _attend_reference(q, win, win_ok, ent, ent_ok, sink, scale):
 
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
-@pytest.mark.parametrize("H, D, shared", [(20, 96, True), (64, 128, False), (16, 64, False)])
+@pytest.mark.parametrize("H, D, shared", [(20, 96, True), (64, 128, False), (40, 64, False), (18, 64, True)])
 def test_attend_rows_equal_the_masked_softmax_over_every_key(isa, H, D, shared):
     """attend_rows reads only the keys and entries each row may see and gives the float64 masked softmax's result
-    over all of them: a head count that is not a whole number of vectors, one entry list for every row or one per
-    row, and a row that may see nothing (its sink takes the whole probability: zeros)."""
+    over all of them: head counts that are not a whole number of vectors (of 16) or of the four heads the sums
+    take at a time, widths not a multiple of 64, one entry list for every row or one per row, a row that may see
+    nothing (its sink takes the whole probability: zeros), and one row alone (its heads split between threads)."""
     g = torch.Generator().manual_seed(H + D)
     B, S, T, E = 3, 2, 7, 9
     q = torch.randn(B, S, H, D, generator=g)
@@ -807,6 +810,7 @@ def test_attend_rows_equal_the_masked_softmax_over_every_key(isa, H, D, shared):
     win_ok = torch.rand(B, S, T, generator=g) < 0.6
     ent_ok = torch.rand(B, S, E, generator=g) < 0.5
     win_ok[1, 0], ent_ok[1, 0] = False, False
+    win_ok[0, :, :2], ent_ok[0, :, :3] = False, False  # keys no row of sequence 0 may see
     sink = torch.randn(H, generator=g)
     got = cpu_kernels.attend_rows_eager(q, win, win_ok, ent, ent_ok, sink, D ** -0.5, isa)
     want = _attend_reference(q, win, win_ok, ent, ent_ok, sink, D ** -0.5)
@@ -814,8 +818,15 @@ def test_attend_rows_equal_the_masked_softmax_over_every_key(isa, H, D, shared):
     assert torch.equal(got[1, 0], torch.zeros(H, D))
     # keys a row may not see are not read: changing them changes nothing
     win2, ent2 = win.clone(), ent.clone()
-    win2[0, ~win_ok[0].any(0)] = float("nan")
-    ent2[0, :, ~ent_ok[0].any(0)] = float("nan")
+    win2[0, :2], ent2[0, :, :3] = float("nan"), float("nan")
     assert torch.equal(cpu_kernels.attend_rows_eager(q, win2, win_ok, ent2, ent_ok, sink, D ** -0.5, isa), got)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        one = cpu_kernels.attend_rows_eager(q[2:, 1:], win[2:], win_ok[2:, 1:], ent[2:, (0 if shared else 1):][:, :1],
+                                            ent_ok[2:, 1:], sink, D ** -0.5, isa)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, got[2:, 1:])
     with pytest.raises(ValueError, match=r"attend_rows: q \(3, 2, .*\) do not match"):
         cpu_kernels.attend_rows_eager(q, win, win_ok[:, :1], ent, ent_ok, sink, D ** -0.5, isa)

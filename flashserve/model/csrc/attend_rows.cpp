@@ -10,6 +10,7 @@
 // ent_ok [B, S, E]; sink [H]; out [B, S, H, D]. Each logit is the dot product over d in order times `scale`; a row
 // with nothing visible gets zeros (its sink takes the whole probability).
 #include "isa.h"
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -119,13 +120,17 @@ void kernel(const float* q, const float* win, const bool* win_ok, const float* e
             const float* sink, float* out, int64_t B, int64_t S, int64_t H, int64_t D, int64_t T, int64_t Se,
             int64_t E, float scale, int64_t threads) {
     const int64_t Hp = (H + HB - 1) / HB * HB;
+    // fewer rows than threads: each row's heads split in G groups of whole vectors (a batch-1 decode on every
+    // thread); each head's softmax and sums are the same whatever its group
+    const int64_t G = B * S >= threads ? 1 : std::min(threads, Hp / HB), per = (Hp / HB + G - 1) / G * HB;
 #pragma omp parallel num_threads(threads)
     {
         const auto qt = aligned_floats(D * Hp, false);
         const auto lg = aligned_floats((T + E) * Hp, false);
         std::vector<const float*> rows(T + E);
 #pragma omp for schedule(dynamic)
-        for (int64_t bs = 0; bs < B * S; ++bs) {
+        for (int64_t item = 0; item < B * S * G; ++item) {
+            const int64_t bs = item / G, h0 = item % G * per, h1 = h0 + per < H ? h0 + per : H;
             const int64_t b = bs / S, s = bs % S;
             int64_t n = 0;
             for (int64_t t = 0; t < T; ++t)
@@ -133,7 +138,8 @@ void kernel(const float* q, const float* win, const bool* win_ok, const float* e
             const float* list = ent + (b * Se + (Se == 1 ? 0 : s)) * E * D;
             for (int64_t e = 0; e < E; ++e)
                 if (ent_ok[bs * E + e]) rows[n++] = list + e * D;
-            attend_row(q + bs * H * D, rows.data(), n, sink, H, D, scale, out + bs * H * D, qt.get(), lg.get());
+            attend_row(q + (bs * H + h0) * D, rows.data(), n, sink + h0, h1 - h0, D, scale, out + (bs * H + h0) * D,
+                       qt.get(), lg.get());
         }
     }
 }

@@ -2,17 +2,19 @@
 // block-FP8 matrix of expert experts[p]) over a copy of the codes laid out in column panels at start-up, as
 // dense_rows reads float weights: panels [E, ceil(N / 16), K, 16] uint8, panel j holding columns 16j .. 16j + 15
 // (code 0 past N) k by k. Each k reads one 16-byte line of a panel, decodes its 16 codes in three integer
-// instructions and a multiply by the block's power-of-two scale (exact), and multiplies them by up to 16 rows'
-// x[r, k], broadcast: no horizontal sums, and the decode is shared by every row of x. fp8_pairs reads the codes as
-// stored, sixteen columns of one matrix row at a time, and sums each output's lanes at its end; at 16 rows it ran
-// at about 40% of the machine's multiply-add rate (V4-Flash's dense layers, 2 threads, AMD EPYC, AVX-512).
+// instructions and a multiply by the block's power-of-two scale (two above 2^7; see Factors), and multiplies them by
+// up to PASS rows' x[r, k], broadcast: no horizontal sums, and the decode is shared by the pass's rows. fp8_pairs
+// reads the codes as stored, sixteen columns of one matrix row at a time, and sums each output's lanes at its
+// end; at 16 rows it ran at about 40% of the machine's multiply-add rate (V4-Flash's dense layers, 2 threads, AMD
+// EPYC, AVX-512).
 //
-// Every output is one thread's sum over k in order, one fused multiply-add per k, on every path and for any number
-// of rows or threads: a row's products do not depend on the rows beside it. Each weight equals what
-// flashserve.model.packed.decode gives (e4m3(code) * 2^(b - 127) for its block's scale b), whatever the thread's
-// denormal flags (cleared while the kernel runs, as subnormal codes decode to subnormal floats). Layout
-// (contiguous): x [T, K] float32, each row in k = P / T consecutive pairs; experts [P] int64 in [0, E);
-// s [E, ceil(N / rb), ceil(K / cb)] uint8 UE8M0; out [P, N] float32. rb % 16 == 0 (a panel lies in one row block).
+// Each output is the sum, in order, of its column blocks' sums, each block's sum one fused multiply-add a k in
+// order from zero, on every path and for any number of rows or threads: a row's products do not depend on the
+// rows beside it. Each weight is what flashserve.model.packed.decode gives (e4m3(code) * 2^(b - 127) for its
+// block's scale b, rounded as that product rounds), whatever the thread's denormal flags (cleared while the kernel
+// runs, as subnormal codes decode to subnormal floats). Layout (contiguous): x [T, K] float32, each row in
+// k = P / T consecutive pairs; experts [P] int64 in [0, E); s [E, ceil(N / rb), ceil(K / cb)] uint8 UE8M0;
+// out [P, N] float32. rb % 16 == 0 (a panel lies in one row block).
 #include "isa.h"
 #include "pairs.h"
 #include <cmath>
@@ -27,7 +29,9 @@ namespace {
 
 constexpr int64_t LANES = 16;       // columns a panel
 constexpr int64_t TILE = 8;         // panels a work item (128 columns)
-constexpr int64_t PASS = 12;        // rows of x a pass over a panel
+// rows of x a pass over a panel: 16 rows as 12 + 4 made 184-197 G multiply-adds a second on V4-Flash's shapes (2
+// threads), one pass of 16 by one panel 166-186, two of 8 by two panels 156-180
+constexpr int64_t PASS = 12;
 constexpr int64_t AHEAD = 512;      // panel lines (k) requested ahead: 8 KB a panel
 
 // 2^(b - 127) (b = 0: the subnormal 2^-127), as flashserve.model.quant.e8m0_to_float gives it
