@@ -442,7 +442,7 @@ class Attention(nn.Module):
         win_ok = self._window_ok(t, kpos, noncausal)
         sink = fp32(self.attn_sink)
         if (q.device.type == "cpu" and q.dtype == torch.float32 and s <= cpu_kernels.ATTEND_ROWS_MAX
-                and cpu_kernels.attend_rows_preferred()):
+                and H * hd >= cpu_kernels.ATTEND_ROWS_MIN_WIDTH and cpu_kernels.attend_rows_preferred()):
             # only the keys and entries each row may see are read (a decode step's fixed shapes hold them all)
             ent, ent_ok = comp if comp is not None else (q.new_zeros(B, 1, 0, hd), win_ok.new_zeros(B, s, 0))
             return cpu_kernels.attend_rows(q, fp32(keys), win_ok.expand(B, s, -1), fp32(ent),

@@ -283,6 +283,10 @@ def fp8_panels_linear(x: torch.Tensor, panels: torch.Tensor, s: torch.Tensor, n:
 
 
 ATTEND_ROWS_MAX = 16  # query rows a forward attends through attend_rows (decode and verification steps)
+# heads x head width from which a layer attends through attend_rows (V4-Flash and V4.1-Flash: 64 x 512); narrower
+# layers keep torch's (inductor's) products, whose fused loops the kernel's call would not beat (the peers
+# checkpoint, 8 x 64: batch 1 in float32 measured 1.06-1.07x llama.cpp with the kernel, 1.08-1.20x without)
+ATTEND_ROWS_MIN_WIDTH = 8192
 
 
 @torch.compiler.assume_constant_result
@@ -581,7 +585,7 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
-           "fp8_pairs_eager", "fp8_panels", "ATTEND_ROWS_MAX", "attend_rows", "attend_rows_eager",
+           "fp8_pairs_eager", "fp8_panels", "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows", "attend_rows_eager",
            "attend_rows_preferred", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
            "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",

@@ -132,7 +132,8 @@ def test_the_plan_gives_block_fp8_layers_panels_that_their_decode_rows_read(rele
 
 
 def test_decode_rows_attend_through_the_kernel_with_the_tokens_of_torchs_products(monkeypatch):
-    """Where it is preferred (AVX-512 CPUs; here on any CPU) a decode step's rows attend through cpu_kernels.attend_rows (only the keys and picked
+    """Where it is preferred (AVX-512 CPUs and layers as wide as the real models'; here on any CPU and layer) a
+    decode step's rows attend through cpu_kernels.attend_rows (only the keys and picked
     entries each row may see), long prompts through torch's products; the greedy tokens are those of torch's
     products throughout (tiny-v41: window, compressed and sparse layers, a prompt longer than the window)."""
     from engine_helpers import prompt_of, run_greedy
@@ -150,6 +151,7 @@ def test_decode_rows_attend_through_the_kernel_with_the_tokens_of_torchs_product
     with monkeypatch.context() as m:
         m.setattr(attention.cpu_kernels, "attend_rows", counting)
         m.setattr(attention.cpu_kernels, "attend_rows_preferred", lambda: True)
+        m.setattr(attention.cpu_kernels, "ATTEND_ROWS_MIN_WIDTH", 0)  # tiny-v41's layers are narrower
         kernel = run_greedy(LLMEngine(EngineConfig(**{**OPTS, "kv_memory": "32MiB", "max_num_seqs": 3})), prompts, 12)
     # (rows, entry lists, entries) a call: decode rows of window-only layers and of layers with compressed entries,
     # and prompt chunks of up to ATTEND_ROWS_MAX rows with each row's own picks; longer chunks take torch's products
