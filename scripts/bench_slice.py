@@ -58,7 +58,7 @@ def disk_read_bandwidth(folder: Path, limit: int = 2 << 30) -> float:
 
 def step_bytes(model, batch: int) -> tuple[int, dict[str, int]]:
     """Bytes one decode step of ``batch`` tokens reads, by part: dense tensors whole (a weight with bfloat16
-    panels by its panels), each layer's routed experts by the expected number a batch picks (uniform routing:
+    panels, or block-FP8 codes in panels, by its panels), each layer's routed experts by the expected number a batch picks (uniform routing:
     E (1 - (1 - k/E)^batch)), ``batch`` embedding rows."""
     import torch
 
@@ -70,6 +70,8 @@ def step_bytes(model, batch: int) -> tuple[int, dict[str, int]]:
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for name in [n for n in tensors if n.endswith("_panels") and tensors[n].dtype == torch.bfloat16]:
         tensors.pop(name.removesuffix("_panels"), None)  # decode rows read a bf16 weight's panels, not the weight
+    for name in [n for n in tensors if n.endswith(".fp8_panels")]:  # and a block-FP8 layer's panels, not its codes
+        tensors.pop(name.removesuffix("fp8_panels") + "packed.qweight", None)
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         if any(name.startswith(e + ".") for e in expert_modules):
