@@ -58,8 +58,8 @@ def disk_read_bandwidth(folder: Path, limit: int = 2 << 30) -> float:
 
 def step_bytes(model, batch: int) -> tuple[int, dict[str, int]]:
     """Bytes one decode step of ``batch`` tokens reads, by part: dense tensors whole (a weight with bfloat16
-    panels, or block-FP8 codes in panels, by its panels), each layer's routed experts by the expected number a batch picks (uniform routing:
-    E (1 - (1 - k/E)^batch)), ``batch`` embedding rows."""
+    panels, or block-FP8 codes in panels, by its panels), each layer's routed experts by the expected number a
+    batch picks (uniform routing: E (1 - (1 - k/E)^batch)), ``batch`` embedding rows."""
     import torch
 
     from flashserve.model.moe import Experts

@@ -4,8 +4,8 @@
 compiled, the CPU's vector ISA, the weight format of every module, which of torch's int8 kernels pays on this
 CPU (timed here, or given: ``int8_kernel``), and it lays out again the weights that the chosen path reads in
 another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
-CPU steps, block-FP8 codes in column panels for every CPU decode step). On a CPU it builds the C++ kernels (or loads their cached build) before anything runs, so that no
-request waits for a compiler. The engine logs
+CPU steps, block-FP8 codes in column panels for every CPU decode step). On a CPU it builds the C++ kernels (or
+loads their cached build) before anything runs, so that no request waits for a compiler. The engine logs
 :meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
 
 from __future__ import annotations

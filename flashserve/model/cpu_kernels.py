@@ -585,8 +585,8 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
-           "fp8_pairs_eager", "fp8_panels", "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows", "attend_rows_eager",
-           "attend_rows_preferred", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
+           "fp8_pairs_eager", "fp8_panels", "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows",
+           "attend_rows_eager", "attend_rows_preferred", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
            "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",
            "int8_linear", "int8_pairs", "int8_pairs_eager", "int8_pairs_preferred", "mxfp4_gate_up", "mxfp4_mapped",

@@ -380,6 +380,8 @@ class PackedLinear(_PackedMatrix):
         if (p.fmt.name != FP8 or p.qweight.device.type != "cpu" or p.qweight.dim() != 2
                 or p.fmt.row_block % cpu_kernels.LANES or not cpu_kernels.fp8_pairs_available()):
             return False
+        if self.current_fp8_panels.eager(self) is not None:  # made already (a second engine over the model)
+            return True
         self.register_buffer(FP8_PANELS, cpu_kernels.pack_fp8_panels(p.qweight[None])[0], persistent=False)
         self._fp8_panels_of = _identity(p.qweight)
         return True
@@ -398,11 +400,12 @@ class PackedLinear(_PackedMatrix):
         return self._buffers.get(FP8_PANELS)
 
     def fp8_kernel(self, x: torch.Tensor, groups: int = 1) -> bool:
-        """Whether ``x``'s product reads this layer's FP8 bytes as stored (:func:`cpu_kernels.fp8_pairs`): block
-        FP8 on a CPU that built the kernel, at most :data:`FP8_KERNEL_ROWS` rows each matrix reads (a decode
-        step's; a prompt's rows decode the matrix once and multiply it with torch's product). With ``groups``
-        row groups (:meth:`grouped`) each group's matrix reads x's rows of that group: tokens, not tokens x
-        groups."""
+        """Whether ``x``'s product reads this layer's FP8 bytes without decoding the matrix first (the panels'
+        copy through :func:`cpu_kernels.fp8_panels` where it was made, else the codes as stored through
+        :func:`cpu_kernels.fp8_pairs`): block FP8 on a CPU that built the kernel, at most :data:`FP8_KERNEL_ROWS`
+        rows each matrix reads (a decode step's; a prompt's rows decode the matrix once and multiply it with
+        torch's product). With ``groups`` row groups (:meth:`grouped`) each group's matrix reads x's rows of that
+        group: tokens, not tokens x groups."""
         fmt = self.packed.fmt
         return (fmt.name == FP8 and x.device.type == "cpu"
                 and x.numel() <= FP8_KERNEL_ROWS * groups * x.shape[-1]

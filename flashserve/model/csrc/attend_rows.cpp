@@ -162,7 +162,8 @@ at::Tensor attend_rows_op(const at::Tensor& q, const at::Tensor& win, const at::
                         ent_ok.size(0) == B && ent_ok.size(1) == S && ent_ok.size(2) == E && sink.size(0) == H;
     TORCH_CHECK(shaped, "attend_rows: q ", q.sizes(), ", win ", win.sizes(), ", win_ok ", win_ok.sizes(), ", ent ",
                 ent.sizes(), ", ent_ok ", ent_ok.sizes(), ", sink ", sink.sizes(), " do not match");
-    TORCH_CHECK(win_ok.scalar_type() == at::kBool && ent_ok.scalar_type() == at::kBool, "attend_rows: the masks must be bool");
+    TORCH_CHECK(win_ok.scalar_type() == at::kBool && ent_ok.scalar_type() == at::kBool,
+                "attend_rows: the masks must be bool");
     const at::Tensor qc = q.to(at::kFloat).contiguous(), wc = win.to(at::kFloat).contiguous();
     const at::Tensor ec = ent.to(at::kFloat).contiguous(), sc = sink.to(at::kFloat).contiguous();
     const at::Tensor wo = win_ok.contiguous(), eo = ent_ok.contiguous();
