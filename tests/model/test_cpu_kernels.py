@@ -743,9 +743,9 @@ def test_fp8_panel_weights_are_decoded_exactly_at_every_scale_and_denormal_setti
 
 
 def test_fp8_layers_read_their_panels_once_made_and_their_codes_once_changed():
-    """A block-FP8 layer given panels (the engine's plan does it on a CPU) multiplies its decode rows over them, its
-    grouped products too; a set_float afterwards is read from the new codes (the panels are stale), and a layer
-    whose row block is not a multiple of 16 gets none."""
+    """A block-FP8 layer given panels (the engine's plan does it on a CPU, once however many engines) multiplies
+    its decode rows over them, its grouped products too; a set_float afterwards is read from the new codes (the
+    panels are stale), and a layer whose row block is not a multiple of 16 gets none."""
     from flashserve.model.packed import Format, PackedLinear
 
     lin = PackedLinear(256, 192, Format("fp8", 32, 32))
@@ -755,6 +755,8 @@ def test_fp8_layers_read_their_panels_once_made_and_their_codes_once_changed():
     odd = PackedLinear(64, 48, Format("fp8", 8, 32))
     assert lin.make_fp8_panels() and wo.make_fp8_panels() and not odd.make_fp8_panels()
     assert lin.fp8_panels.shape == (12, 256, 16) and "fp8_panels" not in lin.state_dict()
+    made = lin.fp8_panels
+    assert lin.make_fp8_panels() and lin.fp8_panels is made  # a second engine's plan: no second copy
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(5))
     xg = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(7))
     calls = []
