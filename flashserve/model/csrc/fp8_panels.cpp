@@ -164,7 +164,7 @@ inline void block_products(const uint8_t* const* pan, const Factors* f, const fl
 // Panels pan[0 .. P) (columns of one row block each: their scale rows sc[p]) times R rows of xt, all K: out[r]
 // at each panel's first column (cols[p] of its 16 columns written). Each output is the sum of its column blocks'
 // sums in order, each block's sum one multiply-add a k in order from zero: rounding grows with the block's and the
-// blocks' count, not with K (one sum over K = 8192: about 5x the error)
+// blocks' count, not with K (one sum over all of K = 1024: about 5x the error)
 template <int64_t P, int64_t R>
 inline void panel_products(const uint8_t* const* pan, const uint8_t* const* sc, int64_t cb, const float* xt,
                            int64_t RS, int64_t K, float* const* out, const int64_t* cols) {
