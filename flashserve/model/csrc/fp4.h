@@ -1,6 +1,6 @@
 #pragma once
-// Shared by the kernels that read FP4 (included by mxfp4_pairs.cpp
-// and index_topk.cpp): the E2M1 values and the UE8M0 scales, as flashserve.model.quant decodes them.
+// Shared by the kernels that read FP4 (included by mxfp4_pairs.cpp and index_topk.cpp) and, for the UE8M0
+// scales, by fp8.h: the E2M1 values and the UE8M0 scales, as flashserve.model.quant decodes them.
 #include <cstdint>
 #include <cstring>
 

@@ -13,6 +13,7 @@
 // ceil(K / cb)] uint8 UE8M0; out [P, N] float32. cb % 8 == 0.
 #include "isa.h"
 #include "pairs.h"
+#include "fp8.h"
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -35,27 +36,6 @@ constexpr int64_t AHEAD = 16;  // matrix rows requested ahead of the four multip
 #if defined(FS_AVX512)
 constexpr int64_t AHEAD_BYTES = 16384;  // at least this far ahead products16 requests the rows' bytes
 #endif
-
-// 2^(b - 127) (b = 0: the subnormal 2^-127), as flashserve.model.quant.e8m0_to_float gives it
-inline float e8m0(uint8_t b) {
-    const uint32_t bits = b ? static_cast<uint32_t>(b) << 23 : 0x00400000u;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-// one E4M3 code as float32 (0x7F / 0xFF, NaN in E4M3, are not weights: they decode as 480 here)
-inline float e4m3(uint8_t b) {
-    const uint32_t mag = b & 0x7Fu;
-    float f;
-    if (mag & 0x78u) {  // normal: exponent e + 120 in float32's bias, mantissa in place
-        const uint32_t bits = (mag << 20) + (120u << 23);
-        std::memcpy(&f, &bits, sizeof f);
-    } else {
-        f = static_cast<float>(mag) * 0x1p-9f;  // subnormal: m * 2^-9
-    }
-    return (b & 0x80u) ? -f : f;
-}
 
 // sum plus the last columns k .. K - 1 of one matrix row (q, its scale row sc, one scale a cb columns) times x,
 // one by one: every path's sums end this way

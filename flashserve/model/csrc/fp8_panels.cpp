@@ -17,6 +17,7 @@
 // out [P, N] float32. rb % 16 == 0 (a panel lies in one row block).
 #include "isa.h"
 #include "pairs.h"
+#include "fp8.h"
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,27 +34,6 @@ constexpr int64_t TILE = 8;         // panels a work item (128 columns)
 // threads), one pass of 16 by one panel 166-186, two of 8 by two panels 156-180
 constexpr int64_t PASS = 12;
 constexpr int64_t AHEAD = 512;      // panel lines (k) requested ahead: 8 KB a panel
-
-// 2^(b - 127) (b = 0: the subnormal 2^-127), as flashserve.model.quant.e8m0_to_float gives it
-inline float e8m0(uint8_t b) {
-    const uint32_t bits = b ? static_cast<uint32_t>(b) << 23 : 0x00400000u;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-// one E4M3 code as float32 (0x7F / 0xFF, NaN in E4M3, are not weights: they decode as 480 here)
-inline float e4m3(uint8_t b) {
-    const uint32_t mag = b & 0x7Fu;
-    float f;
-    if (mag & 0x78u) {
-        const uint32_t bits = (mag << 20) + (120u << 23);
-        std::memcpy(&f, &bits, sizeof f);
-    } else {
-        f = static_cast<float>(mag) * 0x1p-9f;
-    }
-    return (b & 0x80u) ? -f : f;
-}
 
 // The factors that turn a code's "tiny" float (its value times 2^-120, see decode16) into its weight for a block
 // scale b: tiny * lo for b <= 134 (2^(b - 7), a normal float: every product exact), else (tiny * lo) * hi with

@@ -5,6 +5,7 @@
 #include "isa.h"
 #include "pairs.h"
 #include "fp4.h"
+#include "fp8.h"
 
 #include <algorithm>
 #include <cmath>
