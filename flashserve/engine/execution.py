@@ -2,8 +2,9 @@
 
 :func:`plan_execution` looks at the machine and the loaded model once: the device, whether decode steps are
 compiled, the CPU's vector ISA, the weight format of every module, which of torch's int8 kernels pays on this
-CPU (timed here, or given: ``int8_kernel``), and it lays out again the weights that the chosen path reads in
-another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
+CPU (timed here, or given: ``int8_kernel``), whether each C++ weight kernel gives torch's products here
+(:mod:`.kernel_check`: one that does not is refused, loudly, and torch's code runs), and it lays out again the
+weights that the chosen path reads in another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
 CPU steps, block-FP8 codes in column panels for every CPU decode step). On a CPU it builds the C++ kernels (or
 loads their cached build) before anything runs, so that no request waits for a compiler. The engine logs
 :meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
@@ -19,6 +20,7 @@ import torch
 from ..model import cpu_kernels, modes, packed
 from ..model.weight_layout import bf16_panels_for_decode, column_major_tall_weights, join_int8_rows, prepack_for_rows
 from .engine_config import INT8_KERNELS
+from .kernel_check import check_kernels
 
 log = logging.getLogger("flashserve.engine")
 FP8_PANELS = "FP8 codes in column panels"  # the relayout of packed.make_fp8_panels
@@ -35,7 +37,8 @@ class ExecutionPlan:
     int8_source: str  # "measured" | "given" | "no int8 weights"
     relayouts: dict[str, list[str]] = field(default_factory=dict)  # what was laid out again -> the weights
     relayout_bytes: dict[str, int] = field(default_factory=dict)  # what was laid out again -> their bytes
-    kernels: list[str] = field(default_factory=list)  # C++ kernels built (or loaded) by the warm-up
+    kernels: list[str] = field(default_factory=list)  # C++ kernels loaded in this process and not refused
+    refused: dict[str, str] = field(default_factory=dict)  # kernels whose products disagreed here -> how
 
     def finish(self) -> None:
         """Record the C++ kernels this process has loaded (call after the warm-up)."""
@@ -54,6 +57,9 @@ class ExecutionPlan:
             if names:
                 lines.append(f"  {what}: {len(names)} weights, {self.relayout_bytes.get(what, 0) / 1e6:.1f} MB")
         lines.append(f"  C++ kernels: {', '.join(self.kernels) if self.kernels else 'none'}")
+        if self.refused:
+            lines.append(f"  C++ kernels refused (other products than torch's here; torch's code runs): "
+                         f"{', '.join(self.refused)}")
         return "\n".join(lines)
 
 
@@ -72,11 +78,14 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
     else:
         int8_aten = (int8_kernel == "aten",) * 2
     packed.use_int8pack(*int8_aten)
+    refused = {}
     if device == "cpu":
         cpu_kernels.build()  # logs its time; a machine without a compiler says so once and runs torch's code
+        # each weight kernel against torch's products on this CPU: one that disagrees is refused (torch's code runs)
+        refused = check_kernels(model) | cpu_kernels.refused()
     plan = ExecutionPlan(device=device, compiled=compiled, mode=modes.for_step(device, compiled),
                          isa=torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
-                         formats=dict(formats), int8_aten=int8_aten,
+                         formats=dict(formats), int8_aten=int8_aten, refused=refused, kernels=cpu_kernels.built(),
                          int8_source=("given" if int8_kernel != "auto" else
                                       "measured" if int8_rows else "no int8 weights"))
     if not compiled:

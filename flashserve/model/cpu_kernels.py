@@ -130,11 +130,32 @@ def _cpu_tag() -> str:
 KERNELS = ("mxfp4_pairs", "dense_rows", "int8_pairs", "fp8_pairs", "fp8_panels", "attend_rows", "sinkhorn",
            "index_topk")
 _READY: set[str] = set()  # the paths built or loaded in this process
+# kernels that gave other products than torch's on this machine (the engine's start-up check,
+# flashserve.engine.kernel_check): kernel -> what disagreed. The model runs torch's code instead of each.
+_REFUSED: dict[str, str] = {}
+
+
+def refuse(kernel: str, why: str) -> None:
+    """Stop the model calling ``kernel`` (one of :data:`KERNELS`) in this process: its products disagreed with
+    torch's here (``why``). Layers that would call it run torch's code (a refused ``fp8_pairs`` takes ``fp8_panels``
+    with it: the panels' layers fall back to the codes as stored)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
+    _REFUSED[kernel] = why
+
+
+def refused() -> dict[str, str]:
+    """The kernels :func:`refuse` took out of use in this process, with why."""
+    return dict(_REFUSED)
+
+
+def _usable(kernel: str) -> bool:
+    return kernel not in _REFUSED and build() is not None
 
 
 def built() -> list[str]:
-    """The C++ kernels this process has built or loaded (the native path's)."""
-    return list(KERNELS) if "native" in _READY else []
+    """The C++ kernels this process has built or loaded (the native path's) and not refused."""
+    return [k for k in KERNELS if k not in _REFUSED] if "native" in _READY else []
 
 
 def _ops(isa: str):
@@ -148,19 +169,25 @@ def _ops(isa: str):
 @torch.compiler.assume_constant_result  # a traced step reads the answer as a constant
 def mxfp4_pairs_available() -> bool:
     """Whether :func:`mxfp4_pairs` has its compiled kernel on this machine (compiling it if needed)."""
-    return build() is not None
+    return _usable("mxfp4_pairs")
 
 
 @torch.compiler.assume_constant_result
 def dense_rows_available() -> bool:
     """Whether :func:`dense_rows` has its compiled kernel on this machine (compiling it if needed)."""
-    return build() is not None
+    return _usable("dense_rows")
 
 
 @torch.compiler.assume_constant_result
 def fp8_pairs_available() -> bool:
     """Whether :func:`fp8_pairs` has its compiled kernel on this machine (building it if needed)."""
-    return build() is not None
+    return _usable("fp8_pairs")
+
+
+@torch.compiler.assume_constant_result
+def fp8_panels_available() -> bool:
+    """Whether block-FP8 layers may read their codes through :func:`fp8_panels` (with :func:`fp8_pairs`)."""
+    return _usable("fp8_panels") and fp8_pairs_available()
 
 
 @torch.compiler.assume_constant_result
@@ -180,7 +207,7 @@ def int8_pairs_preferred() -> bool:
     """Whether compiled steps multiply int8 weights through :func:`int8_pairs`: on CPUs with AVX2 but not
     AVX-512, where inductor's code converts the bytes one at a time, and where it is built. AVX-512 CPUs keep
     inductor's products, fast there (docs/engine-speed.md#the-c-kernels)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2" and build() is not None
+    return torch.backends.cpu.get_cpu_capability() == "AVX2" and _usable("int8_pairs")
 
 
 def int8_pairs_eager(x: torch.Tensor, experts: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
@@ -293,7 +320,7 @@ ATTEND_ROWS_MIN_WIDTH = 8192
 def attend_rows_preferred() -> bool:
     """Whether decode rows attend through :func:`attend_rows`: on CPUs with AVX-512 (its vector path; others keep
     torch's products), where it is built."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX512" and build() is not None
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _usable("attend_rows")
 
 
 def attend_rows_eager(q: torch.Tensor, win: torch.Tensor, win_ok: torch.Tensor, ent: torch.Tensor,
@@ -585,7 +612,7 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
-           "fp8_pairs_eager", "fp8_panels", "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows",
+           "fp8_pairs_eager", "fp8_panels", "fp8_panels_available", "refuse", "refused", "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows",
            "attend_rows_eager", "attend_rows_preferred", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
            "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",

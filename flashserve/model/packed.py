@@ -374,11 +374,14 @@ class PackedLinear(_PackedMatrix):
         """Copy this block-FP8 CPU layer's codes into the column panels :func:`cpu_kernels.fp8_panels` reads
         (:func:`cpu_kernels.pack_fp8_panels`), as the buffer ``fp8_panels``: its decode rows' products then read
         those (the engine's execution plan makes them at start-up; the copy costs the codes' bytes again). False,
-        changing nothing, for another format, a row block that is not a multiple of 16, or where the kernel is
-        not available."""
+        changing nothing, for another format or a row block that is not a multiple of 16; False, dropping panels
+        made before, where the kernel is not available (or was refused: cpu_kernels.refuse)."""
         p = self.packed
         if (p.fmt.name != FP8 or p.qweight.device.type != "cpu" or p.qweight.dim() != 2
-                or p.fmt.row_block % cpu_kernels.LANES or not cpu_kernels.fp8_pairs_available()):
+                or p.fmt.row_block % cpu_kernels.LANES):
+            return False
+        if not cpu_kernels.fp8_panels_available():
+            self._buffers.pop(FP8_PANELS, None)
             return False
         if self.current_fp8_panels.eager(self) is not None:  # made already (a second engine over the model)
             return True

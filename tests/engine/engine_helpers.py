@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 
 
@@ -67,3 +70,32 @@ def dynamic_decode(runner):
         return runner.model(ids, state, start=start, logits_rows=1).logits[:, -1]
 
     return decode
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """CPU seconds process ``pid`` has used (0 where it has ended or there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, TypeError, ValueError, IndexError):
+        return 0.0
+
+
+def wait_compiled(engine, stall_s: float = 120.0) -> bool:
+    """``engine.wait_compiled()`` for as long as the compile makes progress: the child process or this process (its
+    compiling thread) using CPU time. False once the queue is done without a compiled step, or after ``stall_s``
+    seconds in which neither used any: a wait bounded by what it waits for, not by a wall-clock guess that a
+    loaded 2-core machine can miss."""
+    step = engine.runner.decode_step
+    used, last = -1.0, time.monotonic()
+    while not engine.wait_compiled(2):
+        if not step._queue.unfinished_tasks:
+            return False
+        proc = getattr(step.child, "_proc", None)
+        now = cpu_seconds(getattr(proc, "pid", None)) + time.process_time()
+        if now > used + 0.05:
+            used, last = now, time.monotonic()
+        elif time.monotonic() - last > stall_s:
+            return False
+    return True

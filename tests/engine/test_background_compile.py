@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine_helpers import make_engine, prompt_of, run_greedy
+from engine_helpers import make_engine, prompt_of, run_greedy, wait_compiled
 from flashserve.config.presets import preset_json
 from flashserve.engine import SamplingParams
 from flashserve.engine.graphs.decode_step import DecodeStep
@@ -79,7 +79,7 @@ def test_requests_decode_eagerly_while_it_compiles_then_compiled_with_the_same_t
         def release_after_three(shapes):
             if len(shapes) == 3 and not gate.is_set():
                 gate.set()
-                assert engine.wait_compiled(120)
+                assert wait_compiled(engine)
 
         tokens, shapes = _steps(engine, prompts, 8, release_after_three)
     assert tokens == expected
@@ -102,11 +102,11 @@ def test_verification_rows_are_compiled_when_first_asked_for(caplog):
                                       speculative_config=spec), [prompt], 16)
     with caplog.at_level(logging.INFO, logger="flashserve.engine"):
         engine = _engine(model, speculative_config=spec, max_num_seqs=1)
-        assert engine.wait_compiled(120)
+        assert wait_compiled(engine)
 
         def wait_for_shape(shapes):
             if shapes and not shapes[-1][2]:
-                assert engine.wait_compiled(120)
+                assert wait_compiled(engine)
 
         tokens, shapes = _steps(engine, [prompt], 16, wait_for_shape)
     assert tokens == expected
@@ -135,7 +135,7 @@ def test_a_failed_background_compile_leaves_the_step_eager(gate, caplog):
     step._forward = broken
     with caplog.at_level(logging.ERROR, logger="flashserve.engine"):
         gate.set()
-        assert not engine.wait_compiled(60)
+        assert not wait_compiled(engine)
     assert engine.stats()["decode_step"] == "eager" and isinstance(step.compile_error, RuntimeError)
     assert any("steps not compiled yet stay eager: RuntimeError: no compiler here" in r.getMessage()
                for r in caplog.records)
@@ -172,7 +172,7 @@ def test_the_cpu_compiles_in_the_background_unless_told_not_to():
                           dtype="float32", max_num_seqs=1)
     step = default.runner.decode_step
     assert step.regions is not None and step.background and step.child is None
-    assert default.wait_compiled(120) and default.stats()["decode_step"] == "compiled"
+    assert wait_compiled(default) and default.stats()["decode_step"] == "compiled"
     now = make_engine(model, "tiny-v41", enforce_eager=False, background_compile=False, compile_backend="eager",
                       dtype="float32", max_num_seqs=1)
     step = now.runner.decode_step
@@ -216,7 +216,7 @@ def test_the_warm_up_compiles_the_table_width_the_first_steps_ask_for(monkeypatc
     model = _model(preset_json("tiny-v41"))
     engine = _engine(model, max_num_seqs=1)
     step = engine.runner.decode_step
-    assert engine.wait_compiled(120)
+    assert wait_compiled(engine)
     warmed = set(step._asked)
     _, shapes = _steps(engine, [prompt_of(9, seed=3)], 4)
     assert step.table_width(9) == 10 and {k[2] for k in warmed} == {10}

@@ -20,6 +20,7 @@ from flashserve.config import config_from_dict, preset_json
 from flashserve.config.checkpoint_layout import INT, checkpoint_layout
 from flashserve.engine import EngineConfig, LLMEngine, SamplingParams
 from flashserve.model.checkpoint import save_checkpoint
+from engine_helpers import wait_compiled
 
 pytestmark = pytest.mark.xdist_group("compile_child")  # one worker: the compiles would share two cores
 
@@ -69,9 +70,9 @@ def test_a_child_compiles_and_the_engine_loads_its_graphs_with_eager_tokens(tmp_
         engine = _engine(model)
         step = engine.runner.decode_step
         assert step.child is not None and step.state() == "compiling"
-        assert engine.wait_compiled(400) and engine.stats()["decode_step"] == "compiled"
+        assert wait_compiled(engine) and engine.stats()["decode_step"] == "compiled"
         assert _greedy(engine, prompt, 20) == expected
-        assert engine.wait_compiled(400)
+        assert wait_compiled(engine)
     assert _compiled_here() == before  # nothing traced or compiled in this process
     assert step.child_s > 0 and step.loaded_s > 0
     assert len(step._ready) >= 2  # the bucket's key, and a wider table's
@@ -81,7 +82,7 @@ def test_a_child_compiles_and_the_engine_loads_its_graphs_with_eager_tokens(tmp_
     assert not any(r.levelno >= logging.WARNING for r in caplog.records), said
 
     again = _engine(model)
-    assert again.wait_compiled(60) and again.runner.decode_step.child_s == 0  # loaded, not compiled
+    assert wait_compiled(again) and again.runner.decode_step.child_s == 0  # loaded, not compiled
     assert _greedy(again, prompt, 20) == expected
     assert _compiled_here() == before
 
@@ -98,7 +99,7 @@ def test_a_failed_child_leaves_the_compile_to_the_engine(caplog):
     step.child.options["model"] = "no-such-model"
     with caplog.at_level(logging.WARNING, logger="flashserve.engine"):
         step.warm_up()
-        assert engine.wait_compiled(120)
+        assert wait_compiled(engine)
     assert step.child is None and step.child_s == 0
     assert any("the compiling child process failed: building its engine: ConfigError" in r.getMessage()
                and "compiles in this process from now on" in r.getMessage() for r in caplog.records)

@@ -832,3 +832,67 @@ def test_attend_rows_equal_the_masked_softmax_over_every_key(isa, H, D, shared):
     assert torch.equal(one, got[2:, 1:])
     with pytest.raises(ValueError, match=r"attend_rows: q \(3, 2, .*\) do not match"):
         cpu_kernels.attend_rows_eager(q, win, win_ok[:, :1], ent, ent_ok, sink, D ** -0.5, isa)
+
+
+def _within(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eq: str) -> bool:
+    """Whether ``got`` is the float64 product ``einsum(eq, x, w)`` up to float32 sums' rounding (1e-5 of the sum
+    of the products' sizes, each output)."""
+    want = torch.einsum(eq, x.double(), w)
+    return bool(((got.double() - want).abs() <= 1e-5 * torch.einsum(eq, x.double().abs(), w.abs()) + 1e-30).all())
+
+
+@pytest.mark.parametrize("isa", cpu_kernels.ISAS)
+def test_fp8_kernels_give_every_released_layer_its_decoded_products_at_every_row_count(isa, released_tiny_v41):
+    """What the model calls, on each path the build can take: every block-FP8 layer of the released tiny-v41, fed
+    rows its forward gives it, through fp8_pairs (the codes as stored) and fp8_panels (their panel copy), at every
+    row count the engine passes (1 .. FP8_KERNEL_ROWS), and the grouped output projections as the model views them
+    (one matrix a group), against the decoded weights' products in float64."""
+    from flashserve.model import packed
+    from flashserve.model.loader import load_model
+
+    model = load_model(released_tiny_v41, with_mtp=False)
+    layers = {n: m for n, m in model.named_modules()
+              if isinstance(m, packed.PackedLinear) and m.packed.fmt.name == packed.FP8}
+    rows_max, G = packed.FP8_KERNEL_ROWS, model.cfg.o_groups
+    seen: dict[str, torch.Tensor] = {}  # each layer's input rows in a forward of rows_max tokens
+
+    def keep(name):
+        def hook(module, args):
+            seen.setdefault(name, args[0].detach().reshape(-1, args[0].shape[-1]))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(keep(n)) for n, m in layers.items()]
+    with torch.no_grad():
+        model(torch.randint(0, model.cfg.vocab_size, (1, rows_max), generator=torch.Generator().manual_seed(3)))
+    for h in hooks:
+        h.remove()
+    grouped = [n for n in layers if n not in seen]  # called through .grouped, not forward
+    assert seen and grouped and all(layers[n].packed.shape[0] % G == 0 for n in grouped)
+    kinds = {}  # one layer of each shape and way of calling
+    for name, m in layers.items():
+        kinds.setdefault((m.packed.shape, m.packed.fmt, name in seen), name)
+    assert len(kinds) >= 4
+    for name in kinds.values():
+        m = layers[name]
+        p = m.packed
+        (N, K), rb, cb = p.shape, p.fmt.row_block, p.fmt.col_block
+        w, panels = p.dequantize(torch.float64), cpu_kernels.pack_fp8_panels(p.qweight[None])
+        if name in seen:
+            x = seen[name].float()
+            for rows in range(1, rows_max + 1):
+                xr, one = x[:rows], torch.zeros(rows, dtype=torch.long)
+                pairs = cpu_kernels.fp8_pairs_eager(xr, one, p.qweight[None], p.scale[None], rb, cb, isa)
+                pan = cpu_kernels.fp8_panels_eager(xr, one, panels, p.scale[None], N, rb, cb, isa)
+                assert _within(pairs, xr, w, "tk,nk->tn"), (name, rows, "fp8_pairs")
+                assert _within(pan, xr, w, "tk,nk->tn"), (name, rows, "fp8_panels")
+            continue
+        Ng = N // G  # the grouped view: x [tokens, G, K], group g's Ng matrix rows (whole row blocks and panels)
+        wg, sg = w.view(G, Ng, K), p.scale.view(G, Ng // rb, -1)
+        for rows in range(1, rows_max + 1):
+            xg = torch.randn(rows, G, K, generator=torch.Generator().manual_seed(rows))
+            flat, exp = xg.view(-1, K), torch.arange(G).repeat(rows)
+            pairs = cpu_kernels.fp8_pairs_eager(flat, exp, p.qweight.view(G, Ng, K), sg, rb, cb, isa)
+            pan = cpu_kernels.fp8_panels_eager(flat, exp, panels[0].view(G, -1, K, cpu_kernels.LANES), sg, Ng, rb,
+                                               cb, isa)
+            assert _within(pairs.view(rows, G, Ng), xg, wg, "tgk,gnk->tgn"), (name, rows, "fp8_pairs grouped")
+            assert _within(pan.view(rows, G, Ng), xg, wg, "tgk,gnk->tgn"), (name, rows, "fp8_panels grouped")
