@@ -137,9 +137,10 @@ def test_the_plan_gives_block_fp8_layers_panels_that_their_decode_rows_read(rele
     assert len(calls) >= len(fp8) and set(calls) <= {6, 6 * model.cfg.o_groups}
     assert got.shape == (1, 6, model.cfg.vocab_size) and bool(got.isfinite().all())
     # The whole forward is not compared with the codes read as stored at 1e-4: the two kernels sum each output in
-    # another order, and the compressed entries' FP4 rounding turns a last-bit difference at a rounding boundary
-    # into a step of one FP4 quantum (this prompt on an Intel Xeon: 0.596 in the logits; the FP8 layers decoded
-    # instead of either kernel show the same step here).
+    # another order, and the cache's rounding points (FP8 window rows, FP4 compressed entries) turn a last-bit
+    # difference at a rounding boundary into a step of one quantum (this prompt on an Intel Xeon: 0.596 in the
+    # logits; the FP8 layers decoded instead of either kernel give the same step on an AMD EPYC, and without either
+    # rounding point the difference is 8e-6).
 
 
 def test_a_kernel_that_disagrees_with_torch_here_is_refused_loudly_and_the_logits_stay_right(released_tiny_v41,
