@@ -46,9 +46,18 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: builds are not locked (see _BuildLock)
+    fcntl = None
 
 import torch
 
@@ -71,34 +80,143 @@ STREAM_LANES = 6  # output columns per stream panel (:func:`pack_stream_panels`)
 STREAM_MIN_BYTES = 16 << 20  # float32 weights from this size get stream panels on AVX2 CPUs (:func:`streams`)
 
 
+# how long a start waits for another process's build of the same kernels before it runs torch's code without them
+# (seconds; $FLASHSERVE_KERNEL_BUILD_WAIT): a first build takes about 10 s on 2 idle cores, minutes on busy ones
+BUILD_WAIT_S = float(os.environ.get("FLASHSERVE_KERNEL_BUILD_WAIT", "900"))
+
+
 @functools.cache
 def build(isa: str = "native") -> str | None:
     """Build the kernels' ``isa`` path with torch's extension API, or load the build cached for this CPU (torch's
     extensions folder, ``$TORCH_EXTENSIONS_DIR``), and return its operator namespace; None where it cannot be
     built here (the reason is logged once). The first build on a machine runs the C++ compiler (about 10 s on
-    2 cores); later processes load it."""
-    from torch.utils import cpp_extension
-
+    2 cores); later processes load it. One process builds at a time (:func:`_built_library`): the others wait,
+    say so, and load its build; one that waits longer than :data:`BUILD_WAIT_S` runs torch's code."""
     if isa not in _NAMESPACES:
         raise ValueError(f"unknown kernel path {isa!r}; choose one of {', '.join(ISAS)}")
     if isa in _READY:  # loaded in this process already: loading another build would define its operators twice
         return _NAMESPACES[isa]
-    name = f"flashserve_kernels_{isa}_{_cpu_tag()}"
     t0 = time.perf_counter()
     try:
-        cpp_extension.load(name=name, sources=[str(_CSRC / u) for u in _UNITS],
-                           extra_cflags=[*_CFLAGS, f"-DFLASHSERVE_OPS={_NAMESPACES[isa]}", *_ISA_FLAGS[isa],
-                                         f"-DFLASHSERVE_SOURCES={_sources_hash()}"],
-                           extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)], is_python_module=False)
+        path = _built_library(isa)
     except Exception as e:  # no compiler, no ninja: torch's or inductor's code runs instead
         log.warning("CPU kernels (%s) unavailable, running torch's code instead (%s: %s)", isa, type(e).__name__,
                     str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+    if path is None:
         return None
     if isa == "native" and "native" not in _READY:
         _register_fakes_once()
     _READY.add(isa)
     log.info("CPU kernels (%s) ready in %.1f s: %s", isa, time.perf_counter() - t0, ", ".join(KERNELS))
     return _NAMESPACES[isa]
+
+
+def _cflags(isa: str) -> list[str]:
+    return [*_CFLAGS, f"-DFLASHSERVE_OPS={_NAMESPACES[isa]}", *_ISA_FLAGS[isa], f"-DFLASHSERVE_SOURCES={_sources_hash()}"]
+
+
+def _library_name(isa: str) -> str:
+    """The name of ``isa``'s build for this CPU, these sources and flags, this torch and this compiler: a build of
+    another tree, another CPU kind or another torch has another name."""
+    import hashlib
+
+    what = [_sources_hash(), *_cflags(isa), torch.__version__, sys.version, os.environ.get("CXX", "c++")]
+    return f"flashserve_kernels_{isa}_{_cpu_tag()}_{hashlib.sha256(repr(what).encode()).hexdigest()[:10]}"
+
+
+def _built_library(isa: str) -> str | None:
+    """The path of ``isa``'s library, loaded into this process: the finished build in torch's extensions folder
+    (its ``flashserve`` folder), or one built now. A build runs in a folder of its own and its library is renamed into place only when it is
+    whole, so a build that was killed leaves nothing a later start loads. Builders take an exclusive lock on
+    ``<name>.lock`` (``fcntl.flock``: the kernel drops it when its holder dies, however it dies); a start that finds
+    it held says once who holds it and waits, at most :data:`BUILD_WAIT_S` (then None: torch's code runs)."""
+    from torch.utils import cpp_extension
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / "flashserve"
+    root.mkdir(parents=True, exist_ok=True)
+    name = _library_name(isa)
+    final = root / f"{name}.so"
+    if final.exists():
+        torch.ops.load_library(str(final))
+        return str(final)
+    with _BuildLock(root / f"{name}.lock", BUILD_WAIT_S) as held:
+        if not held:
+            log.warning("CPU kernels (%s): waited %.0f s for another process's build (lock %s); running torch's code "
+                        "without them (slower)", isa, BUILD_WAIT_S, held.path)
+            return None
+        if final.exists():  # built by the process this one waited for
+            torch.ops.load_library(str(final))
+            return str(final)
+        if held.previous:  # the lock's last holder left no library: it was killed or failed while building
+            log.warning("CPU kernels (%s): the build by %s did not finish (interrupted); building again", isa,
+                        held.previous)
+        for old in root.glob(f"{name}.build-*"):  # an interrupted build's files (no build runs: the lock is ours)
+            shutil.rmtree(old, ignore_errors=True)
+        work = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=root))
+        log.info("CPU kernels (%s): building them for this CPU in %s (once a machine: about 10 s on 2 idle cores)",
+                 isa, work)
+        try:
+            path = cpp_extension.load(name=name, sources=[str(_CSRC / u) for u in _UNITS], extra_cflags=_cflags(isa),
+                                      extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)],
+                                      build_directory=str(work), is_python_module=False)
+            os.replace(path, final)  # the loaded library keeps its mapping; later starts load it at its new path
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return str(final)
+
+
+class _BuildLock:
+    """An exclusive ``fcntl.flock`` on ``path`` for as long as the block runs, waited for at most ``wait_s``
+    seconds; the ``with`` target is true when held. The holder writes its pid and host into the file, which a
+    waiter names in its log line and the next holder reads as ``previous``. Where ``fcntl`` is missing (Windows)
+    nothing is locked: concurrent builds each build, and the last rename wins."""
+
+    def __init__(self, path: Path, wait_s: float):
+        self.path, self.wait_s = path, wait_s
+        self.previous = ""  # "process <pid> on <host>" of the last holder that did not finish, if any
+        self._file = None
+
+    def __bool__(self) -> bool:
+        return self._file is not None or fcntl is None
+
+    def __enter__(self) -> "_BuildLock":
+        if fcntl is None:
+            return self
+        f = open(self.path, "a+")
+        deadline, said = time.monotonic() + self.wait_s, False
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not said:
+                    log.warning("CPU kernels: waiting for %s, which is building them (%s)",
+                                self._holder(f) or "another process", self.path.parent)
+                    said = True
+                if time.monotonic() >= deadline:
+                    f.close()
+                    return self
+                time.sleep(0.2)
+        self.previous = self._holder(f)
+        f.seek(0)
+        f.truncate()
+        f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+        self._file = f
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._file is not None:
+            self._file.seek(0)
+            self._file.truncate()  # finished (or failed with an error this process reported): nothing to report
+            self._file.close()  # closing drops the lock
+            self._file = None
+
+    @staticmethod
+    def _holder(f) -> str:
+        f.seek(0)
+        return f.read().strip()
 
 
 @functools.cache
