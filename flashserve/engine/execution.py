@@ -4,10 +4,10 @@
 compiled, the CPU's vector ISA, the weight format of every module, which of torch's int8 kernels pays on this
 CPU (timed here, or given: ``int8_kernel``), whether each C++ weight kernel gives torch's products here
 (:mod:`.kernel_check`: one that does not is refused, loudly, and torch's code runs), and it lays out again the
-weights that the chosen path reads in another layout (column-major LM heads for eager one-row products, joined int8 rows and panel copies for compiled
-CPU steps, block-FP8 codes in column panels for every CPU decode step). On a CPU it builds the C++ kernels (or
-loads their cached build) before anything runs, so that no request waits for a compiler. The engine logs
-:meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
+weights that the chosen path reads in another layout (column-major LM heads for eager one-row products, joined
+int8 rows and panel copies for compiled CPU steps, block-FP8 codes in column panels for every CPU decode step).
+On a CPU it builds the C++ kernels (or loads their cached build) before anything runs, so that no request waits
+for a compiler. The engine logs :meth:`ExecutionPlan.describe` and keeps the plan as ``engine.plan``."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class ExecutionPlan:
     relayouts: dict[str, list[str]] = field(default_factory=dict)  # what was laid out again -> the weights
     relayout_bytes: dict[str, int] = field(default_factory=dict)  # what was laid out again -> their bytes
     kernels: list[str] = field(default_factory=list)  # C++ kernels loaded in this process and not refused
-    refused: dict[str, str] = field(default_factory=dict)  # kernels whose products disagreed here -> how
+    refused: dict[str, str] = field(default_factory=dict)  # kernels that failed their check here -> how
 
     def finish(self) -> None:
         """Record the C++ kernels this process has loaded (call after the warm-up)."""
@@ -85,7 +85,8 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
         refused = check_kernels(model) | cpu_kernels.refused()
     plan = ExecutionPlan(device=device, compiled=compiled, mode=modes.for_step(device, compiled),
                          isa=torch.backends.cpu.get_cpu_capability() if device == "cpu" else "",
-                         formats=dict(formats), int8_aten=int8_aten, refused=refused, kernels=cpu_kernels.built(),
+                         formats=dict(formats), int8_aten=int8_aten, refused=refused,
+                         kernels=cpu_kernels.built(),
                          int8_source=("given" if int8_kernel != "auto" else
                                       "measured" if int8_rows else "no int8 weights"))
     if not compiled:

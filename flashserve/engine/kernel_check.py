@@ -3,13 +3,15 @@
 The kernels (:mod:`flashserve.model.cpu_kernels`) are built for the CPU they run on (``-march=native``) and tested on
 the CPU kinds the project's machines come in; a CPU no test ran on, a compiler that builds them otherwise, or a
 build cache that holds something else could make one give other products than torch's. :func:`check_kernels` runs
-each weight kernel the model can call on a few rows of one weight of each kind the model holds (block-FP8 codes as
-stored and in column panels, alone and grouped; MXFP4 and int8 experts; float32 and bfloat16 panels), at the row
-counts the engine passes them, and compares the results with the weights decoded by torch and multiplied in
-float64. A kernel that disagrees (or raises) is refused for this process (:func:`cpu_kernels.refuse`): the layers
-that would call it run torch's code, slower but right, and the engine logs an error naming the kernel, the weight
-and the difference. The check costs milliseconds on the small models and about a second on a real-size model (each
-weight is cut to a few rows: two row blocks of an FP8 weight)."""
+each weight kernel the model calls on a few rows of one weight of each kind the model holds (block-FP8 codes as
+stored and in column panels, alone and grouped; MXFP4 experts stacked and mapped, exact and on 8-bit activations;
+int8 experts where their kernel is used; float32, bfloat16 and stream panels), at the row counts the engine passes
+them, and compares the results with the weights decoded by torch and multiplied in float64. A kernel that
+disagrees (or raises) is refused for this process (:func:`cpu_kernels.refuse`): the layers that would call it run
+torch's code, slower but right (mapped experts then decode eagerly), and the engine logs an error naming the
+kernel, the weight and the difference. The check runs once a model, before the engine decides how its steps run;
+it costs milliseconds on the small models and about half a second per FP8 layer kind at real size (each weight is
+cut to a few rows: two row blocks of an FP8 weight)."""
 
 from __future__ import annotations
 
@@ -32,9 +34,9 @@ OUT_ROWS = 64  # output rows of an expert's or a float weight checked (an FP8 we
 class _Reference:
     """``x @ w.T`` in float64 for the rows of ``x``, and each output's tolerance (see :data:`TOLERANCE`)."""
 
-    def __init__(self, x: torch.Tensor, w: torch.Tensor):
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, tolerance: float = TOLERANCE):
         self.want = x.double() @ w.double().t()
-        self.bound = TOLERANCE * (x.double().abs() @ w.double().abs().t()) + 1e-30
+        self.bound = tolerance * (x.double().abs() @ w.double().abs().t()) + 1e-30
 
     def disagreement(self, got: torch.Tensor, rows: int | slice, cols: slice = slice(None)) -> str | None:
         """None where ``got`` is the product's ``rows`` (the first ``rows``, or a slice) and ``cols`` within the
@@ -129,34 +131,86 @@ def _check_fp8_layer(name: str, layer: packed.PackedLinear, gen: torch.Generator
     return out
 
 
+def _expert_matrices(m) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]] | None:
+    """Each projection's (codes, scales) of the first two experts of ``m`` (stacked or mapped), None if not held."""
+    from ..model.mapped_experts import MappedExperts
+
+    if isinstance(m, MappedExperts):
+        held = {n: m.matrices[n][:2] for n in ("w1", "w2", "w3")}
+        return None if any(h is None for hs in held.values() for h in hs) else held
+    return {n: [(getattr(m, f"{n}_packed").qweight[e], getattr(m, f"{n}_packed").scale[e])
+                for e in range(min(2, m.n_experts))] for n in ("w1", "w2", "w3")}
+
+
 def _check_experts(model, gen) -> dict[str, str]:
-    """The first MXFP4 and the first int8 experts (where their kernel is used): the gate's and the up projection's
-    pair products in one call, rows routed at random between two experts."""
-    out = {}
-    for fmt, kernel, usable, run in (
-            (packed.MXFP4, "mxfp4_pairs", cpu_kernels.mxfp4_pairs_available, cpu_kernels.mxfp4_pairs_eager),
-            (packed.INT8, "int8_pairs", cpu_kernels.int8_pairs_preferred, cpu_kernels.int8_pairs_eager)):
-        name, experts = _first(model, packed.PackedExperts, lambda m, fmt=fmt: m.w1_packed.fmt.name == fmt
-                               and m.w1_packed.qweight.device.type == "cpu")
-        if experts is None or not usable():
+    """The first layer of MXFP4 experts (stacked or mapped) and of int8 experts, where the model's experts call
+    their kernel: the gate's and the up projection's products in one call with each token's row read for two
+    pairs, and the down projection's with a row a pair, routed at random between two experts, as exact products
+    and (MXFP4) on activations rounded to 8 bits (``w4a8``: within 2% of the products' sizes)."""
+    from ..model.mapped_experts import MappedExperts
+
+    out: dict[str, str] = {}
+    for name, m in model.named_modules():
+        mapped = isinstance(m, MappedExperts)
+        if not (mapped or isinstance(m, packed.PackedExperts)):
             continue
-        gate, up = experts.w1_packed, experts.w3_packed
-        E, n, K = min(2, gate.qweight.shape[0]), min(OUT_ROWS, gate.shape[-2]), gate.shape[-1]
-        qg, sg, qu, su = gate.qweight[:E, :n], gate.scale[:E, :n], up.qweight[:E, :n], up.scale[:E, :n]
-        x_all = torch.randn(max(ROW_COUNTS), K, generator=gen)
-        ids_all = torch.randint(0, E, (max(ROW_COUNTS),), generator=gen)
-        refs = [[_Reference(x_all, packed.decode(qm[e], sm[e], gate.fmt, K, torch.float32)) for e in range(E)]
-                for qm, sm in ((qg, sg), (qu, su))]
-        for rows in ROW_COUNTS:
-            x, ids = x_all[:rows], ids_all[:rows]
-            both, why = _attempt(lambda: run(x, ids, qg, sg, up=(qu, su)))
-            for m in range(2):
-                for i in range(rows):
-                    why = why or refs[m][int(ids[i])].disagreement(both[m][i:i + 1], slice(i, i + 1))
-            if why:
-                out[kernel] = f"{name} ({E} experts' first {n} rows of {tuple(gate.shape)}): {why}"
-                break
+        fmt = m.fmt.name if mapped else m.w1_packed.fmt.name
+        kernel = {packed.MXFP4: "mxfp4_pairs", packed.INT8: "int8_pairs"}.get(fmt)
+        if kernel is None or kernel in out or (kernel, mapped) in out.get("_seen", ()):
+            continue
+        if fmt == packed.MXFP4 and not (cpu_kernels.mxfp4_pairs_available() and m.dim % 32 == 0
+                                        and m.inter % 32 == 0):
+            continue
+        if fmt == packed.INT8 and not cpu_kernels.int8_pairs_preferred():
+            continue
+        mats = _expert_matrices(m)
+        if mats is None or mats["w1"][0][0].device.type != "cpu":
+            continue
+        out.setdefault("_seen", set()).add((kernel, mapped))
+        why = _check_expert_layer(m, mats, mapped, fmt, gen)
+        if why:
+            out[kernel] = f"{name} ({'mapped ' if mapped else ''}{fmt} experts of {m.inter}x{m.dim}): {why}"
+    out.pop("_seen", None)
     return out
+
+
+def _check_expert_layer(m, mats, mapped: bool, fmt: str, gen) -> str | None:
+    E = len(mats["w1"])
+    f = m.fmt if mapped else m.w1_packed.fmt
+    dec = {n: [packed.decode(q, s, f, q.shape[-1] * (2 if fmt == packed.MXFP4 else 1), torch.float32)
+               for q, s in mats[n]] for n in mats}
+    stack = {n: tuple(torch.stack([t[i] for t in mats[n]]) for i in range(2)) for n in mats}
+    x_all = torch.randn(max(ROW_COUNTS), m.dim, generator=gen)
+    h_all = torch.randn(2 * max(ROW_COUNTS), m.inter, generator=gen)
+    ids_all = torch.randint(0, E, (max(ROW_COUNTS), 2), generator=gen)
+    for a8 in ((False, True) if fmt == packed.MXFP4 else (False,)):
+        tol = 0.02 if a8 else TOLERANCE
+        refs = {n: [_Reference(x_all if n != "w2" else h_all, w, tol) for w in dec[n]] for n in dec}
+        for rows in ROW_COUNTS:
+            x, ids, h = x_all[:rows], ids_all[:rows], h_all[:2 * rows]
+            flat = ids.flatten()
+            if mapped:
+                gate_up, why = _attempt(lambda: cpu_kernels.mxfp4_mapped(x, flat, m.gate_up_table, m.inter, a8))
+                down, why2 = _attempt(lambda: cpu_kernels.mxfp4_mapped(h, flat, m.down_table, m.dim, a8))
+                down = None if down is None else down[0]
+            elif fmt == packed.MXFP4:
+                gate_up, why = _attempt(lambda: cpu_kernels.mxfp4_pairs_eager(x, ids, *stack["w1"], up=stack["w3"],
+                                                                             a8=a8))
+                down, why2 = _attempt(lambda: cpu_kernels.mxfp4_pairs_eager(h, flat, *stack["w2"], a8=a8))
+            else:
+                gate_up, why = _attempt(lambda: cpu_kernels.int8_pairs_eager(x, ids, *stack["w1"], up=stack["w3"]))
+                down, why2 = _attempt(lambda: cpu_kernels.int8_pairs_eager(h, flat, *stack["w2"]))
+            why = why or why2
+            for p in range(2 * rows):  # pair p: token p // 2's row (gate, up), row p of h (down)
+                if why:
+                    break
+                e, t = int(flat[p]), p // 2
+                why = (refs["w1"][e].disagreement(gate_up[0][p:p + 1], slice(t, t + 1))
+                       or refs["w3"][e].disagreement(gate_up[1][p:p + 1], slice(t, t + 1))
+                       or refs["w2"][e].disagreement(down[p:p + 1], slice(p, p + 1)))
+            if why:
+                return f"{'on 8-bit activations, ' if a8 else ''}{why}"
+    return None
 
 
 def _check_dense_rows(model, gen) -> dict[str, str]:
@@ -200,6 +254,9 @@ def check_kernels(model) -> dict[str, str]:
     the kernels are not built)."""
     if cpu_kernels.build() is None:
         return {}
+    done = getattr(model, "_kernel_check", None)
+    if done is not None:  # checked once a model (the engine checks before the plan, which asks again)
+        return dict(done)
     gen = torch.Generator().manual_seed(0)
     failed: dict[str, str] = {}
     with torch.no_grad():
@@ -209,7 +266,8 @@ def check_kernels(model) -> dict[str, str]:
         failed.setdefault("fp8_panels", "refused with fp8_pairs")
     for kernel, why in failed.items():
         cpu_kernels.refuse(kernel, why)
-        log.error("C++ kernel %s disagrees with torch's products on this CPU (%s, %s): %s. The layers that "
-                  "would call it run without it (slower, not wrong); please report this with the CPU's model.",
+        log.error("C++ kernel %s failed its check against torch's products on this CPU (%s, %s): %s. The layers "
+                  "that would call it run without it (slower, not wrong); please report this with the CPU's model.",
                   kernel, torch.backends.cpu.get_cpu_capability(), _cpu_model(), why)
+    model._kernel_check = dict(failed)
     return failed

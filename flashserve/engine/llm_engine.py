@@ -24,6 +24,7 @@ from .cache import KVCache
 from .detokenizer import IncrementalDetokenizer
 from .engine_config import EngineConfig
 from .execution import plan_execution
+from .kernel_check import check_kernels
 from .guided import Guides
 from .images import ImageInput, ImageLimits, ImageSpan, expand_placeholders, load_images
 from .graphs.compile_child import CompileChild
@@ -99,6 +100,8 @@ class LLMEngine:
         self.expert_caches = expert_caches(self.model)  # found once: stats() runs every step
         self.row_caches = row_caches(self.model)
         self.hybrid = hybrid_layers(self.model)  # experts split between the GPU and the host (gpu_experts)
+        if self.cache.device.type == "cpu":  # before eager_only: a refused kernel can leave layers eager-only
+            check_kernels(self.model)
         why = eager_only(self.model)
         if not eager and why is not None:
             log.info("%s: decode steps run eagerly (the routing is read on the host between a layer's router and "

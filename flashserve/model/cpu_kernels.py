@@ -81,8 +81,26 @@ STREAM_MIN_BYTES = 16 << 20  # float32 weights from this size get stream panels 
 
 
 # how long a start waits for another process's build of the same kernels before it runs torch's code without them
-# (seconds; $FLASHSERVE_KERNEL_BUILD_WAIT): a first build takes about 10 s on 2 idle cores, minutes on busy ones
-BUILD_WAIT_S = float(os.environ.get("FLASHSERVE_KERNEL_BUILD_WAIT", "900"))
+# (seconds; $FLASHSERVE_KERNEL_BUILD_WAIT, read when a build waits): a first build takes about 10 s on 2 idle
+# cores, minutes on busy ones
+BUILD_WAIT_S = 900.0
+
+
+def build_wait_s() -> float:
+    """$FLASHSERVE_KERNEL_BUILD_WAIT (seconds, 0 or more), else :data:`BUILD_WAIT_S`; a value that is not such a
+    number is named in a warning and the default used."""
+    raw = os.environ.get("FLASHSERVE_KERNEL_BUILD_WAIT", "").strip()
+    if not raw:
+        return BUILD_WAIT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):  # NaN too
+        log.warning("FLASHSERVE_KERNEL_BUILD_WAIT=%r is not a number of seconds (0 or more); waiting at most %g s",
+                    raw, BUILD_WAIT_S)
+        return BUILD_WAIT_S
+    return value
 
 
 @functools.cache
@@ -91,7 +109,7 @@ def build(isa: str = "native") -> str | None:
     extensions folder, ``$TORCH_EXTENSIONS_DIR``), and return its operator namespace; None where it cannot be
     built here (the reason is logged once). The first build on a machine runs the C++ compiler (about 10 s on
     2 cores); later processes load it. One process builds at a time (:func:`_built_library`): the others wait,
-    say so, and load its build; one that waits longer than :data:`BUILD_WAIT_S` runs torch's code."""
+    say so, and load its build; one that waits longer than :func:`build_wait_s` runs torch's code."""
     if isa not in _NAMESPACES:
         raise ValueError(f"unknown kernel path {isa!r}; choose one of {', '.join(ISAS)}")
     if isa in _READY:  # loaded in this process already: loading another build would define its operators twice
@@ -113,7 +131,8 @@ def build(isa: str = "native") -> str | None:
 
 
 def _cflags(isa: str) -> list[str]:
-    return [*_CFLAGS, f"-DFLASHSERVE_OPS={_NAMESPACES[isa]}", *_ISA_FLAGS[isa], f"-DFLASHSERVE_SOURCES={_sources_hash()}"]
+    return [*_CFLAGS, f"-DFLASHSERVE_OPS={_NAMESPACES[isa]}", *_ISA_FLAGS[isa],
+            f"-DFLASHSERVE_SOURCES={_sources_hash()}"]
 
 
 def _library_name(isa: str) -> str:
@@ -127,32 +146,35 @@ def _library_name(isa: str) -> str:
 
 def _built_library(isa: str) -> str | None:
     """The path of ``isa``'s library, loaded into this process: the finished build in torch's extensions folder
-    (its ``flashserve`` folder), or one built now. A build runs in a folder of its own and its library is renamed into place only when it is
-    whole, so a build that was killed leaves nothing a later start loads. Builders take an exclusive lock on
-    ``<name>.lock`` (``fcntl.flock``: the kernel drops it when its holder dies, however it dies); a start that finds
-    it held says once who holds it and waits, at most :data:`BUILD_WAIT_S` (then None: torch's code runs)."""
+    (its ``flashserve`` folder), or one built now. A build runs in a folder of its own and its library is renamed
+    into place only when it is whole, so a build that was killed leaves nothing a later start loads. Builders
+    take an exclusive lock on ``<name>.lock`` (``fcntl.flock``: the kernel drops it when its holder dies, however
+    it dies); a start that finds it held says once who holds it and waits, at most :func:`build_wait_s` (then
+    None: torch's code runs)."""
     from torch.utils import cpp_extension
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()) / "flashserve"
     root.mkdir(parents=True, exist_ok=True)
     name = _library_name(isa)
     final = root / f"{name}.so"
-    if final.exists():
-        torch.ops.load_library(str(final))
+    if final.exists() and _loaded(final):
         return str(final)
-    with _BuildLock(root / f"{name}.lock", BUILD_WAIT_S) as held:
+    wait_s = build_wait_s()
+    with _BuildLock(root / f"{name}.lock", wait_s) as held:
         if not held:
-            log.warning("CPU kernels (%s): waited %.0f s for another process's build (lock %s); running torch's code "
-                        "without them (slower)", isa, BUILD_WAIT_S, held.path)
+            log.warning("CPU kernels (%s): waited %g s for another process's build (lock %s); running torch's code "
+                        "without them (slower)", isa, wait_s, held.path)
             return None
-        if final.exists():  # built by the process this one waited for
-            torch.ops.load_library(str(final))
+        if final.exists() and _loaded(final):  # built by the process this one waited for
             return str(final)
-        if held.previous:  # the lock's last holder left no library: it was killed or failed while building
+        if final.exists():  # a library that does not load (a disk that lost its end): built again
+            final.unlink()
+        if held.previous:  # the lock's last holder left no library: it was killed while building
             log.warning("CPU kernels (%s): the build by %s did not finish (interrupted); building again", isa,
                         held.previous)
-        for old in root.glob(f"{name}.build-*"):  # an interrupted build's files (no build runs: the lock is ours)
-            shutil.rmtree(old, ignore_errors=True)
+        if held.exclusive:  # an interrupted build's files (no other build runs: the lock is this process's)
+            for old in root.glob(f"{name}.build-*"):
+                shutil.rmtree(old, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f"{name}.build-", dir=root))
         log.info("CPU kernels (%s): building them for this CPU in %s (once a machine: about 10 s on 2 idle cores)",
                  isa, work)
@@ -160,25 +182,40 @@ def _built_library(isa: str) -> str | None:
             path = cpp_extension.load(name=name, sources=[str(_CSRC / u) for u in _UNITS], extra_cflags=_cflags(isa),
                                       extra_ldflags=["-fopenmp"], extra_include_paths=[str(_CSRC)],
                                       build_directory=str(work), is_python_module=False)
+            with open(path, "rb") as f:  # on the disk before it is named: a crash cannot leave a short library
+                os.fsync(f.fileno())
             os.replace(path, final)  # the loaded library keeps its mapping; later starts load it at its new path
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return str(final)
 
 
+def _loaded(path: Path) -> bool:
+    """Whether the finished library at ``path`` loaded into this process (False, logged, if it does not load)."""
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as e:
+        log.warning("CPU kernels: %s does not load (%s); building it again", path, e)
+        return False
+    return True
+
+
 class _BuildLock:
     """An exclusive ``fcntl.flock`` on ``path`` for as long as the block runs, waited for at most ``wait_s``
-    seconds; the ``with`` target is true when held. The holder writes its pid and host into the file, which a
-    waiter names in its log line and the next holder reads as ``previous``. Where ``fcntl`` is missing (Windows)
-    nothing is locked: concurrent builds each build, and the last rename wins."""
+    seconds; the ``with`` target is true when held (``exclusive``), or when nothing can be locked here. The holder
+    writes its pid and host into the file, which a waiter names in its log line and the next holder reads as
+    ``previous``. Where ``fcntl`` is missing (Windows) or the filesystem refuses locks (some NFS and FUSE mounts)
+    nothing is locked: concurrent builds each build in their own folder, and each renames a whole library."""
 
     def __init__(self, path: Path, wait_s: float):
         self.path, self.wait_s = path, wait_s
         self.previous = ""  # "process <pid> on <host>" of the last holder that did not finish, if any
+        self.exclusive = False  # held with fcntl: no other flashserve process builds this library meanwhile
         self._file = None
+        self._unlocked = fcntl is None  # nothing to lock with here: go on without
 
     def __bool__(self) -> bool:
-        return self._file is not None or fcntl is None
+        return self.exclusive or self._unlocked
 
     def __enter__(self) -> "_BuildLock":
         if fcntl is None:
@@ -198,12 +235,17 @@ class _BuildLock:
                     f.close()
                     return self
                 time.sleep(0.2)
+            except OSError as e:  # ENOLCK, EOPNOTSUPP: this filesystem does not lock
+                log.warning("CPU kernels: %s cannot be locked here (%s); building without a lock", self.path, e)
+                f.close()
+                self._unlocked = True
+                return self
         self.previous = self._holder(f)
         f.seek(0)
         f.truncate()
         f.write(f"process {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
-        self._file = f
+        self._file, self.exclusive = f, True
         return self
 
     def __exit__(self, *exc) -> None:
@@ -730,7 +772,8 @@ def dense_rows(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
 
 
 __all__ = ["ISAS", "KERNELS", "LANES", "build", "built", "fp8_linear", "fp8_pairs", "fp8_pairs_available",
-           "fp8_pairs_eager", "fp8_panels", "fp8_panels_available", "refuse", "refused", "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows",
+           "fp8_pairs_eager", "fp8_panels", "fp8_panels_available", "refuse", "refused", "build_wait_s",
+           "ATTEND_ROWS_MAX", "ATTEND_ROWS_MIN_WIDTH", "attend_rows",
            "attend_rows_eager", "attend_rows_preferred", "fp8_panels_eager", "fp8_panels_linear", "pack_fp8_panels",
            "STREAM_LANES", "dense_rows", "dense_rows_available", "dense_rows_eager", "index_topk",
            "index_topk_available", "index_topk_eager", "int8_gate_up",

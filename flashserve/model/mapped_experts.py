@@ -19,7 +19,7 @@ from . import cpu_kernels, quant
 from .expert_cache import expert_caches
 from .moe import clamped_swiglu
 from .norms import fp32
-from .packed import _STORED_FP4, MXFP4, PackedExperts, PackedSlot, encode, packed_shapes
+from .packed import _STORED_FP4, MXFP4, PackedExperts, PackedSlot, decode, encode, packed_shapes
 
 TABLES = ("experts.gate_up_table", "experts.down_table")  # names' ends of the address tables: not checkpoint tensors
 # an expert's three matrices, packed, from this many bytes are used where they lie (smaller ones are stacked)
@@ -78,12 +78,26 @@ class MappedExperts(nn.Module):
         if T > PREFILL_TOKENS:
             return torch.cat([self(x[i:i + PREFILL_TOKENS], idx[i:i + PREFILL_TOKENS], w[i:i + PREFILL_TOKENS])
                               for i in range(0, T, PREFILL_TOKENS)])
+        if not cpu_kernels.mxfp4_pairs_available():  # refused on this CPU (engine.kernel_check): torch's products
+            return self._decoded(x, idx, w)
         flat = idx.flatten()
         a8 = self.int8_activations
         gate_up = cpu_kernels.mxfp4_mapped(x, flat, self.gate_up_table, self.inter, a8).to(x.dtype)  # [2, T*k, inter]
         act = clamped_swiglu(gate_up[0], gate_up[1], self.limit)
         y = cpu_kernels.mxfp4_mapped(act, flat, self.down_table, self.dim, a8)[0].to(x.dtype)  # [T*k, dim]
         return (fp32(y).view(T, k, -1) * w[..., None]).sum(1).to(x.dtype)
+
+    def _decoded(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The same sum over torch's products: each expert the tokens hit decoded (a host sync on the routing, so
+        eager steps only: :func:`eager_only`); exact products, also under ``int8_activations``."""
+        out = torch.zeros(x.shape[0], self.dim, dtype=torch.float32, device=x.device)
+        for e in idx.unique().tolist():
+            t, j = (idx == e).nonzero(as_tuple=True)
+            w1, w2, w3 = (decode(*self.matrices[n][e], self.fmt, self.shapes[n][1], torch.float32) for n in NAMES)
+            h = fp32(x[t])
+            y = clamped_swiglu(h @ w1.t(), h @ w3.t(), self.limit) @ w2.t()
+            out.index_add_(0, t, y * fp32(w[t, j])[:, None])
+        return out.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.n_experts} MXFP4 experts of {self.inter}x{self.dim}, mapped"
@@ -157,4 +171,6 @@ def eager_only(model: nn.Module) -> str | None:
 
     if hybrid_layers(model):
         return "routed experts split between the GPU and the host (gpu_experts)"
+    if not cpu_kernels.mxfp4_pairs_available() and any(isinstance(m, MappedExperts) for m in model.modules()):
+        return "mapped MXFP4 experts without their C++ kernel (refused on this CPU)"
     return None

@@ -91,7 +91,7 @@ def wait_compiled(engine, stall_s: float = 120.0) -> bool:
     used, last = -1.0, time.monotonic()
     while not engine.wait_compiled(2):
         if not step._queue.unfinished_tasks:
-            return False
+            return engine.wait_compiled(0)  # finished between the two reads, or failed
         proc = getattr(step.child, "_proc", None)
         now = cpu_seconds(getattr(proc, "pid", None)) + time.process_time()
         if now > used + 0.05:

@@ -167,7 +167,7 @@ def test_a_kernel_that_disagrees_with_torch_here_is_refused_loudly_and_the_logit
     assert list(plan.refused) == ["fp8_panels"] and plan.relayouts[FP8_PANELS] == []
     assert "fp8_panels" not in cpu_kernels.built() and "refused" in plan.describe()
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-    assert len(errors) == 1 and "fp8_panels disagrees" in errors[0] and "outputs wrong" in errors[0]
+    assert len(errors) == 1 and "fp8_panels failed its check" in errors[0] and "outputs wrong" in errors[0]
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
 
@@ -215,3 +215,48 @@ def test_decode_rows_attend_through_the_kernel_with_the_tokens_of_torchs_product
         torch_products = run_greedy(LLMEngine(EngineConfig(**{**OPTS, "kv_memory": "32MiB", "max_num_seqs": 3})),
                                     prompts, 12)
     assert kernel == torch_products
+
+
+def test_mapped_experts_whose_kernel_is_refused_take_torchs_products_eagerly(monkeypatch, caplog):
+    """Experts used where they lie in the mapped checkpoint (the real models' MXFP4 experts) are checked too: with
+    their kernel wrong on this CPU (here on purpose) the engine refuses it, decodes eagerly (the decoded experts
+    read the routing on the host) and never calls it; the decoded experts' products are the kernel's."""
+    from flashserve.engine import SamplingParams
+    from flashserve.engine.llm_engine import LLMEngine
+    from flashserve.model import mapped_experts
+    from flashserve.models import default_model
+
+    monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)  # the default model's experts held as real ones are
+    monkeypatch.setattr(cpu_kernels, "_REFUSED", {})
+    real = cpu_kernels.mxfp4_mapped
+    calls = []
+
+    def wrong(*args):
+        calls.append(1)
+        return real(*args) * 1.01
+
+    monkeypatch.setattr(cpu_kernels, "mxfp4_mapped", wrong)
+    with caplog.at_level(logging.INFO, logger="flashserve"):
+        engine = LLMEngine(EngineConfig(model=default_model(), kv_memory="8MiB", max_num_seqs=1, threads=1,
+                                        speculative_config="off"))
+    model = engine.runner.model
+    layer = next(m for m in model.modules() if isinstance(m, mapped_experts.MappedExperts))
+    assert "mxfp4_pairs" in engine.plan.refused and "mapped mxfp4 experts" in engine.plan.refused["mxfp4_pairs"]
+    said = [r.getMessage() for r in caplog.records]
+    assert "mapped MXFP4 experts without their C++ kernel (refused on this CPU): decode steps run eagerly (the " \
+           "routing is read on the host between a layer's router and its experts)" in said
+    assert engine.runner.decode_step.child is None and engine.stats()["decode_step"] == "eager"
+    assert any("mxfp4_pairs failed its check" in m for m in said)
+    calls.clear()
+    engine.add_request("r", [5, 17, 3, 99, 42, 7], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not calls
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, layer.dim, generator=g)
+    idx = torch.randint(0, layer.n_experts, (5, 2), generator=g)
+    w = torch.rand(5, 2, generator=g)
+    decoded = layer(x, idx, w)
+    monkeypatch.setattr(cpu_kernels, "_REFUSED", {})
+    monkeypatch.setattr(cpu_kernels, "mxfp4_mapped", real)
+    torch.testing.assert_close(decoded, layer(x, idx, w), rtol=1e-5, atol=1e-5)
