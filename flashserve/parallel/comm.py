@@ -46,6 +46,13 @@ class Comm:
     counters: dict[str, Counter] = field(default_factory=dict)
     moe_layers: dict[int, object] = field(default_factory=dict)  # layer -> ParallelMoE (DP idle participation)
     tp_group: object = None  # the TP ranks of this rank's DP group (``data`` itself when DP = 1)
+    store: object = None  # the TCPStore the groups were built over, kept alive with them
+
+    # ------------------------------------------------------------------ start-up notes
+    def note_startup(self, doing: str) -> None:
+        """A worker: what it is doing while it starts, kept in the store, so that rank 0 can say it when the
+        worker is not ready in time (:func:`startup_note`)."""
+        note_startup(self.store, self.rank, doing)
 
     @property
     def world(self) -> int:
@@ -172,17 +179,51 @@ class Comm:
 
 LONG_WAIT = datetime.timedelta(days=365)
 
+JOINING = "joining the process groups"  # a worker's first start-up note, once it reached rank 0's store
+
+
+def _note_key(rank: int) -> str:
+    return f"flashserve/startup/{rank}"
+
+
+def _arrived_key(rank: int) -> str:
+    return f"flashserve/arrived/{rank}"
+
+
+def note_startup(store, rank: int, doing: str) -> None:
+    """Record in ``store`` what worker ``rank`` is doing while it starts (rank 0 notes nothing)."""
+    if rank != 0 and store is not None:
+        store.set(_note_key(rank), doing)
+
+
+def startup_note(store, rank: int) -> str | None:
+    """What worker ``rank`` last noted it was doing while starting; None when it never reached ``store`` (or the
+    store cannot answer)."""
+    try:
+        key = _note_key(rank)
+        return store.get(key).decode() if store.check([key]) else None
+    except Exception:  # the store is gone: nothing known
+        return None
+
 
 def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.device, timeout: float,
-            host_store: bool = True, startup_timeout: float = 3600.0, listen_fd: int | None = None) -> Comm:
+            host_store: bool = True, startup_timeout: float = 3600.0, listen_fd: int | None = None,
+            on_store=None) -> Comm:
     """Join the engine's process groups. Rank 0 hosts the store at ``addr:port`` unless torchrun's agent already
     does (``host_store`` False), on ``listen_fd`` where given (a socket already listening on ``port``, which the
-    store then owns). The store (the ranks' rendezvous) waits up to ``startup_timeout`` seconds for the other
-    ranks; the groups' operations, ``timeout``."""
+    store then owns). Every rank waits at the store up to ``startup_timeout`` seconds for the others to arrive (a
+    worker imports torch first), then builds the groups, whose own rendezvous and operations wait ``timeout``.
+    ``on_store`` is called with the store as soon as it is up (rank 0 reads the workers' start-up notes from it,
+    :func:`startup_note`, when they do not arrive in time); a worker notes :data:`JOINING` there."""
     t = datetime.timedelta(seconds=timeout)
     fd = {"master_listen_fd": listen_fd} if listen_fd is not None else {}
     store = dist.TCPStore(addr, port, layout.world, rank == 0 and host_store,
                           timeout=datetime.timedelta(seconds=startup_timeout), wait_for_workers=False, **fd)
+    if on_store is not None:
+        on_store(store)
+    note_startup(store, rank, JOINING)
+    store.set(_arrived_key(rank), "1")
+    store.wait([_arrived_key(r) for r in range(layout.world)], datetime.timedelta(seconds=startup_timeout))
 
     def gloo(prefix: str, wait: datetime.timedelta):
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, layout.world, wait)
@@ -194,7 +235,7 @@ def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.devic
         data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, layout.world, opts)
     else:
         data = gloo("data", t)
-    comm = Comm(layout, rank, data, gloo("ctl", LONG_WAIT), gloo("reply", t), timeout, device)
+    comm = Comm(layout, rank, data, gloo("ctl", LONG_WAIT), gloo("reply", t), timeout, device, store=store)
     comm.tp_group = data
     if layout.dp > 1 and layout.tp > 1:  # this DP group's TP ranks: heads, vocabulary and shared expert
         d, r = layout.dp_rank(rank), layout.tp_rank(rank)
@@ -203,5 +244,4 @@ def connect(layout: Layout, rank: int, addr: str, port: int, device: torch.devic
             comm.tp_group = dist.ProcessGroupNCCL(prefix, r, layout.tp, opts)
         else:
             comm.tp_group = dist.ProcessGroupGloo(prefix, r, layout.tp, t)
-    comm.store = store  # kept alive with the groups
     return comm

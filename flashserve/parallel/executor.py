@@ -14,25 +14,32 @@ lead's engine code (scheduler, cache, sampler, speculative decoding) runs unchan
   over the ranks (fewest unfinished), sends each step to every rank, and merges the outputs; the ranks meet
   only in the MoE, kept in lock step by :meth:`~.comm.Comm.sync_idle`.
 
-Processes: on one node rank 0 spawns ``world - 1`` workers (``torch.multiprocessing``, spawn, as vLLM's
-multiprocessing executor); under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set)
+Processes: on one node rank 0 spawns ``world - 1`` workers, each a fresh interpreter (:class:`WorkerProcess`,
+as multiprocessing's ``spawn``, which vLLM's multiprocessing executor uses once threads or CUDA are initialised)
+that inherits nothing of rank 0's process state: not the running OpenMP thread pool of an engine that already ran
+(a process forked while that pool runs can hang in its first parallel op), not a CUDA context, not the caller's
+``__main__`` (which is never re-run). Each worker imports torch and flashserve itself, the price of a fresh
+interpreter at start-up. Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set)
 every process is started by torchrun and ranks other than 0 serve as workers.
 
 Failure: a worker that dies is seen at once (its sockets close); one that hangs, after ``worker_timeout``
 seconds (once the engine is up, every wait of rank 0 on a worker and every model collective is bounded by it).
-Start-up (the rendezvous of the ranks and each worker loading its shard) is bounded by ``startup_timeout``
-instead, since loading a large checkpoint's shard takes minutes. Either way the engine raises
-:class:`WorkerFailure` naming the rank, kills the workers it spawned and refuses further calls.
+Start-up is bounded by ``startup_timeout`` instead, since loading a large checkpoint's shard takes minutes: the
+rendezvous of the ranks, then, from there, every worker building its engine and answering "ready". A worker that
+is not ready in time is named with what it last noted it was doing (:meth:`~.comm.Comm.note_startup`). Either way
+the engine raises :class:`WorkerFailure` naming the rank, kills the workers it spawned and refuses further calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import hashlib
 import logging
 import os
+import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -40,7 +47,7 @@ import weakref
 import torch
 
 from ..config import ConfigError
-from .comm import Comm, connect
+from .comm import JOINING, Comm, connect, startup_note
 from ..config.ranks import Layout, layout_of
 from ..model.engram_host import host_engram_tables
 from .shard import keep_rank_experts, shard_model
@@ -79,24 +86,6 @@ def _listening_socket() -> socket.socket:
     return s
 
 
-def _start_method(device: torch.device) -> str:
-    """Fork on the CPU (the workers start in a moment, torch already imported), as vLLM's multiprocessing
-    executor does where it can; spawn for CUDA ranks (a process forked after the CUDA driver was touched cannot
-    use it) or when CUDA is initialised here. ``FLASHSERVE_WORKER_START`` overrides."""
-    method = os.environ.get("FLASHSERVE_WORKER_START")
-    if method:
-        return method
-    return "spawn" if device.type == "cuda" or torch.cuda.is_initialized() else "fork"
-
-
-def _build_on_meta(config) -> None:
-    from ..config import load_config
-    from ..model.transformer import Transformer
-
-    with torch.device("meta"):
-        Transformer(load_config(config.model), with_mtp=False)
-
-
 def _ranks_here(layout: Layout) -> int:
     """Ranks on this machine: torchrun's local world, else every rank (spawned here)."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
@@ -116,12 +105,13 @@ def _device(config, local_rank: int) -> torch.device:
 
 def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     """One rank's engine: the model built whole on the host (a preset's seeded weights are equal on every
-    rank), this rank's slices kept, then moved to its device."""
+    rank), this rank's slices kept, then moved to its device. A worker notes each stage (rank 0 names the stage
+    of a worker that is not ready in time)."""
     from ..engine.llm_engine import LLMEngine
     from ..engine.threads import set_threads
     from ..model.loader import load_model, resolve_dtype
 
-    set_threads(config.threads, ranks=_ranks_here(layout))
+    threads = set_threads(config.threads, ranks=_ranks_here(layout))  # the default: this rank's share of the cores
     device = comm.device
     dtype = torch.float64 if config.dtype in ("float64", "fp64") else resolve_dtype(config.dtype)
     from ..engine.spec_config import SpeculativeConfig
@@ -132,14 +122,19 @@ def build_rank_engine(config, layout: Layout, rank: int, comm: Comm):
     def prepare(m) -> None:
         keep_rank_experts(m, layout, rank)
 
+    comm.note_startup("loading its shard of the model")
     model = load_model(config.model, dtype=dtype, device="cpu", fake_quant=config.fake_quant,
                        with_mtp=spec is not None and spec.method in ("mtp", "dspark"), quantization=config.quantization,
                        prepare=prepare, mmap=config.mmap, mlock=config.mlock)
+    comm.note_startup("sharding the model")
     shard_model(model, layout, rank, comm)
     host_engram_tables(model)  # engram tables stay in host memory (memory-mapped from a checkpoint: --mmap)
+    comm.note_startup(f"moving its shard to {device}")
     model.to(device)
-    # collectives run eagerly: the compiled decode step does not trace this module's process-group calls
-    cfg = dataclasses.replace(config, device=str(device), enforce_eager=True)
+    comm.note_startup("building its LLMEngine (KV cache, decode step)")
+    # collectives run eagerly: the compiled decode step does not trace this module's process-group calls; the
+    # threads as set above (LLMEngine sets them again, and its default is every core, not this rank's share)
+    cfg = dataclasses.replace(config, device=str(device), enforce_eager=True, threads=threads)
     return LLMEngine(cfg, model=model, warm_up=False)  # once every rank is ready: ShardedEngine.__init__
 
 
@@ -168,6 +163,7 @@ def worker_main(config, rank: int, local_rank: int, addr: str, port: int, parent
     comm = connect(layout, rank, addr, port, _device(config, local_rank), config.worker_timeout,
                    host_store=not agent_store, startup_timeout=config.startup_timeout)
     try:
+        comm.note_startup("building its engine")
         engine = build_rank_engine(config, layout, rank, comm)
     except Exception as e:
         comm.send_reply(("error", f"rank {rank} failed to start: {type(e).__name__}: {e}"))
@@ -227,10 +223,7 @@ def _picklable(e: BaseException) -> bool:
 
 
 def _spawned_worker(config, rank: int, addr: str, port: int, parent_pid: int) -> None:
-    import sys
-
-    gc.freeze()  # forked: never collect (and finalise) the parent's objects, e.g. an earlier engine's groups
-
+    """The life of a worker that rank 0 spawned (:class:`WorkerProcess`): ends the process with its status."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         code = worker_main(config, rank, rank, addr, port, parent_pid)
@@ -241,6 +234,53 @@ def _spawned_worker(config, rank: int, addr: str, port: int, parent_pid: int) ->
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# The spawned interpreter's program: rank 0's ``sys.path``, then the pickled target and its arguments, on stdin.
+# Only the standard library is imported before ``sys.path`` is rank 0's.
+_BOOT = ("import pickle, sys; path, blob = pickle.load(sys.stdin.buffer); sys.path[:] = path; "
+         "from flashserve.parallel.executor import _run_spawned; _run_spawned(blob)")
+
+
+def _run_spawned(blob: bytes) -> None:
+    target, args = pickle.loads(blob)
+    target(*args)
+
+
+class WorkerProcess:
+    """A worker in a fresh interpreter (``python -c``), started as multiprocessing's ``spawn`` would start it but
+    without re-running the caller's ``__main__`` (a script that makes a sharded engine needs no
+    ``if __name__ == "__main__"`` guard) and without multiprocessing's resource-tracker process: ``target(*args)``,
+    both pickled here (an option that cannot be pickled fails here, before any process starts). The part of
+    ``multiprocessing.Process`` the engine uses: ``pid``, ``name``, ``exitcode`` (negative: killed by that
+    signal), ``kill``, ``join``."""
+
+    def __init__(self, target, args: tuple, name: str):
+        blob = pickle.dumps((target, args))
+        self.name = name
+        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE)
+        self.pid = self._proc.pid
+        try:
+            with self._proc.stdin:
+                self._proc.stdin.write(pickle.dumps((list(sys.path), blob)))
+        except OSError:  # it ended before reading (its exit code says how)
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.poll()
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<WorkerProcess {self.name} pid={self.pid} exitcode={self.exitcode}>"
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
@@ -313,33 +353,26 @@ class ShardedEngine:
         else:
             listener = _listening_socket()
             addr, port, agent = "127.0.0.1", listener.getsockname()[1], False
-            method = _start_method(device)
-            if method == "fork":  # torch's lazy imports for building a model (seconds), paid once, before the fork
-                _build_on_meta(config)
-                gc.collect()  # no garbage for a child to collect: its finalisers belong to this process
-            ctx = torch.multiprocessing.get_context(method)
-            for r in range(1, layout.world):
-                p = ctx.Process(target=_spawned_worker, args=(config, r, addr, port, os.getpid()),
-                                name=f"flashserve-rank{r}", daemon=True)
-                p.start()
-                self.procs.append(p)
         try:
+            if env is None:
+                for r in range(1, layout.world):
+                    self.procs.append(WorkerProcess(_spawned_worker, (config, r, addr, port, os.getpid()),
+                                                    name=f"flashserve-rank{r}"))
             comm = self._connect(layout, addr, port, device, agent, listener)
             self.comm = comm
+            ready_by = time.monotonic() + self.startup_timeout  # every worker, from the rendezvous on
             self.local = build_rank_engine(config, layout, 0, comm)
             for r in range(1, layout.world):
                 try:
-                    status, msg = self._recv(r, self.startup_timeout)
+                    status, msg = self._recv(r, max(ready_by - time.monotonic(), 0.1))
                 except Exception as e:
-                    who = self._who(e)
-                    if "died with exit code" not in who:  # alive but not ready: hung or still loading
-                        who = (f"worker rank {r} was not ready within the {self.startup_timeout:g} s startup "
-                               f"timeout (--startup-timeout)")
-                    raise WorkerFailure(f"{layout.describe()}: start-up failed: {who}") from e
+                    raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._not_ready(r, e)}") from e
                 if status != "ready":
                     raise WorkerFailure(msg)
         except BaseException as e:
             self._kill_workers()
+            if listener is not None and listener.fileno() != -1:  # no worker was started to meet at it
+                listener.close()
             if isinstance(e, (WorkerFailure, ConfigError)):
                 raise
             raise WorkerFailure(f"{layout.describe()}: start-up failed: {self._who(e)}") from e
@@ -358,29 +391,64 @@ class ShardedEngine:
 
     # ------------------------------------------------------------------ start-up
     def _connect(self, layout, addr, port, device, agent, listener: socket.socket | None) -> Comm:
-        """Join the groups while watching the spawned workers: one that dies while starting ends the wait.
-        ``listener``: the store's bound socket, handed over to the store (which closes it)."""
+        """Join the groups while watching the spawned workers: one that dies while starting ends the wait, and
+        so does ``startup_timeout`` (the ranks' wait at the store, with a second's grace for it to answer first),
+        naming the workers that did not join and what they last noted. ``listener``: the store's bound socket,
+        handed over to the store (which closes it)."""
         box: dict = {}
 
         def run():
             try:
                 box["comm"] = connect(layout, 0, addr, port, device, self.timeout, host_store=not agent,
                                       startup_timeout=self.startup_timeout,
-                                      listen_fd=listener.detach() if listener is not None else None)
+                                      listen_fd=listener.detach() if listener is not None else None,
+                                      on_store=lambda store: box.__setitem__("store", store))
             except BaseException as e:
                 box["error"] = e
 
-        t = threading.Thread(target=run, daemon=True)
+        t = threading.Thread(target=run, name="flashserve-rendezvous", daemon=True)
         t.start()
-        while t.is_alive():
+        give_up = time.monotonic() + self.startup_timeout + 1.0
+        while t.is_alive() and time.monotonic() < give_up:
             t.join(0.2)
             dead = [p for p in self.procs if p.exitcode is not None]
             if dead:
                 raise WorkerFailure(f"{layout.describe()}: worker rank {self.procs.index(dead[0]) + 1} "
                                     f"(pid {dead[0].pid}) exited with code {dead[0].exitcode} while starting")
-        if "error" in box:
-            raise box["error"]
-        return box["comm"]
+        if "comm" in box:
+            return box["comm"]
+        if t.is_alive():  # rank 0 itself still joining the groups (its store's client busy: no note to read)
+            raise WorkerFailure(f"{layout.describe()}: start-up failed: the ranks did not meet within the "
+                                f"{self.startup_timeout:g} s startup timeout (--startup-timeout): rank 0 was still "
+                                f"joining the process groups")
+        error = box["error"]
+        if "store" not in box:  # rank 0's own store did not start
+            raise error
+        # the workers that never reached the store (the others wait there for them), else those that reached it
+        # but did not join the groups
+        notes = {r: startup_note(box["store"], r) for r in range(1, layout.world)}
+        lagging = [f"worker rank {r}{self._pid(r)} never reached rank 0's store" for r, n in notes.items() if n is None]
+        lagging = lagging or [f"worker rank {r}{self._pid(r)} was {n}" for r, n in notes.items() if n == JOINING]
+        if not lagging:  # every worker joined: rank 0's own failure
+            raise error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise WorkerFailure(f"{layout.describe()}: start-up failed: the ranks did not meet within the "
+                            f"{self.startup_timeout:g} s startup timeout (--startup-timeout): {'; '.join(lagging)} "
+                            f"({first})") from error
+
+    def _pid(self, rank: int) -> str:
+        """`` (pid N)`` of a worker spawned here; empty under torchrun."""
+        return f" (pid {self.procs[rank - 1].pid})" if len(self.procs) >= rank else ""
+
+    def _not_ready(self, rank: int, exc: BaseException) -> str:
+        """Why worker ``rank`` sent no "ready": how it died, or, alive, that it was not ready in time and what it
+        last noted it was doing (:meth:`~.comm.Comm.note_startup`)."""
+        who = self._who(exc)
+        if "died with exit code" in who:
+            return who
+        note = startup_note(self.comm.store, rank)
+        return (f"worker rank {rank}{self._pid(rank)} was not ready within the {self.startup_timeout:g} s startup "
+                f"timeout (--startup-timeout)" + (f"; it was {note}" if note else ""))
 
     def _log_startup(self) -> None:
         lay, cache = self.layout, self.local.cache

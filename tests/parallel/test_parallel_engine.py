@@ -1,13 +1,17 @@
 """Sharded engines (gloo on the CPU) compute the same tokens as one process: TP=2, EP=2, attention-DP=2 with
-EP, and TP=2 inside each of 2 attention-DP groups (4 ranks), on tiny-v4 and tiny-v41 (float64; V4.1's encoder-only prefill, prefix-cache hits and
-seeded sampling included); a killed or hung worker ends the engine with a clear error within its timeout and
-leaves no process behind."""
+EP, and TP=2 inside each of 2 attention-DP groups (4 ranks), on tiny-v4 and tiny-v41 (float64; V4.1's
+encoder-only prefill, prefix-cache hits and seeded sampling included), also in a process whose torch already ran
+on two threads; a killed or hung worker ends the engine with a clear error within its timeout and leaves no
+process behind, at start-up too."""
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
+import torch
 
 from flashserve.entrypoints.llm import LLM
 from flashserve.engine.interface import Engine
@@ -240,26 +244,112 @@ def test_dp_balances_sequences_over_groups():
         eng.shutdown()
 
 
-def test_startup_timeout_bounds_a_worker_that_never_gets_ready(monkeypatch):
-    """A worker that hangs while loading its shard ends the start-up after --startup-timeout seconds (not an
-    hour), naming the rank, and is killed."""
+# ---------------------------------------------------------------------------------------------- start-up
+def test_sharded_engines_start_after_an_engine_ran_on_two_threads(monkeypatch):
+    """In a process whose torch already ran on two threads (a one-process engine at the default threads on 2
+    cores: OpenMP's pool is running), TP=2, EP=2 and DP=2 with EP each start with two threads a rank (a rank's
+    share of a larger machine's cores) and give the one-process engine's greedy tokens. Every worker is a fresh
+    interpreter, which inherits no pool: a worker forked from this process hung in its first parallel op on two
+    threads (torch.zeros, allocating its KV cache), forever."""
+    prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(3 + 5 * i)] for i in range(4)]
+    opts = dict(OPTS, threads=2)  # the suite runs on one thread (tests/conftest.py)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # the workers' idle threads sleep: 2 cores, 2 x 2 threads
+    threads = torch.get_num_threads()
+    try:
+        one = LLM("tiny-v41", **opts)
+        assert torch.get_num_threads() == 2
+        ref = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY)]
+        for layout in ("tp2", "ep2", "dp2"):
+            llm = LLM("tiny-v41", **opts, **LAYOUTS[layout], startup_timeout=120.0)  # a hang fails, not waits
+            try:
+                got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+            finally:
+                llm.engine.shutdown()
+            assert got == ref, layout
+            assert [p.exitcode for p in llm.engine.procs] == [0]  # told to stop, each exited cleanly
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_ranks_share_the_default_threads(monkeypatch):
+    """With no ``threads`` given, each of the machine's ranks keeps its share of the cores (cores / ranks) once
+    its engine is built, not every core (two ranks on every core spin-wait on each other)."""
+    from flashserve.engine import threads as engine_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(engine_threads, "physical_cores", lambda *a, **k: 8)  # rank 0 (this process) sees 8 cores
+    threads = torch.get_num_threads()
+    try:
+        llm = LLM("tiny-v41", **dict(OPTS, threads=None), tensor_parallel_size=2)
+        try:
+            assert torch.get_num_threads() == 4
+        finally:
+            llm.engine.shutdown()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _hangs_building_its_engine(*args):
+    """A spawned worker's target (pickled by reference, imported in the worker) whose engine build never ends."""
     from flashserve.parallel import executor
 
-    real = executor.build_rank_engine
+    def hang(config, layout, rank, comm):
+        time.sleep(3600)
 
-    def slow(config, layout, rank, comm):  # inherited by the forked worker
-        if rank != 0:
-            time.sleep(3600)
-        return real(config, layout, rank, comm)
+    executor.build_rank_engine = hang
+    executor._spawned_worker(*args)
 
-    monkeypatch.setattr(executor, "build_rank_engine", slow)
-    monkeypatch.setenv("FLASHSERVE_WORKER_START", "fork")
+
+def _hangs_before_the_rendezvous(*args):
+    """A spawned worker's target that never reaches rank 0's store."""
+    time.sleep(3600)
+
+
+def test_startup_timeout_bounds_a_worker_that_never_gets_ready(monkeypatch):
+    """A worker that hangs while building its engine ends the start-up after --startup-timeout seconds (not an
+    hour), naming the rank, its pid and what it was doing, and is killed and reaped."""
+    from flashserve.parallel import executor
+
+    monkeypatch.setattr(executor, "_spawned_worker", _hangs_building_its_engine)
     before = set(_child_pids())
     t0 = time.monotonic()
-    with pytest.raises(WorkerFailure, match=r"worker rank 1 was not ready within the 3 s startup timeout"):
+    with pytest.raises(WorkerFailure, match=r"^TP=2 \(2 ranks\): start-up failed: worker rank 1 \(pid \d+\) was not "
+                                            r"ready within the 3 s startup timeout \(--startup-timeout\); it was "
+                                            r"building its engine$"):
         LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=3.0)
-    assert time.monotonic() - t0 < 3.0 + 20.0  # the rank-0 build plus the 3 s wait
+    assert time.monotonic() - t0 < 3.0 + 20.0  # the rendezvous (the worker's imports) and the 3 s wait
     assert set(_child_pids()) <= before  # the worker was killed and reaped
+
+
+def test_startup_timeout_bounds_a_worker_that_never_joins(monkeypatch):
+    """A worker that hangs before it reaches rank 0's store ends the rendezvous after --startup-timeout seconds,
+    naming the rank, and is killed and reaped."""
+    from flashserve.parallel import executor
+
+    monkeypatch.setattr(executor, "_spawned_worker", _hangs_before_the_rendezvous)
+    before = set(_child_pids())
+    t0 = time.monotonic()
+    with pytest.raises(WorkerFailure, match=r"^TP=2 \(2 ranks\): start-up failed: the ranks did not meet within the "
+                                            r"3 s startup timeout \(--startup-timeout\): worker rank 1 \(pid \d+\) "
+                                            r"never reached rank 0's store \("):
+        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=3.0)
+    assert time.monotonic() - t0 < 3.0 + 5.0
+    assert set(_child_pids()) <= before
+
+
+def test_worker_process_does_not_rerun_the_callers_main(tmp_path):
+    """A worker is a fresh interpreter that runs its target only: a script without an ``if __name__ ==
+    "__main__"`` guard (whose top level starts the worker) runs its top level once, as multiprocessing's spawn
+    would not."""
+    script = tmp_path / "script.py"
+    script.write_text("import sys\n"
+                      "from flashserve.parallel.executor import WorkerProcess\n"
+                      "print('top level', flush=True)\n"
+                      "p = WorkerProcess(print, ('worker', sys.argv[1]), name='w')\n"
+                      "p.join(120)\n"
+                      "print('exit', p.exitcode, flush=True)\n")
+    out = subprocess.run([sys.executable, str(script), "ran"], capture_output=True, text=True, timeout=180)
+    assert out.stdout.split("\n") == ["top level", "worker ran", "exit 0", ""], out.stdout + out.stderr
 
 
 def _child_pids() -> list[int]:
