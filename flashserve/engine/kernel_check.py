@@ -28,7 +28,7 @@ log = logging.getLogger("flashserve.engine")
 # wrong product, a lost block or a misread scale is off by the order of the bound itself
 TOLERANCE = 1e-4
 ROW_COUNTS = (1, 2, 3, 5, 8, 12, 13, 16, 17, 33, packed.FP8_KERNEL_ROWS)  # each kernel's row paths (passes of 4, 8, 12)
-OUT_ROWS = 64  # output rows of an expert's or a float weight checked (an FP8 weight: two row blocks)
+OUT_ROWS = 64  # output rows of a float weight checked (an FP8 weight: two row blocks; experts: whole)
 
 
 class _Reference:
@@ -59,13 +59,6 @@ def _attempt(run) -> tuple[torch.Tensor | None, str | None]:
         return run(), None
     except Exception as e:  # noqa: BLE001
         return None, f"{type(e).__name__}: {e}"
-
-
-def _first(model, kind, test) -> tuple[str, object] | tuple[None, None]:
-    for name, m in model.named_modules():
-        if isinstance(m, kind) and test(m):
-            return name, m
-    return None, None
 
 
 def _fp8_layers(model) -> list[tuple[str, packed.PackedLinear]]:

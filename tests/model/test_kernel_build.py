@@ -90,8 +90,6 @@ def test_a_start_waits_for_a_live_builder_saying_so_and_gives_up_after_the_bound
     """A process holding the build lock (alive: here one that only holds it) is waited for, with one log line
     naming it and the folder, for at most FLASHSERVE_KERNEL_BUILD_WAIT seconds; then the start runs torch's code
     and says so."""
-    from flashserve.model import cpu_kernels
-
     env = _env(tmp_path)
     name = subprocess.run([sys.executable, "-c", "from flashserve.model import cpu_kernels as c; "
                            "print(c._library_name('native'))"], env=env, capture_output=True, text=True,
