@@ -238,13 +238,24 @@ def _spawned_worker(config, rank: int, addr: str, port: int, parent_pid: int) ->
 
 # The spawned interpreter's program: rank 0's ``sys.path``, then the pickled target and its arguments, on stdin.
 # Only the standard library is imported before ``sys.path`` is rank 0's.
-_BOOT = ("import pickle, sys; path, blob = pickle.load(sys.stdin.buffer); sys.path[:] = path; "
+# ``-P``: no cwd before the standard library while the program reads its input. A worker ignores SIGINT: a
+# terminal's Ctrl-C reaches the whole process group, and rank 0 ends its workers itself.
+_BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+         "import pickle, sys; path, blob = pickle.load(sys.stdin.buffer); sys.path[:] = path; "
          "from flashserve.parallel.executor import _run_spawned; _run_spawned(blob)")
+_ORIGINAL_DIR = os.getcwd()  # what an empty sys.path entry meant when flashserve was imported (as multiprocessing)
 
 
 def _run_spawned(blob: bytes) -> None:
-    target, args = pickle.loads(blob)
-    target(*args)
+    code = 1
+    try:
+        target, args = pickle.loads(blob)
+        target(*args)
+        code = 0
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # no interpreter shutdown: a worker's threads and groups end with the process
 
 
 class WorkerProcess:
@@ -258,11 +269,12 @@ class WorkerProcess:
     def __init__(self, target, args: tuple, name: str):
         blob = pickle.dumps((target, args))
         self.name = name
-        self._proc = subprocess.Popen([sys.executable, "-c", _BOOT], stdin=subprocess.PIPE)
+        self._proc = subprocess.Popen([sys.executable, "-P", "-c", _BOOT], stdin=subprocess.PIPE)
         self.pid = self._proc.pid
+        path = [p or _ORIGINAL_DIR for p in sys.path]  # "": the directory flashserve was imported from
         try:
             with self._proc.stdin:
-                self._proc.stdin.write(pickle.dumps((list(sys.path), blob)))
+                self._proc.stdin.write(pickle.dumps((path, blob)))
         except OSError:  # it ended before reading (its exit code says how)
             pass
 
@@ -281,6 +293,25 @@ class WorkerProcess:
 
     def __repr__(self) -> str:
         return f"<WorkerProcess {self.name} pid={self.pid} exitcode={self.exitcode}>"
+
+
+def _release_rendezvous(layout: Layout, addr: str, port: int) -> None:
+    """Mark every rank arrived at the store at ``addr:port``, so that rank 0's rendezvous thread stops waiting
+    there for workers that will not come (it then fails in the groups' own rendezvous, within the worker timeout,
+    and ends with its store) instead of holding the store's port for the rest of the startup timeout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from .comm import _arrived_key
+
+    try:
+        client = dist.TCPStore(addr, port, layout.world, False, timeout=datetime.timedelta(seconds=5),
+                               wait_for_workers=False)
+        for r in range(layout.world):
+            client.set(_arrived_key(r), "1")
+    except Exception:  # noqa: BLE001  (the store is gone already: nothing waits on it)
+        pass
 
 
 # ---------------------------------------------------------------------------------------------- rank 0
@@ -409,12 +440,16 @@ class ShardedEngine:
         t = threading.Thread(target=run, name="flashserve-rendezvous", daemon=True)
         t.start()
         give_up = time.monotonic() + self.startup_timeout + 1.0
-        while t.is_alive() and time.monotonic() < give_up:
-            t.join(0.2)
-            dead = [p for p in self.procs if p.exitcode is not None]
-            if dead:
-                raise WorkerFailure(f"{layout.describe()}: worker rank {self.procs.index(dead[0]) + 1} "
-                                    f"(pid {dead[0].pid}) exited with code {dead[0].exitcode} while starting")
+        try:
+            while t.is_alive() and time.monotonic() < give_up:
+                t.join(0.2)
+                dead = [p for p in self.procs if p.exitcode is not None]
+                if dead:
+                    raise WorkerFailure(f"{layout.describe()}: worker rank {self.procs.index(dead[0]) + 1} "
+                                        f"(pid {dead[0].pid}) exited with code {dead[0].exitcode} while starting")
+        finally:
+            if t.is_alive() and "comm" not in box:  # given up: end the thread's wait at the store
+                _release_rendezvous(layout, addr, port)
         if "comm" in box:
             return box["comm"]
         if t.is_alive():  # rank 0 itself still joining the groups (its store's client busy: no note to read)
