@@ -313,12 +313,12 @@ def test_startup_timeout_bounds_a_worker_that_never_gets_ready(monkeypatch):
     monkeypatch.setattr(executor, "_spawned_worker", _hangs_building_its_engine)
     before = set(_child_pids())
     t0 = time.monotonic()
-    # 20 s: the worker's fresh interpreter imports torch before it reaches the store (3 s idle, 5 s on two busy cores)
+    # 10 s: the worker's fresh interpreter imports torch before it reaches the store (3 s idle, 5 s on two busy cores)
     with pytest.raises(WorkerFailure, match=r"^TP=2 \(2 ranks\): start-up failed: worker rank 1 \(pid \d+\) was not "
-                                            r"ready within the 20 s startup timeout \(--startup-timeout\); it was "
+                                            r"ready within the 10 s startup timeout \(--startup-timeout\); it was "
                                             r"building its engine$"):
-        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=20.0)
-    assert time.monotonic() - t0 < 2 * 20.0 + 10.0  # the rendezvous and the wait for ready, each bounded by it
+        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=10.0)
+    assert time.monotonic() - t0 < 2 * 10.0 + 10.0  # the rendezvous and the wait for ready, each bounded by it
     assert set(_child_pids()) <= before  # the worker was killed and reaped
 
 
