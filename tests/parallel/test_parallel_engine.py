@@ -305,37 +305,34 @@ def _hangs_before_the_rendezvous(*args):
     time.sleep(3600)
 
 
-def test_startup_timeout_bounds_a_worker_that_never_gets_ready(monkeypatch):
-    """A worker that hangs while building its engine ends the start-up after --startup-timeout seconds (not an
-    hour), naming the rank, its pid and what it was doing, and is killed and reaped."""
+# (worker target, startup timeout, the error, the most seconds the start may take). Never ready: 10 s, as the
+# worker's fresh interpreter imports torch before it reaches the store (3 s idle, 5 s on two busy cores), and the
+# rendezvous and the wait for ready are each bounded by it. Never joins: the rendezvous alone.
+HUNG_WORKERS = {
+    "never_gets_ready": (_hangs_building_its_engine, 10.0,
+                         r"^TP=2 \(2 ranks\): start-up failed: worker rank 1 \(pid \d+\) was not ready within the 10 s "
+                         r"startup timeout \(--startup-timeout\); it was building its engine$", 2 * 10.0 + 10.0),
+    "never_joins": (_hangs_before_the_rendezvous, 3.0,
+                    r"^TP=2 \(2 ranks\): start-up failed: the ranks did not meet within the 3 s startup timeout "
+                    r"\(--startup-timeout\): worker rank 1 \(pid \d+\) never reached rank 0's store \(", 3.0 + 5.0),
+}
+
+
+@pytest.mark.parametrize("case", HUNG_WORKERS)
+def test_startup_timeout_bounds_a_hung_worker(case, monkeypatch):
+    """A worker that hangs while building its engine, or before it reaches rank 0's store, ends the start-up after
+    --startup-timeout seconds (not an hour), naming the rank, its pid and what it was doing (or that it never
+    reached the store), and is killed and reaped."""
     from flashserve.parallel import executor
 
-    monkeypatch.setattr(executor, "_spawned_worker", _hangs_building_its_engine)
+    target, timeout, message, most_s = HUNG_WORKERS[case]
+    monkeypatch.setattr(executor, "_spawned_worker", target)
     before = set(_child_pids())
     t0 = time.monotonic()
-    # 10 s: the worker's fresh interpreter imports torch before it reaches the store (3 s idle, 5 s on two busy cores)
-    with pytest.raises(WorkerFailure, match=r"^TP=2 \(2 ranks\): start-up failed: worker rank 1 \(pid \d+\) was not "
-                                            r"ready within the 10 s startup timeout \(--startup-timeout\); it was "
-                                            r"building its engine$"):
-        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=10.0)
-    assert time.monotonic() - t0 < 2 * 10.0 + 10.0  # the rendezvous and the wait for ready, each bounded by it
+    with pytest.raises(WorkerFailure, match=message):
+        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=timeout)
+    assert time.monotonic() - t0 < most_s
     assert set(_child_pids()) <= before  # the worker was killed and reaped
-
-
-def test_startup_timeout_bounds_a_worker_that_never_joins(monkeypatch):
-    """A worker that hangs before it reaches rank 0's store ends the rendezvous after --startup-timeout seconds,
-    naming the rank, and is killed and reaped."""
-    from flashserve.parallel import executor
-
-    monkeypatch.setattr(executor, "_spawned_worker", _hangs_before_the_rendezvous)
-    before = set(_child_pids())
-    t0 = time.monotonic()
-    with pytest.raises(WorkerFailure, match=r"^TP=2 \(2 ranks\): start-up failed: the ranks did not meet within the "
-                                            r"3 s startup timeout \(--startup-timeout\): worker rank 1 \(pid \d+\) "
-                                            r"never reached rank 0's store \("):
-        LLM("tiny-v41", **OPTS, tensor_parallel_size=2, startup_timeout=3.0)
-    assert time.monotonic() - t0 < 3.0 + 5.0
-    assert set(_child_pids()) <= before
 
 
 def test_worker_process_does_not_rerun_the_callers_main(tmp_path):
