@@ -7,8 +7,10 @@ Loads the slice as the engine does (its FP8 and MXFP4 weights kept packed), and 
 tokens/s (medians of ``--repeats``), the bytes a decode step reads (every dense weight once, the routed experts
 the batch's tokens pick in expectation, one embedding row a token), and the bound those bytes allow at the
 memory-read bandwidth measured in the same run by a plain pass over a buffer of as many bytes. Also the load
-time and the resident bytes by part. ``--json`` writes the run (each batch size's tokens/s and expert-cache hit rate,
-the experts held per layer and the disk's bandwidth under ``--weight-memory``) in the form
+time and the resident bytes by part. The engine tokenizes with the slice's ``tokenizer.json``; a slice folder
+without one gets the synthetic tokenizer ``flashserve.bench.slice`` writes (the engram layers need its classes),
+built from the slice's config in a temporary folder. ``--json`` writes the run (each batch size's tokens/s and
+expert-cache hit rate, the experts held per layer and the disk's bandwidth under ``--weight-memory``) in the form
 ``scripts/plan_slices.py check`` plans. Not a test.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -137,8 +140,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{cache_stats(expert_caches(model))['slots']} experts a layer held; the slice's files read at "
               f"{disk / 1e9:.2f} GB/s sequentially from the disk (page cache dropped)")
     print(model.load_report.describe())
+    tokenizer_dir = None
+    if not (args.slice / "tokenizer.json").exists():  # a folder without one: the slice's synthetic tokenizer
+        from flashserve.bench.slice import write_tokenizer
+
+        tokenizer_dir = tempfile.TemporaryDirectory(prefix="slice-tokenizer-")
+        write_tokenizer(Path(tokenizer_dir.name), model.cfg)
+        print(f"{args.slice} has no tokenizer.json: serving through the synthetic one flashserve.bench.slice writes")
     engine = engine_for(model, str(args.slice), max_num_seqs=max(args.batches), enforce_eager=args.enforce_eager,
-                        threads=args.threads, speculative_config="off", max_model_len=4096)
+                        threads=args.threads, speculative_config="off", max_model_len=4096,
+                        tokenizer=None if tokenizer_dir is None else tokenizer_dir.name)
     print(f"{args.slice}: loaded in {load_s:.1f} s, {resident / 2**30:.2f} GiB resident; "
           f"{args.threads} threads, decode {'compiled' if engine.plan.compiled else 'eager'}"
           f"{', experts w4a8' if args.quantization else ''}")

@@ -12,6 +12,14 @@ nothing, its speed is the real layers'. The layers kept are chosen so each role 
 CSA (hash-routed) and an HCA layer. The MTP / DSpark stages and the vision tower are left out. Sizes are printed,
 and the free disk checked, before anything is written. ``--gguf PATH`` (V4-Flash) also writes the GGUF llama.cpp's
 own converter makes of the slice, which ``scripts/bench_slice_llamacpp.py`` decodes beside flashserve. Not a test.
+
+The slice's ``tokenizer.json`` is synthetic, as its weights are (:func:`slice_tokenizer`): a word-level vocabulary
+over the slice's ``vocab_size`` whose texts mean nothing, with the chat and special tokens at the released ids
+(docs/architecture.md#tokenizer-and-chat-format). It exists so the engine can serve the slice: an engram layer
+hashes each token by its tokenizer class (flashserve.model.engram.compressed_token_map), and the engine refuses a
+tokenizer whose class count is not the config's ``engram_compressed_vocab_size`` (99,092 for V4.1-Flash); the
+synthetic vocabulary has exactly that many classes, its other texts being case variants that the engram normaliser
+folds onto one of them.
 """
 
 from __future__ import annotations
@@ -35,6 +43,17 @@ from ..config.presets import preset_json
 # a hash-routed CSA layer, 3 an HCA layer
 ROLE_LAYERS = {"deepseek-v41-flash": (20, 24, 25, 14), "deepseek-v4-flash": (2, 3)}
 SHARD_BYTES = 2 << 30
+# the released tokenizer's chat and special tokens by id, (text, special), as
+# docs/architecture.md#tokenizer-and-chat-format lists them; a narrowed vocabulary (tests) that cannot hold them
+# takes the tiny presets' numbering instead
+RELEASED_SPECIALS: dict[int, tuple[str, bool]] = {
+    0: ("<｜begin▁of▁sentence｜>", True), 1: ("<｜end▁of▁sentence｜>", True), 2: ("<｜▁pad▁｜>", True),
+    128799: ("<｜System｜>", False), 128803: ("<｜User｜>", True), 128804: ("<｜Assistant｜>", True),
+    128821: ("<think>", False), 128822: ("</think>", False), 128825: ("｜DSML｜", True),
+    128828: ("<｜latest_reminder｜>", True), 129264: ("<｜deepseek_image｜>", True),
+}
+IMAGE_TOKEN = "<｜deepseek_image｜>"
+UNK_TOKEN = "<unk>"  # what a word outside the synthetic vocabulary encodes to
 
 
 def slice_layers(cfg: ModelConfig, model: str, n: int) -> list[int]:
@@ -141,6 +160,86 @@ def stored_tensors(spec: TensorSpec, cfg: ModelConfig, seed: int) -> list[tuple[
     return [(name, q), (scale_name(name), s.view(torch.float8_e8m0fnu))]
 
 
+def slice_specials(cfg: ModelConfig) -> dict[int, tuple[str, bool]]:
+    """The chat and special tokens of a slice's tokenizer by id, (text, special): the released ids where the
+    vocabulary holds them all, else the tiny presets' (those inside it); the image token at the config's
+    ``image_token_id``, left out where the config has none."""
+    from ..engine.tokenizer import TINY_SPECIALS
+
+    table = RELEASED_SPECIALS if max(RELEASED_SPECIALS) < cfg.vocab_size else TINY_SPECIALS
+    out = {i: v for i, v in table.items() if i < cfg.vocab_size and v[0] != IMAGE_TOKEN}
+    image = getattr(cfg, "image_token_id", None)
+    if image is not None and 0 <= image < cfg.vocab_size and image not in out:
+        out[image] = (IMAGE_TOKEN, True)
+    return out
+
+
+def _word(n: int, width: int) -> str:
+    """``n`` in base 26 over ``a``-``z``, ``width`` letters."""
+    letters = []
+    for _ in range(width):
+        n, r = divmod(n, 26)
+        letters.append(chr(ord("a") + r))
+    return "".join(reversed(letters))
+
+
+def slice_tokenizer(cfg: ModelConfig):
+    """A synthetic ``tokenizers.Tokenizer`` over ``cfg.vocab_size`` ids with exactly ``engram_compressed_vocab_size``
+    engram classes (every id distinct where the config has none, V4).
+
+    Word-level, split at whitespace and punctuation, unknown words to ``<unk>``: :func:`slice_specials` at their
+    ids, ``<unk>``, then as many lowercase words as classes remain (``aaaa``, ``aaab``, ...), then the ids left over
+    as case variants of those words (``Aaaa``, ``aAaa``, ...), which the engram normaliser lowercases onto their
+    word. Raises ValueError where the vocabulary cannot hold that many classes (or no word besides the specials).
+    The result is checked with the engine's own class map (RuntimeError should it disagree with the config)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    from ..model.engram import compressed_token_map, engram_normalizer
+
+    vocab_size = cfg.vocab_size
+    specials = slice_specials(cfg)
+    norm = engram_normalizer()
+    special_classes = len({norm.normalize_str(text) or text for text, _ in specials.values()})
+    free = [i for i in range(vocab_size) if i not in specials]
+    classes = cfg.engram_compressed_vocab_size or special_classes + len(free)
+    n_words = classes - special_classes - 1  # the words' classes besides the specials' and <unk>'s
+    n_variants = len(free) - 1 - n_words
+    if n_words < 1 or n_variants < 0:
+        raise ValueError(f"a synthetic tokenizer of {vocab_size} ids ({len(specials)} of them special, in "
+                         f"{special_classes} classes) cannot have {classes} engram classes")
+    per_word = -(-n_variants // n_words)  # case patterns a word needs
+    width = 1
+    while 26 ** width < n_words or 2 ** width - 1 < per_word:
+        width += 1
+    words = [_word(n, width) for n in range(n_words)]
+    texts = [UNK_TOKEN, *words]
+    for j in range(n_variants):  # the j-th variant: word j mod n_words, its letters set in mask j // n_words + 1
+        word, mask = words[j % n_words], j // n_words + 1
+        texts.append("".join(c.upper() if mask >> k & 1 else c for k, c in enumerate(word)))
+    vocab = {text: i for i, (text, _) in specials.items()}
+    vocab.update(zip(texts, free))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    # the specials as added tokens (their ids are already theirs): matched whole in text, special ones skipped in
+    # decoding unless asked for
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for _, (t, s) in sorted(specials.items()) if not s])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for _, (t, s) in sorted(specials.items()) if s])
+    ids, (_, got) = tok.get_vocab_size(with_added_tokens=True), compressed_token_map(tok)
+    if (ids, got) != (vocab_size, classes):
+        raise RuntimeError(f"the synthetic tokenizer has {ids} ids in {got} engram classes; the config asks "
+                           f"{vocab_size} in {classes}")
+    return tok
+
+
+def write_tokenizer(out: Path, cfg: ModelConfig, tok=None) -> Path:
+    """Write ``tok`` (default :func:`slice_tokenizer` of ``cfg``) as ``out/tokenizer.json``; returns the file."""
+    tok = slice_tokenizer(cfg) if tok is None else tok
+    path = Path(out) / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
@@ -163,8 +262,9 @@ def plan_slice(model: str, layers: int, engram_rows: int, dims: dict[str, Any] |
 def write_slice(out: Path, model: str, layers: int, *, engram_rows: int = 1 << 20, seed: int = 0,
                 dry_run: bool = False, shard_bytes: int = SHARD_BYTES, dims: dict[str, Any] | None = None,
                 echo=print) -> int:
-    """Print a slice's sizes, check the free disk, and write it to ``out`` (unless ``dry_run``); returns its bytes.
-    ``dims``: text-config fields to replace (tests shrink the widths)."""
+    """Print a slice's sizes, check the free disk, and write it to ``out`` (unless ``dry_run``): the checkpoint and
+    its synthetic ``tokenizer.json`` (:func:`slice_tokenizer`). Returns the checkpoint's bytes. ``dims``: text-config
+    fields to replace (tests shrink the widths)."""
     from ..model.checkpoint import write_checkpoint
 
     cfg, raw, kept, specs, sizes = plan_slice(model, layers, engram_rows, dims)
@@ -177,6 +277,8 @@ def write_slice(out: Path, model: str, layers: int, *, engram_rows: int = 1 << 2
     echo(f"{model} slice: layers {roles}; {len(specs)} tensors, {_gib(total)}")
     for part, size in sorted(by_part.items(), key=lambda kv: -kv[1]):
         echo(f"  {part:<16} {_gib(size)}")
+    classes = f", {cfg.engram_compressed_vocab_size} engram classes" if cfg.engram_compressed_vocab_size else ""
+    echo(f"  tokenizer.json   synthetic, {cfg.vocab_size} ids{classes}")
     if dry_run:
         return total
     out = Path(out)
@@ -184,8 +286,10 @@ def write_slice(out: Path, model: str, layers: int, *, engram_rows: int = 1 << 2
     free = shutil.disk_usage(probe).free
     if free < total * 1.05:
         raise OSError(f"{probe} has {_gib(free)} free; the slice needs {_gib(total)} (and 5% to spare)")
+    tok = slice_tokenizer(cfg)  # before the weights: a vocabulary that cannot hold its classes fails early
     write_checkpoint(out, raw, specs, lambda spec: stored_tensors(spec, cfg, seed), sizes,
                      max_shard_bytes=shard_bytes)
+    write_tokenizer(out, cfg, tok)
     echo(f"wrote {out}")
     return total
 

@@ -3,6 +3,7 @@ narrowed widths is a released-layout checkpoint the engine loads and runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -90,6 +91,54 @@ def test_a_narrowed_slice_is_a_released_checkpoint_the_engine_runs(tmp_path, mod
         logits = model_(torch.arange(3, 40).view(1, -1)).logits
     assert logits.shape == (1, 37, model_.cfg.vocab_size) and torch.isfinite(logits).all()
     assert 0.2 < float(logits.std()) < 50  # weights scaled to keep magnitudes: neither vanishing nor exploding
+
+
+def test_a_slice_with_an_engram_layer_serves_through_its_synthetic_tokenizer(tmp_path):
+    """The slice's tokenizer.json spans its vocabulary with exactly the config's engram classes (here fewer than the
+    ids, so the engram hashes by the tokenizer's classes): the engine starts from the folder alone and greedy-decodes;
+    a case variant of a word shares its word's class, and the chat tokens sit at the config's ids."""
+    from flashserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from flashserve.engine.tokenizer import BOS, EOS, load_tokenizer
+    from flashserve.model.engram import compressed_token_map
+
+    out = tmp_path / "slice"
+    dims = {**_narrow("tiny-v41"), "engram_compressed_vocab_size": 300}
+    lines: list[str] = []
+    slicing.write_slice(out, "deepseek-v41-flash", 4, engram_rows=4000, dims=dims, shard_bytes=1 << 30,
+                        echo=lines.append)
+    cfg = config_from_dict(json.loads((out / "config.json").read_text()))
+    assert cfg.engram_layer_ids and cfg.engram_compressed_vocab_size == 300 < cfg.vocab_size == 512
+    assert "  tokenizer.json   synthetic, 512 ids, 300 engram classes" in lines
+    tok = load_tokenizer(out, cfg.vocab_size)
+    assert tok.backend.get_vocab_size(with_added_tokens=True) == 512
+    assert compressed_token_map(tok.backend)[1] == 300
+    assert (tok.token_to_id(BOS), tok.token_to_id(EOS)) == (tok.bos_token_id, tok.eos_token_id) == (0, 1)
+    assert tok.is_special(0) and not tok.is_special(tok.token_to_id("</think>"))  # </think> survives skipping
+    with pytest.raises(ValueError, match="512 ids .* cannot have 600 engram classes"):  # more classes than ids
+        slicing.slice_tokenizer(dataclasses.replace(cfg, engram_compressed_vocab_size=600))
+
+    engine = LLMEngine(EngineConfig(model=str(out), max_num_seqs=1, kv_memory="8MiB", max_model_len=256,
+                                    enforce_eager=True, threads=1, speculative_config="off"))
+    try:
+        token_map = engine.model.engram_hasher.token_map
+        variant = next(t for t in map(tok.id_to_token, range(cfg.vocab_size)) if t.isalpha() and not t.islower())
+        word = tok.token_to_id(variant.lower())
+        assert word is not None and token_map[tok.token_to_id(variant)] == token_map[word]
+        assert len(set(token_map.tolist())) == 300
+        prompt = f"{BOS}<｜User｜>{variant} {variant.lower()} {tok.id_to_token(100)}<｜Assistant｜></think>"
+        ids = tok.encode(prompt)
+        assert ids == [0, *map(tok.token_to_id, ("<｜User｜>", variant)), word, 100,
+                       *map(tok.token_to_id, ("<｜Assistant｜>", "</think>"))]
+        engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        done = []
+        while engine.has_unfinished_requests():
+            done += [o for o in engine.step() if o.finished]
+    finally:
+        engine.shutdown()
+    [result] = done
+    assert result.prompt_token_ids == ids
+    assert len(result.outputs[0].token_ids) == 4 and result.outputs[0].finish_reason == "length"
+    assert all(0 <= t < cfg.vocab_size for t in result.outputs[0].token_ids)
 
 
 def test_a_gguf_is_refused_before_anything_is_written(tmp_path, capsys):
