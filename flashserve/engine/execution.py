@@ -89,22 +89,25 @@ def plan_execution(model, *, device: str, compiled: bool, rows: int, int8_kernel
                          kernels=cpu_kernels.built(),
                          int8_source=("given" if int8_kernel != "auto" else
                                       "measured" if int8_rows else "no int8 weights"))
+    # under a weight budget (load_model(weight_memory=...)) the plan makes only the copies the budget holds
+    # (loader.plan_copies): the bfloat16 panels of weights held as stored, and FP8 panels where the loader found room
+    budget = getattr(model, "weight_budget", None)
     if not compiled:
         if device == "cpu":  # a bf16 head read as bf16: half the bytes of its float32 copy
-            plan.relayouts["bfloat16 panels of bf16 weights"] = bf16_panels_for_decode(model)
+            plan.relayouts["bfloat16 panels of bf16 weights"] = bf16_panels_for_decode(model,
+                                                                                     held_only=budget is not None)
         # torch's one-row products over the LM head run ~2x faster column-major (not where panels serve them)
         plan.relayouts["column-major tall weights"] = column_major_tall_weights(model)
     elif device == "cpu":  # a compiled CPU step's own products want them row-major (blas)
         # a bf16 weight held as stored (loader.hold_as_stored) is read through bf16 panels at every row count
         plan.relayouts["bfloat16 panels of bf16 weights"] = bf16_panels_for_decode(model, held_only=True)
         plan.relayouts["int8 rows joined by input"] = join_int8_rows(model)
-        if rows > 1:
+        if rows > 1 and budget is None:
             plan.relayouts["panel copies for several rows"] = prepack_for_rows(model)
     if device == "cpu":
-        # block-FP8 decode rows, eager or compiled, read their codes in column panels: a copy, which a model
-        # loaded under a weight budget (weight_memory) does not make (the budget holds the weights as stored)
-        budgeted = getattr(model, "weight_memory", None) is not None
-        plan.relayouts[FP8_PANELS] = [] if budgeted else packed.make_fp8_panels(model)
+        # block-FP8 decode rows, eager or compiled, read their codes in column panels: a copy of the codes
+        plan.relayouts[FP8_PANELS] = (packed.make_fp8_panels(model) if budget is None or budget.fp8_panels
+                                      else [])
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     for what, names in plan.relayouts.items():  # the weights' own bytes: copied once (joins: moved, not added)
         plan.relayout_bytes[what] = sum(tensors[n].numel() * tensors[n].element_size() for n in names if n in tensors)

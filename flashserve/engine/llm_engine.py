@@ -15,7 +15,7 @@ from ..config import ConfigError
 from ..model.expert_cache import cache_stats, expert_caches
 from ..model.hybrid import REBALANCE_STEPS, hybrid_layers, hybrid_stats, rebalance
 from ..model.row_cache import row_cache_stats, row_caches
-from ..model.mapped import page_in
+from ..model.mapped import page_in, weights_held
 from ..model.mapped_experts import eager_only
 from ..model.packed import prepare_kernels
 
@@ -112,6 +112,12 @@ class LLMEngine:
         rows = c.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         self.plan = plan_execution(self.model, device=self.cache.device.type, compiled=not eager, rows=rows,
                                    int8_kernel=c.int8_kernel)
+        budget = getattr(self.model, "weight_budget", None)
+        if budget is not None:
+            held = weights_held(self.model)
+            log.info("weight memory: %.2f GiB budget, %.2f GiB held by the weights and the plan's copies of them "
+                     "(%.2f GiB of them mapped from the files)", budget.budget / 2**30, held["total"] / 2**30,
+                     held["mapped"] / 2**30)
         if not eager and c.compile_cache is not None:  # inductor reads it when it first compiles
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(c.compile_cache)
         child = self._compile_child(model is not None) if background else None

@@ -76,9 +76,12 @@ HELP = {
     "mmap": "memory-map a checkpoint's safetensors files and use the tensors held as stored where they lie, read "
             "from the disk when first touched (llama.cpp's default); --no-mmap copies every tensor into memory",
     "mlock": "read the weights into RAM and lock them there (llama.cpp's --mlock; limited by ulimit -l)",
-    "weight_memory": "resident memory for the weights, e.g. 8GiB: the routed experts and engram rows that do not "
-                     "fit stay on disk and are read when used, through a cache of expert slots per layer and of rows "
-                     "per engram table (decode runs eagerly); default: every weight held",
+    "weight_memory": "resident memory for the weights, e.g. 8GiB: every byte the weights cost the process (mapped "
+                     "or copied) and the copies the decode step reads (bf16 head panels; FP8 panels only where "
+                     "they fit), KV cache and activations aside; the routed experts and engram rows that do not fit "
+                     "stay on disk and are read when used, through a cache of expert slots per layer (each layer "
+                     "the same share of its own experts, a drafter's included) and of rows per engram table (decode "
+                     "runs eagerly; CPU only); default: every weight held",
     "gpu_experts": "routed experts a MoE layer holds on the GPU (the most used); the others stay in host memory and "
                    "run on the CPU (ktransformers' split; decode runs eagerly); default: every expert on the GPU",
     "expert_cache_policy": "which expert a full layer gives up under --weight-memory: the least recently used (lru) "

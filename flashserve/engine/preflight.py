@@ -66,6 +66,10 @@ def check(c: EngineConfig, model_config: ModelConfig | None = None) -> Preflight
                               "preset (its weights are drawn in memory)")
         if c.tensor_parallel_size * c.data_parallel_size > 1:
             raise ConfigError("weight_memory: streams the routed experts in one process, not in a sharded engine")
+        if c.device.startswith("cuda"):
+            raise ConfigError("weight_memory: streams the routed experts into host memory for CPU steps; on a CUDA "
+                              "device hold the experts that fit there with gpu_experts (the others run on the host), "
+                              "or run on the CPU with device=cpu")
     if c.tokenizer is not None and not (Path(c.tokenizer) / "tokenizer.json").is_file():
         raise ConfigError(f"tokenizer: {c.tokenizer!r} is not a folder holding a tokenizer.json")
     if c.compile_cache is not None:

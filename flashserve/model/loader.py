@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -54,57 +55,154 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _budget(model: Transformer, budget: int) -> tuple[int | None, dict[str, int]]:
-    """Split a resident budget of ``budget`` bytes for the weights: slots per MoE layer for the routed experts (None
-    when every expert fits) and rows held per engram table (path -> rows; tables that fit whole are left out). On
-    the still-empty ``meta`` model, whose experts are cut to that many slots and whose streamed tables become row
-    caches. Raises ConfigError when not even the router's top-k and the least row cache fit."""
+def _layer_experts(m) -> tuple[int, int]:
+    """(experts, bytes an expert) of one MoE layer's routed experts (their stacked tensors)."""
+    n = m.experts.n_experts
+    return n, _nbytes(t for t in list(m.experts.parameters()) + list(m.experts.buffers()) if t.dim() >= 3) // n
+
+
+def _slots_for(layers: list, sizes: list[tuple[int, int]], room: int) -> list[int]:
+    """Slots a layer for the routed experts in ``room`` bytes: each layer the same share of its own experts (a
+    drafter's layers have fewer than the model's), at least its router's top-k, at most all of them; the largest
+    share that fits."""
+    def slots(share: float) -> list[int]:
+        return [min(n, max(m.gate.top_k, int(share * n))) for m, (n, _) in zip(layers, sizes)]
+
+    def cost(share: float) -> int:
+        return sum(s * b for s, (_, b) in zip(slots(share), sizes))
+
+    lo, hi = 0.0, 1.0
+    if cost(hi) <= room:
+        return slots(hi)
+    for _ in range(60):  # the share is found to far below one slot of the largest layer
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cost(mid) <= room else (lo, mid)
+    held = slots(lo)
+    left = room - cost(lo)
+    while True:  # what the common share leaves: a slot more to the layers holding the least share of theirs
+        open_ = [i for i, (n, b) in enumerate(sizes) if held[i] < n and b <= left]
+        if not open_:
+            return held
+        i = min(open_, key=lambda i: held[i] / sizes[i][0])
+        held[i] += 1
+        left -= sizes[i][1]
+
+
+def plan_copies(model: Transformer) -> tuple[int, int]:
+    """Bytes of the copies of weights the engine's execution plan makes on a CPU (engine.execution), predicted on
+    the still-empty ``meta`` model: (the bfloat16 panels of the large weights held in bfloat16 as stored, which
+    every decode row reads and the plan always makes; the block-FP8 codes in column panels, which it makes only
+    where a budget leaves room for them)."""
+    from . import blas
+    from .packed import FP8, PackedLinear
+
+    lanes = cpu_kernels.LANES
+    bf16 = 0
+    if model.dtype == torch.float32 and cpu_kernels.dense_rows_available():
+        for mod in model.modules():
+            for name in getattr(mod, "ROW_WEIGHTS", ()):
+                w = getattr(mod, name, None)
+                if (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype == torch.bfloat16
+                        and w.numel() >= blas.BF16_PANEL_MIN_ELEMENTS):
+                    bf16 += -(-w.shape[0] // lanes) * lanes * w.shape[1] * 2
+    fp8 = 0
+    if cpu_kernels.fp8_panels_available():
+        for mod in model.modules():
+            p = getattr(mod, "packed", None)
+            if (isinstance(mod, PackedLinear) and p.fmt.name == FP8 and p.qweight.dim() == 2
+                    and p.fmt.row_block % lanes == 0):
+                fp8 += -(-p.qweight.shape[0] // lanes) * lanes * p.qweight.shape[1]
+    return bf16, fp8
+
+
+@dataclass
+class Budget:
+    """How a weight budget is spent (:func:`_budget`): bytes of the weights held whole, of the routed experts'
+    slots, of the engram row caches, of the plan's copies (bfloat16 panels always; FP8 panels where they fit)."""
+    budget: int
+    fixed: int
+    experts: int
+    rows: int
+    copies: int
+    fp8_panels: bool
+    slots: list[int] | None  # a MoE layer's slots, in the model's order; None when every expert is held
+    experts_per_layer: list[int]
+
+    @property
+    def planned(self) -> int:
+        return self.fixed + self.experts + self.rows + self.copies
+
+    def describe(self) -> str:
+        gib = 2 ** 30
+        held = ("every routed expert" if self.slots is None else
+                f"{self.slots[0]} of {self.experts_per_layer[0]} routed experts a layer"
+                + (f" ({min(s / n for s, n in zip(self.slots, self.experts_per_layer)):.0%} of a drafter's)"
+                   if len(set(self.experts_per_layer)) > 1 else ""))
+        return (f"weight memory {self.budget / gib:.2f} GiB: weights held whole {self.fixed / gib:.2f} GiB, "
+                f"{held} {self.experts / gib:.2f} GiB, engram rows {self.rows / gib:.2f} GiB, the plan's copies "
+                f"{self.copies / gib:.2f} GiB ({'with' if self.fp8_panels else 'without'} FP8 panels)")
+
+
+def _budget(model: Transformer, budget: int) -> tuple[Budget, dict[str, int]]:
+    """Split a resident budget of ``budget`` bytes for the weights, the execution plan's copies of them included
+    (:func:`plan_copies`): slots per MoE layer for the routed experts (each layer's own count: a drafter's layers
+    have fewer experts) and rows held per engram table (path -> rows; tables that fit whole are left out); FP8
+    panels only where everything else fits with them. On the still-empty ``meta`` model, whose experts are cut to
+    their slots and whose streamed tables become row caches. Raises ConfigError when not even the router's top-k
+    a layer and the least row caches fit."""
     from .moe import MoE
     from .row_cache import MIN_ROWS
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
+    sizes = [_layer_experts(m) for m in layers]
     tables = {f"layers.{i}.engram.embed": b.engram.embed for i, b in enumerate(model.layers)
               if getattr(b, "engram", None) is not None}
     every = _nbytes({id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
-    n_experts = layers[0].experts.n_experts if layers else 0
-    experts = _nbytes(t for m in layers for t in list(m.experts.parameters()) + list(m.experts.buffers())
-                      if t.dim() >= 3)
-    per_expert = experts // n_experts if layers else 0
+    experts = sum(n * b for n, b in sizes)
     table_rows = {p: t.num_embeddings if isinstance(t, torch.nn.Embedding) else t.packed.shape[0]
                   for p, t in tables.items()}
     row_bytes = {p: _nbytes(list(t.parameters()) + list(t.buffers())) // table_rows[p] for p, t in tables.items()}
     table_bytes = sum(row_bytes[p] * table_rows[p] for p in tables)
     fixed = every - experts - table_bytes
-    if budget >= every:
-        return None, {}
+    bf16_copies, fp8_copies = plan_copies(model)
+    whole = fixed + experts + table_bytes + bf16_copies
+    if budget >= whole:  # nothing streamed; FP8 panels where they fit too
+        panels = budget >= whole + fp8_copies and fp8_copies > 0
+        return Budget(budget, fixed, experts, table_bytes, bf16_copies + (fp8_copies if panels else 0), panels,
+                      None, [n for n, _ in sizes]), {}
     least_rows = {p: min(n, MIN_ROWS) for p, n in table_rows.items()}
-    top_k = max((m.gate.top_k for m in layers), default=0)
-    need = fixed + per_expert * top_k + sum(row_bytes[p] * n for p, n in least_rows.items())
+    need = (fixed + bf16_copies + sum(m.gate.top_k * b for m, (_, b) in zip(layers, sizes))
+            + sum(row_bytes[p] * n for p, n in least_rows.items()))
     if budget < need:
+        top_k = max((m.gate.top_k for m in layers), default=0)
         raise ConfigError(f"weight memory {budget} bytes cannot hold this model: its weights other than the routed "
-                          f"experts and engram tables take {fixed} bytes, each of its {len(layers)} MoE layers needs "
-                          f"at least {top_k} experts' slots ({per_expert // max(len(layers), 1)} bytes an expert) "
-                          f"and each of its {len(tables)} engram tables at least {MIN_ROWS} rows; give at least "
-                          f"{need} bytes ({need / 2**30:.2f} GiB)")
-    left = budget - fixed
+                          f"experts and engram tables take {fixed + bf16_copies} bytes (the decode step's copies included), "
+                          f"each of its {len(layers)} MoE layers needs at least its router's {top_k} experts' slots "
+                          f"({max((b for _, b in sizes), default=0)} bytes an expert) and each of its {len(tables)} "
+                          f"engram tables at least {MIN_ROWS} rows; give at least {need} bytes "
+                          f"({need / 2**30:.2f} GiB)")
+    left = budget - fixed - bf16_copies
 
     def rows_for(share: int) -> dict[str, int]:
         f = min(1.0, share / table_bytes) if table_bytes else 1.0
         return {p: min(n, max(least_rows[p], int(f * n))) for p, n in table_rows.items()}
 
     rows = rows_for(left // ROW_SHARE if layers else left)
-    slots = (left - sum(row_bytes[p] * n for p, n in rows.items())) // per_expert if layers else None
-    if slots is not None and slots >= n_experts:  # every expert fits: the tables take the rest
-        slots = None
+    row_held = sum(row_bytes[p] * n for p, n in rows.items())
+    slots = _slots_for(layers, sizes, left - row_held)
+    if slots == [n for n, _ in sizes]:  # every expert fits: the tables take the rest
         rows = rows_for(left - experts)
+        row_held = sum(row_bytes[p] * n for p, n in rows.items())
     rows = {p: n for p, n in rows.items() if n < table_rows[p]}
+    streamed_slots = None if all(s == n for s, (n, _) in zip(slots, sizes)) else slots
     with torch.device("meta"):
-        if slots is not None:
-            for m in layers:
-                _cut_experts(m.experts, slots)
+        if streamed_slots is not None:
+            for m, s in zip(layers, slots):
+                _cut_experts(m.experts, s)
         for p, n in rows.items():
             _cut_table(model, p, tables[p], n)
-    return slots, rows
+    return Budget(budget, fixed, sum(s * b for s, (_, b) in zip(slots, sizes)), row_held, bf16_copies, False,
+                  streamed_slots, [n for n, _ in sizes]), rows
 
 
 def _cut_experts(e, slots: int) -> None:
@@ -333,7 +431,11 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     if weight_memory is not None and is_preset:
         raise ConfigError("weight_memory streams weights from a checkpoint folder; a preset has none (its "
                           "weights are drawn in memory)")
-    slots, rows = None, {}
+    if weight_memory is not None and torch.device(device).type != "cpu":
+        raise ConfigError(f"weight_memory streams routed experts into host memory for CPU steps; on {device} "
+                          "hold the experts that fit there with gpu_experts (the others run on the host), or "
+                          "load on the CPU (device=cpu)")
+    spent, rows = None, {}
     streamed = False
     if not is_preset:
         pack_model(model, formats, quantize=False, compute_dtype=torch_dtype)  # still on meta: no float copy
@@ -342,8 +444,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         if prepare is not None:
             prepare(model)
         if weight_memory is not None:
-            slots, rows = _budget(model, weight_memory)
-            streamed = slots is not None or bool(rows)
+            spent, rows = _budget(model, weight_memory)
+            streamed = spent.slots is not None or bool(rows)
         elif mmap and prepare is None and torch.device(device).type == "cpu":
             from .mapped_experts import use_in_place
 
@@ -361,16 +463,15 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
                       mmap=mmap and torch.device(device).type == "cpu", stream=stream)
         if stream is not None:
             _attach_caches(model, stream, expert_cache_policy)
-            held = (f"{slots} of {cfg.n_routed_experts} routed experts a layer" if slots is not None
-                    else "every routed expert")
-            if rows:
-                held += f", {sum(rows.values())} engram rows of {sum(cfg.engram_num_embeddings)}"
-            log.info("weights streamed from %s under weight memory %.2f GiB: %s held%s", path_or_preset,
-                     weight_memory / 2**30, held, "" if slots is None else ", evicting the least recently used"
-                     if expert_cache_policy == "lru" else ", evicting the least used")
+    if spent is not None:
+        log.info("weights of %s: %s%s", path_or_preset, spent.describe(),
+                 "" if spent.slots is None else f"; the others read when routed, evicting the "
+                 f"{'least recently used' if expert_cache_policy == 'lru' else 'least used'}")
+    if not is_preset:
         _engram_map_from_folder(model, Path(path_or_preset))
     model.fake_quant = cfg.is_v41 if fake_quant is None else bool(fake_quant)
-    model.weight_memory = weight_memory  # the engine's plan makes no copies of weights under a budget
+    model.weight_memory = weight_memory
+    model.weight_budget = spent  # the engine's plan makes only the copies the budget holds
     if mlock:
         from .mapped import lock_weights
 

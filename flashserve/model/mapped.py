@@ -97,6 +97,16 @@ def mapped_spans(model: torch.nn.Module) -> list[tuple[int, int]]:
     return [(a, n) for a, n in weight_spans(model) if any(b <= a < b + size for b, size in maps)]
 
 
+def weights_held(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the weights ``model`` holds in host memory (:func:`weight_spans`: each storage once, copies made
+    for the decode step included): ``total``, and ``mapped``, the part that lies in its mapped files."""
+    spans = weight_spans(model)
+    files = getattr(model, "_mapped_files", None)
+    maps = files.ranges() if files is not None else []
+    mapped = sum(n for a, n in spans if any(b <= a < b + size for b, size in maps))
+    return {"total": sum(n for _, n in spans), "mapped": mapped}
+
+
 MADV_POPULATE_READ = 22  # Linux 5.14: fault pages in, reading those not in the page cache
 PAGE_IN_CHUNK = 64 << 20  # bytes a madvise call: the stop flag is looked at between calls
 
