@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
 
     spec = json.loads(argv[0])
     try:
-        engine = LLMEngine(EngineConfig(**spec["options"]), warm_up=False, page_in_weights=False)
+        engine = LLMEngine(EngineConfig(**spec["options"]), warm_up=False, compile_only=True)
         step = engine.runner.decode_step
         if step.regions is None:
             raise RuntimeError("the child's decode step is not compiled")

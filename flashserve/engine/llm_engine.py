@@ -43,7 +43,7 @@ log = logging.getLogger("flashserve.engine")
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model=None, warm_up: bool = True, page_in_weights: bool = True):
+    def __init__(self, config: EngineConfig, model=None, warm_up: bool = True, compile_only: bool = False):
         from ..model.loader import load_model, resolve_dtype
 
         self.config = c = config
@@ -62,15 +62,19 @@ class LLMEngine:
         with_mtp = spec is not None and spec.method in ("mtp", "dspark")
         self.model = model if model is not None else load_model(c.model, dtype=self.dtype, device=device,
                                                                 fake_quant=c.fake_quant, with_mtp=with_mtp,
-                                                                quantization=c.quantization, mmap=c.mmap,
-                                                                mlock=c.mlock, weight_memory=pre.weight_bytes,
+                                                                quantization=c.quantization,
+                                                                # a compile child maps what the parent copies, in
+                                                                # the parent's module layout, and locks nothing
+                                                                mmap=c.mmap or compile_only, experts_in_place=c.mmap,
+                                                                mlock=c.mlock and not compile_only,
+                                                                weight_memory=pre.weight_bytes,
                                                                 expert_cache_policy=c.expert_cache_policy,
                                                                 gpu_experts=c.gpu_experts)
         self.dtype = self.model.dtype
         # the weights used where they lie in the mapped files faulted in on a thread of their own (MAP_POPULATE's
         # effect without waiting for it); --mlock has read and locked them already, and a compiling child
-        # (page_in_weights=False) never decodes
-        self.page_in = page_in(self.model) if page_in_weights and not c.mlock else None
+        # (compile_only) never decodes
+        self.page_in = page_in(self.model) if not compile_only and not c.mlock else None
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)

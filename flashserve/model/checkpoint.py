@@ -372,6 +372,30 @@ class _Handles:
                                   f"{exc}") from None
 
 
+_TORCH_DTYPES = {**DTYPES, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
+
+
+class _FileHandles:
+    """:class:`_Handles`' ``get`` over the descriptors a :class:`~flashserve.model.mapped.FileReader` holds since
+    loading (a streamed read decodes the file that was loaded, checked, never one put in its place)."""
+
+    def __init__(self, files: FileReader) -> None:
+        self.files = files
+
+    def get(self, stored: _Stored, index: slice | tuple[slice, ...] | None = None) -> torch.Tensor:
+        rows = index[0] if isinstance(index, tuple) else index
+        rest = index[1:] if isinstance(index, tuple) else ()
+        shape = tuple(stored.shape)
+        if not shape:
+            rows = None
+        start, stop = (0, shape[0] if shape else 1) if rows is None else rows.indices(shape[0])[:2]
+        row_bytes = (stored.end - stored.start) // max(shape[0] if shape else 1, 1)
+        out = torch.empty(((stop - start) * row_bytes,), dtype=torch.uint8)
+        self.files.read_into(stored.file, stored.start + start * row_bytes, stored.start + stop * row_bytes, out)
+        t = out.view(_TORCH_DTYPES[stored.dtype]).view((stop - start, *shape[1:]) if shape else ())
+        return t[(slice(None), *rest)] if rest else t
+
+
 def _scale_blocks(src: _Source, block_hint: int) -> tuple[int, int]:
     """(row_block, col_block) of a tensor's scale grid: (1, 1) unscaled, (1, 32) MXFP4, (b, b) block FP8,
     (1, 32) FP8 table rows. Raises ValueError when the scale cannot cover the weight."""
@@ -559,8 +583,7 @@ def _expert_reader(src: _Source, rb: int, cb: int, files: FileReader):
             if (src.scale is None and src.pick is None and DTYPES.get(src.weight.dtype) == target.dtype
                     and tuple(src.weight.shape) == tuple(target.shape)):
                 return files.read_into(src.weight.file, src.weight.start, src.weight.end, target)
-        with contextlib.ExitStack() as stack:
-            value = _decode(src, _Handles(stack), None, rb, cb, target.dtype)
+        value = _decode(src, _FileHandles(files), None, rb, cb, target.dtype)
         if isinstance(target, PackedSlot):
             target.set_float(value)
         else:
@@ -601,8 +624,8 @@ def _row_reader(src: _Source, rb: int, cb: int, files: FileReader):
                 files.read_into(w.file, w.start + r * q_row, w.start + (r + 1) * q_row, packed.qweight[slot])
                 files.read_into(s.file, s.start + r * s_row, s.start + (r + 1) * s_row, packed.scale[slot])
             return len(rows) * (q_row + s_row)
-        with contextlib.ExitStack() as stack, torch.no_grad():
-            handles = _Handles(stack)
+        with torch.no_grad():
+            handles = _FileHandles(files)
             for r, slot in pairs:
                 if packed is None:
                     held.weight[slot].copy_(_decode(src, handles, slice(r, r + 1), rb, cb, held.weight.dtype)[0])
@@ -644,7 +667,8 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
     if stream is not None:
         streamed = {src.name: src for src in sources if routed_expert(src.name) or engram_table(src.name)}
-        files = FileReader()
+        # the files the streamed tensors lie in, opened now and held: what is read later is what was loaded
+        files = FileReader(sorted({s.file for src in streamed.values() for s in (src.weight, src.scale) if s}))
         for name, (rb, cb) in _plan_blocks(streamed, cfg.quantization.weight_block_size, path).items():
             make = _expert_reader if routed_expert(name) else _row_reader
             stream[name] = make(streamed[name], rb, cb, files)

@@ -19,6 +19,9 @@ import torch
 
 LRU, LFU = "lru", "lfu"
 POLICIES = (LRU, LFU)
+# LFU's counts halve every this many steps of a layer, so that the experts used most lately win over those used
+# most long ago (the halving SGLang's and the GPU split's resident experts use, flashserve.model.hybrid)
+LFU_HALVING_STEPS = 256
 
 # reader(experts module, projection name, slot) -> bytes read: fills one projection of one expert into a slot
 Reader = Callable[[torch.nn.Module, str, int], int]
@@ -33,24 +36,33 @@ class ExpertCache:
             raise ValueError(f"expert cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.experts, self.n_experts, self.readers, self.policy = experts, n_experts, readers, policy
         self.slots = experts.n_experts
-        self.owner = list(held)  # the expert in each slot
+        self.owner = list(held)  # the expert in each slot (-1: none)
         self.recency = OrderedDict((e, None) for e in held)  # least recently used first
         self.uses: Counter[int] = Counter()
         self.table = torch.zeros(n_experts, dtype=torch.long)  # expert -> its slot (where held)
         self.table[torch.tensor(held, dtype=torch.long)] = torch.arange(len(held))
         self.hits = self.misses = self.bytes_read = 0
+        self.empty: list[int] = []  # slots holding no expert (a read into them failed part way)
+        self.steps = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashserve-experts")
 
     def _victim(self, keep: set[int]) -> int:
-        """The slot to give up: its expert not wanted now, least recently used (LRU) or least used, the least
-        recent of those first (LFU)."""
+        """The slot to give up: an empty one, else the one whose expert is not wanted now and least recently used
+        (LRU) or least used, the least recent of those first (LFU)."""
+        if self.empty:
+            return self.empty.pop()
         free = (e for e in self.recency if e not in keep)
         expert = next(free) if self.policy == LRU else min(free, key=lambda e: self.uses[e])  # min keeps the first
         return int(self.table[expert])
 
     def _ensure(self, wanted: list[int]) -> None:
-        """Hold every expert of ``wanted`` (at most ``slots`` of them), reading the missing ones."""
+        """Hold every expert of ``wanted`` (at most ``slots`` of them), reading the missing ones. A read that fails
+        (a file changed since loading, a disk error) leaves its slot empty, to be filled by a later miss, and
+        raises."""
         keep = set(wanted)
+        self.steps += 1
+        if self.policy == LFU and self.steps % LFU_HALVING_STEPS == 0:
+            self.uses = Counter({e: n // 2 for e, n in self.uses.items() if n > 1})
         with torch.no_grad():
             for e in wanted:
                 self.uses[e] += 1
@@ -60,9 +72,15 @@ class ExpertCache:
                     continue
                 self.misses += 1
                 slot = self._victim(keep)
-                del self.recency[self.owner[slot]]
-                for name, read in self.readers[e].items():
-                    self.bytes_read += read(self.experts, name, slot)
+                if self.owner[slot] >= 0:
+                    del self.recency[self.owner[slot]]
+                self.owner[slot] = -1
+                try:
+                    for name, read in self.readers[e].items():
+                        self.bytes_read += read(self.experts, name, slot)
+                except BaseException:
+                    self.empty.append(slot)
+                    raise
                 self.owner[slot] = e
                 self.recency[e] = None
                 self.table[e] = slot

@@ -369,7 +369,8 @@ def activations_in_8_bits(model: Transformer) -> int:
 
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
-               quantization: str | None = None, prepare=None, mmap: bool = True, mlock: bool = False,
+               quantization: str | None = None, prepare=None, mmap: bool = True, experts_in_place: bool | None = None,
+               mlock: bool = False,
                weight_memory: int | None = None, expert_cache_policy: str = "lru",
                gpu_experts: int | None = None) -> Transformer:
     """Build the model for a preset (seeded random weights) or a checkpoint folder (weights loaded).
@@ -392,6 +393,9 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     first touched, and so are large MXFP4 experts, one matrix an expert (:mod:`flashserve.model.mapped_experts`);
     the rest (decoded or quantized weights, small experts stacked per layer) is copied. A float32 model on the CPU
     holds large bfloat16 token embeddings and LM head as stored, mapped or copied (:func:`hold_as_stored`).
+    ``experts_in_place`` (default: ``mmap``): whether large MXFP4 experts are held one matrix an expert where they
+    lie; False with ``mmap`` maps what it can in the module layout of ``mmap=False`` (a compile child of an engine
+    that copies its weights: the same graphs, no second copy).
     ``mlock``: the weights' pages are read in and locked in RAM (llama.cpp's ``--mlock``); a failure (the
     ``RLIMIT_MEMLOCK`` limit) is logged and loading goes on. ``model.load_report`` says what was mapped and copied.
     ``weight_memory`` (bytes; checkpoint folders): the weights' resident budget. The weights other than the routed
@@ -446,7 +450,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
         if weight_memory is not None:
             spent, rows = _budget(model, weight_memory)
             streamed = spent.slots is not None or bool(rows)
-        elif mmap and prepare is None and torch.device(device).type == "cpu":
+        elif (mmap if experts_in_place is None else experts_in_place) and prepare is None and \
+                torch.device(device).type == "cpu":
             from .mapped_experts import use_in_place
 
             use_in_place(model)  # large MXFP4 experts used where they lie, one matrix an expert

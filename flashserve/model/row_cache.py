@@ -13,7 +13,7 @@ periodic log.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 import numpy as np
@@ -85,9 +85,10 @@ class Sets:
                 order = np.argsort(ages, axis=1, kind="stable")
                 m_way = np.take_along_axis(order, _rank_within(m_sets)[:, None], 1)[:, 0]
             way[miss] = m_way
-            self.tags[m_sets, m_way] = rows[miss]
+            self.tags[m_sets, m_way] = -1  # empty until read: a read that fails leaves them empty, never wrong
             self.age[m_sets, m_way] = self.clock
             self.bytes_read += self.read(rows[miss], m_sets * self.ways + m_way)
+            self.tags[m_sets, m_way] = rows[miss]
         self.hits += len(rows) - n_miss
         self.misses += n_miss
         return sets * self.ways + way
@@ -123,8 +124,8 @@ class RowCache(nn.Module):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start placing the rows ``ids`` names on the background thread (:meth:`forward` with the same ids waits for
         it); a step's ids are known before its first layer."""
-        if self._pending is not None:
-            self._pending[1].result()
+        if self._pending is not None:  # a step that ended before its engram layer: its reads done (or failed)
+            wait([self._pending[1]])
         host = ids.cpu().numpy()
         self._pending = host, self._pool.submit(self.sets.placed, host)
 

@@ -167,3 +167,27 @@ def test_the_child_ends_when_its_parent_has_gone():
         time.sleep(0.2)
     else:
         pytest.fail(f"the compiling child {pid} outlived its parent by 30 s")
+
+
+def test_a_childs_engine_maps_what_a_copying_parent_copies_in_the_parents_layout_and_locks_nothing(
+        released_tiny_v41, monkeypatch):
+    """A parent under --no-mmap --mlock holds a private copy of the weights, locked; the child that compiles its
+    steps maps the files instead (the page cache's pages, not a second copy), with the parent's modules (stacked
+    experts, not the experts used where they lie that a mapped load makes: the graphs are the parent's), and locks
+    nothing."""
+    from flashserve.model import mapped_experts
+    from flashserve.model.mapped import weights_held
+
+    monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)  # a mapped load would use every expert in place
+    options = dict(model=str(released_tiny_v41), speculative_config="off", kv_memory="16MiB", max_num_seqs=1,
+                   enforce_eager=True, mmap=False, mlock=True)
+    parent = LLMEngine(EngineConfig(**options))
+    child = LLMEngine(EngineConfig(**options), warm_up=False, compile_only=True)
+    assert sum(parent.model.load_report.mapped.values()) == 0
+    assert sum(child.model.load_report.mapped.values()) > 0.5 * sum(parent.model.load_report.copied.values())
+    assert child.model.load_report.locked == 0 and child.page_in is None
+    assert weights_held(child.model)["mapped"] > 0
+    kinds = lambda engine: [type(m).__name__ for m in engine.model.modules()]  # noqa: E731
+    assert kinds(child) == kinds(parent) and "MappedExperts" not in kinds(child)
+    mapped = LLMEngine(EngineConfig(**{**options, "mmap": True, "mlock": False}))
+    assert "MappedExperts" in kinds(mapped)  # what the child's mapped load would make, left alone

@@ -6,7 +6,6 @@ why it could not (flashserve/model/loader.py, flashserve/model/mapped.py)."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import subprocess
 import sys
@@ -65,19 +64,32 @@ def test_tensors_held_as_stored_are_views_of_the_files_and_the_logits_are_those_
     assert said.startswith("weights loaded in ") and " mapped in place (" in said and "routed expert" in said
 
 
-def test_a_write_to_a_mapped_weight_stays_in_the_process(released, tmp_path):
-    """The maps are private: changing a mapped weight in place (as a later layout step may) changes this process's
-    copy of the page, never the file."""
-    digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in released.glob("*.safetensors")}
+def _file_maps(folder: Path) -> list[dict[str, str]]:
+    """This process's mappings of ``folder``'s files (from /proc/self/smaps): permissions and the kB counts."""
+    maps, current = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                current = {"perms": head[1], "file": head[5] if len(head) > 5 else ""}
+                if current["file"].startswith(str(folder)):
+                    maps.append(current)
+            elif current is not None and head[0].endswith(":") and len(head) >= 2:
+                current[head[0][:-1]] = head[1]
+    return maps
+
+
+def test_the_files_are_mapped_read_only_and_shared(released):
+    """As llama.cpp maps them: read-only and shared, so the pages are the page cache's (no private copy of a page,
+    ever), and nothing the model does writes to them."""
     model = load_model(released, dtype="bfloat16", with_mtp=False)
-    weight = model.embed.weight
-    assert _in(_mapped_ranges(model), weight)
-    with torch.no_grad():
-        weight.zero_()
-    assert weight.abs().sum() == 0
-    assert {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in released.glob("*.safetensors")} == digest
-    again = load_model(released, dtype="bfloat16", with_mtp=False)
-    assert again.embed.weight.abs().sum() > 0
+    x = torch.tensor([[1, 5, 9, 33]])
+    with torch.inference_mode():
+        model(x)
+    maps = _file_maps(released)
+    assert maps and all(m["perms"] == "r--s" for m in maps), maps
+    assert all(m["Anonymous"] == "0" for m in maps)
+    assert _in(_mapped_ranges(model), model.embed.weight)
 
 
 def test_a_truncated_shard_is_refused_before_it_is_mapped(released, tmp_path):
@@ -103,17 +115,28 @@ _MLOCK = textwrap.dedent("""
     model = load_model(sys.argv[1], dtype="bfloat16", with_mtp=False, mlock=True)
     held = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
                list(model.parameters()) + list(model.buffers()) if t.untyped_storage().nbytes()}.values())
-    print("locked", model.load_report.locked, "of", held)
+    anonymous = 0
+    with open("/proc/self/smaps") as f:  # the private copies of the files' pages (none where the maps are shared)
+        mapping = False
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                mapping = len(head) > 5 and head[5].startswith(sys.argv[1])
+            elif mapping and head[0] == "Anonymous:":
+                anonymous += int(head[1])
+    print("locked", model.load_report.locked, "of", held, "anonymous", anonymous)
 """)
 
 
-def test_mlock_locks_every_weight(released):
+def test_mlock_locks_every_weight_and_copies_no_page(released):
     """Under the process's hard ``RLIMIT_MEMLOCK`` (8 MiB in a default container, more than tiny-v41's weights;
-    root is not bound by it) every weight's bytes are locked."""
+    root is not bound by it) every weight's bytes are locked, the mapped ones as the page cache's pages (a private
+    writable map would have copied every page it locked)."""
     done = subprocess.run([sys.executable, "-c", _MLOCK, str(released)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    locked, held = done.stdout.split("locked ")[1].split(" of ")
+    _, locked, _, held, _, anonymous = done.stdout.split()
     assert int(locked) == int(held) > 0 and "failed" not in done.stderr
+    assert int(anonymous) == 0  # the locked pages are the page cache's: no private copy of a mapped page
 
 
 def test_a_failed_mlock_says_which_limit_stopped_it_and_the_load_goes_on(released, monkeypatch, caplog):
@@ -175,10 +198,12 @@ def _rss_file() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
 
 
-def test_the_weights_used_where_they_lie_are_paged_in_ahead_when_they_fit(released, monkeypatch, caplog):
+def test_the_weights_used_where_they_lie_are_paged_in_ahead_in_order_of_use_up_to_what_fits(released, monkeypatch,
+                                                                                           caplog):
     """What a step would fault in page by page the first time it reads it (the mapped weights, the experts held a
-    matrix each among them) is faulted in by PageIn, as llama.cpp's MAP_POPULATE does; where the mapped bytes are
-    more than the available memory nothing is started and the log says why; ``--mlock`` covers the experts too."""
+    matrix each among them) is faulted in by PageIn, as llama.cpp's MAP_POPULATE does: the dense weights first,
+    then the routed experts, then the engram tables, up to a share of the available memory; where that cannot be
+    read, the dense weights; ``--mlock`` covers the experts too."""
     from flashserve.model import mapped, mapped_experts
 
     monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)
@@ -195,11 +220,24 @@ def test_the_weights_used_where_they_lie_are_paged_in_ahead_when_they_fit(releas
     assert pages.error is None and pages.done >= total and pages.seconds is not None
     assert _rss_file() - before >= 0.9 * total
 
-    monkeypatch.setattr(mapped, "available_memory", lambda: total // 2)
+    parts = mapped.mapped_spans(model, parts=True)
+    dense = sum(n for _, n, p in parts if p == mapped.DENSE)
+    experts = sum(n for _, n, p in parts if p == mapped.EXPERTS)
+    assert dense and experts and sum(n for _, n, p in parts if p == mapped.ENGRAM_ROWS)
+    # less than every mapped byte available: the dense weights first, then half the experts, no engram rows
+    monkeypatch.setattr(mapped, "available_memory", lambda: int((dense + experts // 2) / mapped.PAGE_IN_SHARE) + 4)
+    monkeypatch.setattr(mapped.PageIn, "start", lambda self: self)  # its spans looked at, not faulted in
     with caplog.at_level("INFO", logger="flashserve.model.mapped"):
-        assert mapped.page_in(model) is None
-    assert "are more than the available memory" in caplog.text
+        partial = mapped.page_in(model)
+    assert abs(partial.total - (dense + experts // 2)) <= 4
+    kind = {a: p for a, _, p in parts}
+    firsts = [kind[a] for a, _ in partial.spans]
+    assert firsts == sorted(firsts, key=[mapped.DENSE, mapped.EXPERTS].index)  # dense, then experts, nothing else
+    assert sum(n for a, n in partial.spans if kind[a] == mapped.DENSE) == dense
+    assert "paged in ahead (dense" in caplog.text and "the rest is read as steps touch it" in caplog.text
+    monkeypatch.setattr(mapped, "available_memory", lambda: None)  # not readable here (macOS, Windows)
+    assert mapped.page_in(model).total == dense
     monkeypatch.undo()
     started = mapped.page_in(model)
     started.stop(timeout=30)
-    assert not started._thread.is_alive()
+    assert not started._thread.is_alive() and started.total == total
