@@ -45,6 +45,7 @@ class ExpertCache:
         self.empty: list[int] = []  # slots holding no expert (a read into them failed part way)
         self.steps = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashserve-experts")
+        self._ticket: tuple[list[list[int]], Future] | None = None
 
     def _victim(self, keep: set[int]) -> int:
         """The slot to give up: an empty one, else the one whose expert is not wanted now and least recently used
@@ -108,6 +109,17 @@ class ExpertCache:
             part = self.experts(x, slots, torch.where(inside, w, torch.zeros_like(w)))
             out = part if out is None else out + part
         return out
+
+    def start(self, idx: torch.Tensor) -> None:
+        """:meth:`prefetch`, the ticket kept for :meth:`finish` (the operator ``flashserve::experts_start``)."""
+        self._ticket = self.prefetch(idx)
+
+    def finish(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` with the ticket :meth:`start` kept (the operator ``flashserve::experts_run``)."""
+        ticket, self._ticket = self._ticket, None
+        if ticket is None:
+            raise RuntimeError("experts_run without experts_start")
+        return self.run(x, idx, w, ticket)
 
     def counts(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "bytes_read": self.bytes_read}

@@ -243,6 +243,7 @@ def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
     from .expert_cache import ExpertCache
     from .moe import MoE
     from .row_cache import RowCache
+    from .streamed_ops import key_of
 
     readers: dict[str, dict[int, dict[str, object]]] = {}
     for name, read in stream.items():
@@ -253,10 +254,16 @@ def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
         if isinstance(m, RowCache):
             m.read = stream[f"{path}.weight"]
             model.streamed_rows[int(path.split(".")[1])] = m
+            # what the operators take (streamed_ops): plain tensor attributes, which a compiled region's graph reads
+            # as its layer's own, as it reads buffers, without their bytes counting as weights
+            probe = m.held(torch.zeros(1, dtype=torch.long))  # the dtype and width of the rows it gives
+            m.like = probe.new_empty(0, probe.shape[-1])
+            m.cache_key = key_of(m)
         if isinstance(m, MoE) and m.experts.n_experts < m.gate.weight.shape[0]:
             n = m.gate.weight.shape[0]
             m.expert_cache = ExpertCache(m.experts, n, readers[f"{path}.experts"], list(range(m.experts.n_experts)),
                                          policy)
+            m.cache_key = key_of(m.expert_cache)
 
 
 # Float tensors a float32 model on the CPU holds in bfloat16 where a checkpoint stores them so (mapped where they lie,

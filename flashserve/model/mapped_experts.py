@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from . import cpu_kernels, quant
-from .expert_cache import expert_caches
 from .moe import clamped_swiglu
 from .norms import fp32
 from .packed import _STORED_FP4, MXFP4, PackedExperts, PackedSlot, decode, encode, packed_shapes
@@ -162,11 +161,9 @@ def use_in_place(model: nn.Module) -> int:
 
 
 def eager_only(model: nn.Module) -> str | None:
-    """Why ``model``'s layers need an eager step (their routing read on the host), or None."""
-    if expert_caches(model):
-        return "routed experts streamed under weight_memory"
-    if getattr(model, "streamed_rows", None):
-        return "engram rows streamed under weight_memory"
+    """Why ``model``'s layers need an eager step (their routing read on the host), or None. Experts and engram
+    rows streamed under a weight budget do not: their caches run behind custom operators
+    (:mod:`flashserve.model.streamed_ops`) that a compiled step calls."""
     from .hybrid import hybrid_layers
 
     if hybrid_layers(model):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config.model_config import ModelConfig
-from . import blas, modes
+from . import blas, modes, streamed_ops
 from .modes import COMPILED, COMPILED_CPU
 from .norms import fp32
 
@@ -256,11 +256,12 @@ class MoE(nn.Module):
                 y = y + self.shared_experts(flat, made.get("shared_experts.w1.weight"),
                                             made.get("shared_experts.w3.weight"))
             return y.view(shape)
-        # streamed experts (a memory budget): the missing ones are read while the shared expert is computed
-        ticket = cache.prefetch(idx)
+        # streamed experts (a memory budget): the missing ones are read while the shared expert is computed, behind
+        # custom operators a compiled step calls as it calls a kernel (flashserve/model/streamed_ops.py)
+        token = streamed_ops.experts_start(idx, self.cache_key)
         shared = None
         if self.shared_experts is not None:
             shared = self.shared_experts(flat, made.get("shared_experts.w1.weight"),
                                          made.get("shared_experts.w3.weight"))
-        y = cache.run(flat, idx, w, ticket)
+        y = streamed_ops.experts_run(flat, idx, w, token, self.cache_key)
         return (y if shared is None else y + shared).view(shape)

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import streamed_ops
+
 WAYS = 16
 MIN_ROWS = 4096  # the least a streamed table holds (a 170-token step of V4.1-Flash's 24 lookups a token)
 _MIX = 2654435761  # Knuth's multiplier: spreads row ids over the sets (a row id below 2**31 times it fits int64)
@@ -130,7 +132,16 @@ class RowCache(nn.Module):
         self._pending = host, self._pool.submit(self.sets.placed, host)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """The table's rows ``ids`` [...] → [..., dim], as the whole table gives them."""
+        """The table's rows ``ids`` [...] → [..., dim], as the whole table gives them: :meth:`gather` behind the
+        operator ``flashserve::rows_gather`` (a compiled step calls it as a kernel), once the loader has keyed
+        this cache (:func:`flashserve.model.streamed_ops.key_of`)."""
+        key = getattr(self, "cache_key", None)
+        if key is None:
+            return self.gather(ids)
+        return streamed_ops.rows_gather(ids, key, self.like)
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` [...] → [..., dim], the missing ones read first (on the host)."""
         host = ids.cpu().numpy()
         placed = None
         if self._pending is not None:

@@ -162,9 +162,15 @@ class Transformer(nn.Module):
             pre = torch.zeros(B, S, cfg.hc_mult, device=x.device)
             pre[..., 0] = 1.0
         engram = self._engram_ids(input_ids, state)
-        for layer, rows in self.streamed_rows.items():  # missing rows read while the layers before run
-            rows.prefetch(self.engram_rows(engram, layer))
+        if not torch.compiler.is_compiling():  # a compiled step's prologue: its caller prefetches (host work)
+            self.prefetch_rows(engram)
         return x, pre, ctx, engram
+
+    def prefetch_rows(self, engram: torch.Tensor | None) -> None:
+        """Start reading the engram rows a step gathers that the streamed tables miss (under a weight budget), on
+        their own threads while the layers before them run; ``engram``: the step's row ids (:meth:`begin`)."""
+        for layer, rows in self.streamed_rows.items():
+            rows.prefetch(self.engram_rows(engram, layer))
 
     def forward(self, input_ids: torch.Tensor, state: SequenceState | None = None, *,
                 start: torch.Tensor | None = None, fake_quant: bool | None = None, encoder_only: bool = False,

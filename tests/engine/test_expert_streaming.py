@@ -39,8 +39,10 @@ def _weights(model) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors.values())
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(released, policy):
+@pytest.mark.parametrize("policy,compiled", [("lru", True), ("lfu", False)])
+def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(released, policy, compiled):
+    """Eager, and compiled (dynamo's trace of the step: the caches run behind custom operators the graph calls;
+    inductor's build of the same graph is a benchmark's, scripts/bench_slice.py)."""
     whole = _weights(load_model(released, with_mtp=False))  # the weights as loaded
     # the reference holds every weight, and its FP8 layers read their codes as stored, as the streamed engine's do
     # (the FP8 panels' sums run in another order, which moves logits across the cache's rounding steps)
@@ -52,8 +54,9 @@ def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(release
     prompts = [prompt_of(30, seed=1), prompt_of(12, seed=2), prompt_of(21, seed=3)]
     expected = run_greedy(held, prompts, 8)
 
-    engine = _engine(released, weight_memory=budget, expert_cache_policy=policy, enforce_eager=False)
-    assert engine.runner.decode_step.regions is None  # the cache reads between router and experts: eager
+    engine = _engine(released, weight_memory=budget, expert_cache_policy=policy, enforce_eager=not compiled,
+                     compile_backend="eager", background_compile=False)
+    assert (engine.runner.decode_step.regions is not None) == compiled
     slots = {m.experts.n_experts for m in engine.model.modules() if isinstance(m, MoE)}
     # the engram tables' 12458 rows keep 8192: an expert more; what is left over, a slot more in some layers
     assert max(slots) - min(slots) <= 1 and 3 <= min(slots) < 8
@@ -68,6 +71,8 @@ def test_streamed_experts_give_the_tokens_of_held_ones_within_the_budget(release
     assert rows["layers"] == 2 and rows["slots"] == 2 * 4096 and rows["rows"] == 6126 + 6332
     # a row is 16 FP8 bytes and one scale byte; decoding repeats n-grams, so rows are found as well as read
     assert rows["misses"] > 0 and rows["hits"] > 0 and rows["bytes_read"] == rows["misses"] * 17
+    if compiled:  # every region's graph called directly, the caches' operators inside the MoE and engram ones
+        assert engine.runner.decode_step.regions.planned()
 
 
 def test_engram_rows_streamed_through_a_few_slots_give_the_logits_of_the_whole_tables(released, monkeypatch):

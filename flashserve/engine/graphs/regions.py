@@ -406,6 +406,7 @@ class RegionalStep:
             torch._dynamo.maybe_mark_dynamic(table, 1)
 
         x, pre, engram = self.prologue(0, (model, cache), (ids, start, slots, table), key, dynamic)
+        model.prefetch_rows(engram)  # streamed engram rows: read on the host while the first layers run
         shifted = cfg.shifted_collapse
         sel: dict[int, tuple] = {}
         cand = (None, None)
