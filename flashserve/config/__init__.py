@@ -10,9 +10,17 @@ from .presets import PRESET_JSON, RUNNABLE_PRESETS, preset_config, preset_json
 
 
 def load_config(name_or_path: str | Path) -> ModelConfig:
-    """A preset name (``tiny-v41``, ``deepseek-v41-flash``, ...) or a checkpoint folder / config.json path."""
+    """A preset name (``tiny-v41``, ``deepseek-v41-flash``, ...), a checkpoint folder / config.json path, or a
+    DeepSeek-V4 GGUF file (its metadata: :mod:`flashserve.gguf.config`)."""
     if str(name_or_path) in PRESET_JSON:
         return preset_config(str(name_or_path))
+    from ..gguf import is_gguf_path
+
+    if is_gguf_path(name_or_path):
+        from ..gguf.config import config_from_gguf
+        from ..gguf.file import open_gguf
+
+        return config_from_gguf(open_gguf(name_or_path))
     path = Path(name_or_path)
     if not path.exists():
         raise ConfigError(

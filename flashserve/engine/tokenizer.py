@@ -135,10 +135,22 @@ class Tokenizer:
 
 
 def load_tokenizer(model_path_or_preset: str | Path, vocab_size: int | None = None) -> Tokenizer:
-    """``tokenizer.json`` from a checkpoint folder when present, else the built-in tiny tokenizer."""
+    """``tokenizer.json`` from a checkpoint folder when present, the vocabulary of a GGUF file
+    (:mod:`flashserve.gguf.vocab`), else the built-in tiny tokenizer."""
     from tokenizers import Tokenizer as HFTokenizer
 
+    from ..gguf import is_gguf_path
+
     path = Path(str(model_path_or_preset))
+    if is_gguf_path(path):
+        from ..gguf.file import open_gguf
+        from ..gguf.vocab import special_ids, tokenizer_from_gguf
+
+        model = open_gguf(path)
+        ids = special_ids(model)
+        keep = [text for text, special in TINY_SPECIALS.values() if not special]  # the family's tokens kept in text
+        return Tokenizer(tokenizer_from_gguf(model, keep), eos_token_id=ids.get("eos"), bos_token_id=ids.get("bos"),
+                         vocab_size=vocab_size)
     tj = path / "tokenizer.json"
     eos = bos = None
     if path.is_dir():

@@ -417,7 +417,15 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     tables stay in host memory too (:mod:`flashserve.model.engram_host`).
     """
     from .packed import pack_model
+    from ..gguf import is_gguf_path
 
+    if is_gguf_path(path_or_preset):  # a DeepSeek-V4 GGUF: flashserve.gguf.weights, the same options
+        from ..gguf.weights import load_gguf_model
+
+        return load_gguf_model(path_or_preset, dtype=dtype, device=device, fake_quant=fake_quant, seed=seed,
+                               with_mtp=with_mtp, quantization=quantization, prepare=prepare, mmap=mmap,
+                               experts_in_place=experts_in_place, mlock=mlock, weight_memory=weight_memory,
+                               expert_cache_policy=expert_cache_policy, gpu_experts=gpu_experts)
     name = str(path_or_preset)
     cfg: ModelConfig = load_config(path_or_preset)
     is_preset = name in PRESET_JSON
