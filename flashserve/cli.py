@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="parameter and KV-cache arithmetic of a preset or checkpoint",
                           description="Parameter counts and KV-cache bytes of a preset or checkpoint (--memory: "
                                       "per-rank resident bytes of a layout).", formatter_class=HelpFormatter)
-    info.add_argument("model", help="preset name or checkpoint folder")
+    info.add_argument("model", help="preset name, checkpoint folder or DeepSeek-V4 GGUF file")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.add_argument("--memory", action="store_true",
                       help="per-rank resident bytes of the layout (weights, cache per token, bounded state)")

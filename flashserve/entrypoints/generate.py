@@ -18,8 +18,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate a completion for one prompt",
                               formatter_class=HelpFormatter)
     p.add_argument("model", nargs="?", default=None,
-                   help="preset name (tiny-v4, tiny-v41) or checkpoint folder (default: the embedded model, "
-                        "a small V4.1 trained on the Python standard library)")
+                   help="preset name (tiny-v4, tiny-v41), checkpoint folder or DeepSeek-V4 GGUF file (default: the "
+                        "embedded model, a small V4.1 trained on the Python standard library)")
     p.add_argument("prompt")
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")

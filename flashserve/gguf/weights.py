@@ -111,6 +111,8 @@ def load_gguf_model(path: str | Path, *, dtype, device: str = "cpu", fake_quant:
         _hold_as_stored(model, g)
     if prepare is not None:
         prepare(model)
+    if on_cpu:
+        _check_memory(model, g, cfg, mmap)
     model = model.to_empty(device=device)
     for module in model.modules():  # buffers computed, never loaded (rope, packed tables)
         if hasattr(module, "reset_buffers"):
@@ -147,6 +149,41 @@ def _hold_as_stored(model, g: GGUFModel) -> None:
         if (p is not None and t.type_name == "BF16" and p.dtype == torch.float32
                 and p.numel() >= KEEP_STORED_MIN_ELEMENTS):
             p.data = torch.empty(p.shape, dtype=torch.bfloat16, device=p.device)
+
+
+def _mappable(target, t: StoredTensor) -> bool:
+    """Whether a destination can be a view of the tensor where it lies in the file (a whole float tensor of its
+    dtype)."""
+    return (isinstance(target, torch.Tensor) and t.type_name in FLOAT_TYPES and target._base is None
+            and _FLOAT_DTYPES[t.type_name] == target.dtype)
+
+
+def _check_memory(model, g: GGUFModel, cfg: ModelConfig, mmap: bool) -> None:
+    """Refuse, before anything is allocated (``model`` on ``meta``), a GGUF whose decoded or repacked weights need
+    more memory than the system has available, naming the sizes and the formats decoded."""
+    from ..model.mapped import available_memory
+
+    dest = model.checkpoint_tensors()
+    every = {id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}
+    mapped, decoded = 0, set()
+    for name, t in g.tensors.items():
+        rel, _, kind = released_name(name, cfg.num_hidden_layers)
+        target = dest.get(rel) if kind == "tensor" else None
+        if mmap and target is not None and _mappable(target, t):
+            mapped += target.numel() * target.element_size()
+        elif t.type_name not in ("F32", "MXFP4", "I32"):
+            decoded.add(t.type_name)
+    need = sum(every.values()) - mapped
+    have = available_memory()
+    if have is not None and need > have:
+        what = f" (tensors of type {', '.join(sorted(decoded))} decoded to floats)" if decoded else ""
+        raise ConfigError(f"{g.path}: the weights it loads into memory take {_size(need)}{what}, more than the "
+                          f"{_size(have)} available. Only F32/F16/BF16 tensors of the compute dtype are "
+                          "used where they lie and MXFP4 experts held packed; a 16-bit --dtype halves decoded floats")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
 def _listing(title: str, items: list[str]) -> str:
@@ -204,7 +241,8 @@ def match(g: GGUFModel, dest: dict, cfg: ModelConfig, strict: bool = True) -> li
         ("unexpected (in the GGUF, not in the model)", sorted(unexpected)),
         ("mis-shaped", sorted(misshaped))) if items]
     if problems:
-        raise GGUFError(f"{g.path} does not match the DeepSeek-V4 model its metadata describes:\n" + "\n".join(problems))
+        raise GGUFError(f"{g.path} does not match the DeepSeek-V4 model its metadata describes:\n"
+                        + "\n".join(problems))
     if skipped:
         log.info("%s: %d tensors not loaded (MTP drafter blocks, image routing): %s", g.path.name, len(skipped),
                  ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
@@ -243,8 +281,7 @@ def _fill(target, t: StoredTensor, expert: int | None, maps) -> tuple[bool, int]
         target.set_float(decode(t, expert, torch.float32))
         return False, target.nbytes()
     nbytes = target.numel() * target.element_size()
-    if (maps is not None and expert is None and t.type_name in FLOAT_TYPES and target._base is None
-            and target.device.type == "cpu" and _FLOAT_DTYPES[t.type_name] == target.dtype):
+    if maps is not None and expert is None and target.device.type == "cpu" and _mappable(target, t):
         view = maps.tensor(t.file, t.type_name, t.shape, t.start, t.end)
         if view is not None and tuple(view.shape) == tuple(target.shape):
             target.data = view

@@ -65,6 +65,13 @@ def _formats(model: str, cfg, quantization: str | None) -> tuple[str, dict]:
         if model in PRESET_JSON:  # runnable presets are float; the real-dimension ones describe the release
             quantization = "float" if model in RUNNABLE_PRESETS else "mxfp4"
         else:
+            from ..gguf import is_gguf_path
+
+            if is_gguf_path(model):  # a GGUF's MXFP4 experts stay packed, the rest is float
+                from ..gguf.file import open_gguf
+                from ..gguf.weights import stored_formats
+
+                return "as stored", stored_formats(open_gguf(model), cfg)
             from ..model.checkpoint import packed_dtypes
 
             return "as stored", packed.plan_as_stored(cfg, packed_dtypes(Path(model)))

@@ -29,8 +29,8 @@ DEFAULT_SHUTDOWN_TIMEOUT = 5.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="preset name (e.g. tiny-v41) or checkpoint folder (default: the embedded model, served "
-                        "as 'flashserve-default')")
+                   help="preset name (e.g. tiny-v41), checkpoint folder or DeepSeek-V4 GGUF file (default: the embedded "
+                        "model, served as 'flashserve-default')")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="TCP port")

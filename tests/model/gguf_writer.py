@@ -181,7 +181,8 @@ def write_gguf(model, folder: Path, out: Path, *, dense: str = "F32", split_max_
                 else:
                     packed, scale = quant.quantize_mxfp4(src[name].float())
                 blocks.append(ggml_mxfp4(packed.view(torch.uint8).numpy(), scale.view(torch.uint8).numpy()))
-            w.add_tensor(f"blk.{layer}.{_EXPERT_PROJ[proj]}", np.stack(blocks), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            w.add_tensor(f"blk.{layer}.{_EXPERT_PROJ[proj]}", np.stack(blocks),
+                         raw_dtype=gguf.GGMLQuantizationType.MXFP4)
     for name, t in src.items():
         if ".experts." in name or name.endswith("tid2eid"):
             continue

@@ -10,6 +10,8 @@ import dataclasses
 import json
 import shutil
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,6 +84,11 @@ def test_gguf_config_is_the_checkpoints_config(tiny, capsys):
     info = json.loads(capsys.readouterr().out)
     assert main(["info", str(folder), "--json"]) == 0
     assert info["params_total"] == json.loads(capsys.readouterr().out)["params_total"] > 0
+    assert main(["info", str(path), "--memory"]) == 0  # each rank's weights as the GGUF stores them
+    assert "weights as stored" in capsys.readouterr().out
+    code = ("import sys\nfrom flashserve.config import load_config\n"
+            f"assert load_config({str(path)!r}).num_hidden_layers == 8\nassert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)  # the config of a GGUF is torch-free
 
 
 def test_q8_0_and_bf16_tensors_are_decoded_to_their_values(tiny, tmp_path):
@@ -122,8 +129,9 @@ def test_tokenizer_from_the_gguf_vocabulary_matches_tokenizer_json(tiny):
 _DEEPSEEK_V3_PRE = {"type": "Sequence", "pretokenizers": [
     {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": False},
     {"type": "Split", "pattern": {"Regex": "[一-龥\u3040-ゟ゠-ヿ]+"}, "behavior": "Isolated", "invert": False},
-    {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}"
-                                           "\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"},
+    {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|"
+                                           "[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|"
+                                           "\\s*[\r\n]+|\\s+(?!\\S)|\\s+"},
      "behavior": "Isolated", "invert": False},
     {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
 
@@ -215,3 +223,18 @@ def test_split_set_loads_by_its_first_file_and_a_missing_split_is_refused(tiny, 
     files[1].unlink()
     with pytest.raises(GGUFError, match="first of 3 splits, but 1 of them are missing.*split-00002-of-00003.gguf"):
         load_model(files[0])
+
+
+def test_weights_larger_than_the_available_memory_are_refused_before_loading(tiny, tmp_path, monkeypatch):
+    from flashserve.config import ConfigError
+    from flashserve.model import mapped
+
+    model, folder, _ = tiny
+    path = tmp_path / "q8.gguf"
+    write_gguf(model, folder, path, dense="Q8_0")
+    monkeypatch.setattr(mapped, "available_memory", lambda: 1 << 20)  # 1 MiB: the MXFP4 experts alone are 0.4 MB
+    with pytest.raises(ConfigError, match=r"take [\d.]+ MiB \(tensors of type BF16, Q8_0 decoded to floats\), more "
+                                          r"than the 1\.0 MiB available"):
+        load_model(path)
+    monkeypatch.setattr(mapped, "available_memory", lambda: 64 << 20)
+    assert load_model(path).load_report.copied
