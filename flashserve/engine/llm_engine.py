@@ -71,10 +71,6 @@ class LLMEngine:
                                                                 expert_cache_policy=c.expert_cache_policy,
                                                                 gpu_experts=c.gpu_experts)
         self.dtype = self.model.dtype
-        # the weights used where they lie in the mapped files faulted in on a thread of their own (MAP_POPULATE's
-        # effect without waiting for it); --mlock has read and locked them already, and a compiling child
-        # (compile_only) never decodes
-        self.page_in = page_in(self.model) if not compile_only and not c.mlock else None
         prepare_kernels(self.model)  # w8a8: fbgemm's copies of the weights, before a decode step is compiled
         self.model_config = cfg = self.model.cfg
         self.tokenizer = load_tokenizer(c.tokenizer or c.model, cfg.vocab_size)
@@ -129,6 +125,10 @@ class LLMEngine:
                           backend=c.compile_backend, cuda_graphs=c.cuda_graphs,
                           capture=self.drafter.capture if self.drafter else (),
                           streams=bool(getattr(self.drafter, "streams", False)), background=background, child=child)
+        # the weights used where they lie in the mapped files (those a compiled step's weight arenas did not copy)
+        # faulted in on a thread of their own (MAP_POPULATE's effect without waiting for it); --mlock has read and
+        # locked them already, and a compiling child (compile_only) never decodes
+        self.page_in = page_in(self.model) if not compile_only and not c.mlock else None
         if warm_up:  # a sharded engine's ranks warm up together once all are ready (their steps' collectives)
             # a model drafter drafts k tokens a step: its verification key compiled right after one row's
             step.warm_up(verify_rows=1 + spec.num_speculative_tokens if with_mtp else None)

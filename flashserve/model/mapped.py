@@ -131,6 +131,47 @@ def weights_held(model: torch.nn.Module) -> dict[str, int]:
     return {"total": sum(n for _, n in spans), "mapped": mapped}
 
 
+MADV_DONTNEED = 4
+
+
+def release_unused(model: torch.nn.Module) -> int:
+    """Drop from this process the pages of the model's mapped files that no weight it holds lies in any more (a
+    compiled step's weight arenas hold copies of the weights it moved out of the maps): their page-table entries
+    go (``madvise(MADV_DONTNEED)``; the files' pages stay in the page cache, and a read of one faults it back in),
+    so the process's resident memory counts each weight once. Returns the bytes released; 0 where nothing is
+    mapped or madvise is not there."""
+    files = getattr(model, "_mapped_files", None)
+    if files is None or not files.maps:
+        return 0
+    try:
+        libc = _libc()
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    except (OSError, AttributeError):
+        return 0
+    page = mmap.PAGESIZE
+    used = sorted((a, a + n) for a, n in weight_spans(model))
+    released = 0
+
+    def drop(lo: int, hi: int) -> int:  # the whole pages within [lo, hi)
+        lo, hi = -(-lo // page) * page, hi // page * page
+        ok = hi > lo and libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) == 0
+        return hi - lo if ok else 0
+
+    for start, size in files.ranges():
+        end, cursor = start + size, start
+        for a, b in used:
+            if b <= cursor:
+                continue
+            if a >= end:
+                break
+            if a > cursor:
+                released += drop(cursor, a)
+            cursor = b
+        if cursor < end:
+            released += drop(cursor, end)
+    return released
+
+
 MADV_POPULATE_READ = 22  # Linux 5.14: fault pages in, reading those not in the page cache
 PAGE_IN_CHUNK = 64 << 20  # bytes a madvise call: the stop flag is looked at between calls
 

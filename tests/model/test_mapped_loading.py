@@ -241,3 +241,27 @@ def test_the_weights_used_where_they_lie_are_paged_in_ahead_in_order_of_use_up_t
     started = mapped.page_in(model)
     started.stop(timeout=30)
     assert not started._thread.is_alive() and started.total == total
+
+
+def test_pages_of_weights_moved_out_of_the_maps_leave_the_process(released, monkeypatch):
+    """A compiled step's weight arenas copy the mapped weights (engine.graphs.weight_arena): the maps' pages no
+    weight lies in any more are released (the process holds each weight once), the ones still used are kept,
+    and the logits stay the same."""
+    from flashserve.engine.graphs.weight_arena import pack_weights
+    from flashserve.model import mapped, mapped_experts
+
+    monkeypatch.setattr(mapped_experts, "MIN_EXPERT_BYTES", 0)  # experts held where they lie: not in arenas
+    model = load_model(released, with_mtp=False)
+    ids = torch.tensor([[1, 5, 9, 33, 2]])
+    with torch.inference_mode():
+        expected = model(ids).logits
+    still = sum(n for _, n in mapped.mapped_spans(model))
+    pack_weights(model, skip=tuple(m for m in model.modules() if isinstance(m, mapped_experts.MappedExperts)))
+    kept = sum(n for _, n in mapped.mapped_spans(model))
+    assert 0 < kept < still  # the experts' matrices stay mapped, the rest was copied
+    before = _rss_file()
+    released_bytes = mapped.release_unused(model)
+    assert released_bytes >= 0.8 * (still - kept)
+    assert before - _rss_file() >= 0.5 * (still - kept)  # those pages had been touched by the forward
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, expected)

@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from ...model import modes
+from ...model.mapped import release_unused
 from ...model.packed import PackedLinear
 from ..cache import KVCache
 from ..fixed_state import FixedBatchState
@@ -186,6 +187,8 @@ class DecodeStep:
             # with them
             arenas = [a for block in self.model.layers for parts in HALVES for a in pack_weights(block, parts=parts)]
             arenas += pack_weights(self.model, skip=tuple(self.model.layers))
+            # the weights moved out of the mapped files: their pages leave this process (each weight counted once)
+            release_unused(self.model)
         recorder = GraphRecorder(backend, options, arenas)
         skip_model_guards = torch.compiler.skip_guard_on_all_nn_modules_unsafe
 
