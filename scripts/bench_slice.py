@@ -166,14 +166,23 @@ def main(argv: list[str] | None = None) -> int:
         after = cache_stats(expert_caches(model))
         hit_rate = None
         if after is not None:
-            d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read")}
+            d = {k: after[k] - before[k] for k in ("hits", "misses", "bytes_read", "read_ahead", "read_ahead_used")}
             hit_rate = d["hits"] / max(d["hits"] + d["misses"], 1)
             tokens = args.repeats * b * args.new  # decoded tokens (the prompts' prefill steps read experts too)
             print(f"batch {b:>2}: expert cache hit rate {100 * d['hits'] / max(d['hits'] + d['misses'], 1):.1f}%, "
-                  f"{d['bytes_read'] / tokens / 1e6:.1f} MB read from the files a token (prefill included)")
+                  f"{d['bytes_read'] / tokens / 1e6:.1f} MB read from the files a token (prefill included); "
+                  f"read ahead {d['read_ahead']} experts (the next layer's router on this layer's input), "
+                  f"{d['read_ahead_used']} of them then chosen")
         nbytes, parts = step_bytes(model, b)
         bandwidth = read_bandwidth(nbytes, args.repeats)
         bound = b * bandwidth / nbytes  # tokens/s if a step cost only reading its bytes once
+        if after is not None and disk:
+            # under a budget: a step reads what it misses from the disk, the rest from memory
+            missed = min(d["bytes_read"] / (args.repeats * args.new), nbytes)
+            bound = b / ((nbytes - missed) / bandwidth + missed / disk)
+            print(f"batch {b:>2}: runs {', '.join(f'{r:.2f}' for r in rates)} tok/s (the first one after the "
+                  f"page cache was dropped); a step misses {missed / 1e6:.1f} MB: bound {bound:.2f} tok/s at "
+                  f"{bandwidth / 1e9:.1f} GB/s from memory and {disk / 1e9:.2f} GB/s from the disk")
         rows.append({"batch": b, "tok_s": rate, "expert_hit_rate": hit_rate, "step_bytes": nbytes, "parts": parts,
                      "read_GB_s": bandwidth / 1e9, "bound_tok_s": bound, "of_bound": rate / bound})
         shares = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))

@@ -7,8 +7,9 @@
 * :mod:`.names` maps GGUF tensor names to the released checkpoint names (the inverse of llama.cpp's
   converter). Torch-free.
 * :mod:`.vocab` builds a ``tokenizers`` byte-level BPE from the vocabulary fields. Torch-free.
-* :mod:`.weights` fills a model: float tensors of the compute dtype mapped where they lie, MXFP4 experts repacked
-  into flashserve's MXFP4, everything else decoded at load with ``gguf.quants.dequantize``.
+* :mod:`flashserve.model.gguf_weights` (the model's layer: torch) fills a model: float tensors of the compute
+  dtype mapped where they lie, MXFP4 experts repacked into flashserve's MXFP4, everything else decoded at load
+  with ``gguf.quants.dequantize``.
 
 DeepSeek-V4.1 has no GGUF layout in llama.cpp, so only V4 (Flash, Pro) GGUFs load.
 """

@@ -46,6 +46,12 @@ class ExpertCache:
         self.steps = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="flashserve-experts")
         self._ticket: tuple[list[list[int]], Future] | None = None
+        # reading ahead: the next streamed layer of a forward and its router (set by the loader), the experts read
+        # ahead and not used yet, and the counts
+        self.next: ExpertCache | None = None
+        self.next_gate: torch.nn.Module | None = None
+        self.ahead: set[int] = set()
+        self.ahead_read = self.ahead_used = 0
 
     def _victim(self, keep: set[int]) -> int:
         """The slot to give up: an empty one, else the one whose expert is not wanted now and least recently used
@@ -56,22 +62,37 @@ class ExpertCache:
         expert = next(free) if self.policy == LRU else min(free, key=lambda e: self.uses[e])  # min keeps the first
         return int(self.table[expert])
 
-    def _ensure(self, wanted: list[int]) -> None:
-        """Hold every expert of ``wanted`` (at most ``slots`` of them), reading the missing ones. A read that fails
-        (a file changed since loading, a disk error) leaves its slot empty, to be filled by a later miss, and
-        raises."""
+    def _ensure(self, wanted: list[int], ahead: bool = False) -> None:
+        """Hold every expert of ``wanted`` (at most ``slots`` of them), reading the missing ones, their reads first
+        announced together (``posix_fadvise``: the disk serves them at once). A read that fails (a file changed
+        since loading, a disk error) leaves its slot empty, to be filled by a later miss, and raises. ``ahead``: a
+        guess of the next step's experts (:meth:`read_ahead`), counted apart from the step's hits and misses."""
         keep = set(wanted)
-        self.steps += 1
-        if self.policy == LFU and self.steps % LFU_HALVING_STEPS == 0:
-            self.uses = Counter({e: n // 2 for e, n in self.uses.items() if n > 1})
+        if not ahead:
+            self.steps += 1
+            if self.policy == LFU and self.steps % LFU_HALVING_STEPS == 0:
+                self.uses = Counter({e: n // 2 for e, n in self.uses.items() if n > 1})
+        missing = [e for e in wanted if e not in self.recency]
+        if len(missing) > 1:
+            for e in missing:
+                for read in self.readers[e].values():
+                    getattr(read, "advise", lambda: None)()
         with torch.no_grad():
             for e in wanted:
-                self.uses[e] += 1
-                if e in self.recency:
-                    self.hits += 1
-                    self.recency.move_to_end(e)
-                    continue
-                self.misses += 1
+                if ahead:
+                    if e in self.recency:
+                        self.recency.move_to_end(e)
+                        continue
+                else:
+                    self.uses[e] += 1
+                    if e in self.ahead:
+                        self.ahead.discard(e)
+                        self.ahead_used += 1
+                    if e in self.recency:
+                        self.hits += 1
+                        self.recency.move_to_end(e)
+                        continue
+                    self.misses += 1
                 slot = self._victim(keep)
                 if self.owner[slot] >= 0:
                     del self.recency[self.owner[slot]]
@@ -85,12 +106,37 @@ class ExpertCache:
                 self.owner[slot] = e
                 self.recency[e] = None
                 self.table[e] = slot
+                if ahead:
+                    self.ahead.add(e)
+                    self.ahead_read += 1
 
-    def prefetch(self, idx: torch.Tensor) -> tuple[list[list[int]], Future]:
-        """Start reading the experts ``idx`` routes to (first slotful) on the background thread."""
-        chosen = idx.unique().tolist()  # host sync: the eager step's
+    def prefetch(self, idx: torch.Tensor, x: torch.Tensor | None = None,
+                 ids: torch.Tensor | None = None) -> tuple[list[list[int]], Future]:
+        """Start reading the experts ``idx`` routes to (first slotful) on the background thread; with this layer's
+        input ``x`` [T, D] (and the tokens ``ids`` [T], for a hash-routed layer), the next layer's guess of its
+        own (:meth:`read_ahead`) on that layer's."""
+        chosen = idx.unique().tolist()  # on the host (a compiled step: behind streamed_ops' operator)
         groups = [chosen[i:i + self.slots] for i in range(0, len(chosen), self.slots)]
-        return groups, self._pool.submit(self._ensure, groups[0])
+        ticket = groups, self._pool.submit(self._ensure, groups[0])
+        if x is not None and self.next is not None and self.next_gate is not None:
+            self.next.read_ahead(self.next_gate, x, ids)
+        return ticket
+
+    def read_ahead(self, gate: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor | None) -> None:
+        """While the layer before runs, guess this layer's experts by its router applied to that layer's input
+        (the residual stream changes little from one layer to the next: the guess of pre-gated MoE and of
+        offloading engines), and read the ones not held, at most half the slots, on this layer's thread, queued
+        before its own step's reads. ``ahead_used`` against ``ahead_read`` says how good the guesses are."""
+        x = x.detach().clone()  # the caller's buffer may be reused before the thread reads it
+        ids = None if ids is None else ids.detach().clone()
+        self._pool.submit(self._guess, gate, x, ids)
+
+    def _guess(self, gate: torch.nn.Module, x: torch.Tensor, ids: torch.Tensor | None) -> None:
+        with torch.inference_mode():
+            idx, _ = gate(x, ids, None)
+        guess = [e for e in idx.unique().tolist() if e not in self.recency][:max(self.slots // 2, 1)]
+        if guess:
+            self._ensure(guess, ahead=True)
 
     def run(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
             ticket: tuple[list[list[int]], Future]) -> torch.Tensor:
@@ -110,9 +156,9 @@ class ExpertCache:
             out = part if out is None else out + part
         return out
 
-    def start(self, idx: torch.Tensor) -> None:
+    def start(self, idx: torch.Tensor, x: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
         """:meth:`prefetch`, the ticket kept for :meth:`finish` (the operator ``flashserve::experts_start``)."""
-        self._ticket = self.prefetch(idx)
+        self._ticket = self.prefetch(idx, x, ids)
 
     def finish(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """:meth:`run` with the ticket :meth:`start` kept (the operator ``flashserve::experts_run``)."""
@@ -122,7 +168,8 @@ class ExpertCache:
         return self.run(x, idx, w, ticket)
 
     def counts(self) -> dict[str, int]:
-        return {"hits": self.hits, "misses": self.misses, "bytes_read": self.bytes_read}
+        return {"hits": self.hits, "misses": self.misses, "bytes_read": self.bytes_read,
+                "read_ahead": self.ahead_read, "read_ahead_used": self.ahead_used}
 
 
 def expert_caches(model: torch.nn.Module) -> list[ExpertCache]:
@@ -135,7 +182,7 @@ def cache_stats(caches: list[ExpertCache]) -> dict | None:
     layer; None without any."""
     if not caches:
         return None
-    out = {"hits": 0, "misses": 0, "bytes_read": 0}
+    out = {"hits": 0, "misses": 0, "bytes_read": 0, "read_ahead": 0, "read_ahead_used": 0}
     for c in caches:
         for k, v in c.counts().items():
             out[k] += v

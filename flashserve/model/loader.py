@@ -12,38 +12,12 @@ from ..config import ConfigError, ModelConfig, load_config
 from ..config.presets import PRESET_JSON, RUNNABLE_PRESETS
 from . import cpu_kernels
 from .init import random_init
+from .load_common import (KEEP_STORED, KEEP_STORED_MIN_ELEMENTS, _hybrid, activations_in_8_bits,  # noqa: F401
+                          keep_fp32, resolve_dtype)
 from .packed import MXFP4, W4A8
 from .transformer import Transformer
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """``torch.float32`` from ``"float32"``/``"fp32"``/``torch.float32``; a clear error otherwise."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
-
-
-# Parameters the checkpoint stores in fp32 and the model applies in fp32 whatever the compute dtype
-# (docs/architecture.md#numerics-and-quantisation-points): mHC coefficients, attention sinks, router biases, V4
-# compressor position biases.
-_FP32_LEAVES = ("_fn", "_base", "_scale", "attn_sink", "bias", "bias_vl", "ape")
-
-
-def keep_fp32(model: torch.nn.Module) -> None:
-    """Return the always-fp32 parameters to fp32 after a cast of the whole model."""
-    for name, p in model.named_parameters():
-        if name.startswith(("vision.", "aligner.")):  # the vision path is BF16 throughout, biases included
-            continue
-        if name.rsplit(".", 1)[-1].endswith(_FP32_LEAVES) and p.dtype != torch.float64:
-            p.data = p.data.float()
-
 
 # Under a budget, the engram tables keep a sixteenth of what the other weights leave (at least row_cache.MIN_ROWS rows
 # a table): a token reads about 13 KB of engram rows where it reads gigabytes of routed experts, and the rows'
@@ -246,6 +220,7 @@ def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
     from .streamed_ops import key_of
 
     readers: dict[str, dict[int, dict[str, object]]] = {}
+    chain: list[ExpertCache] = []
     for name, read in stream.items():
         if routed_expert(name):
             module, expert, proj = routed_expert(name)
@@ -264,14 +239,10 @@ def _attach_caches(model: Transformer, stream: dict, policy: str) -> None:
             m.expert_cache = ExpertCache(m.experts, n, readers[f"{path}.experts"], list(range(m.experts.n_experts)),
                                          policy)
             m.cache_key = key_of(m.expert_cache)
-
-
-# Float tensors a float32 model on the CPU holds in bfloat16 where a checkpoint stores them so (mapped where they lie,
-# or copied as they are): the token embeddings (rows converted as they are gathered) and the LM head (read through
-# its bfloat16 panels, blas.make_bf16_panels, by eager and compiled steps alike). Only large ones, which the engine
-# gives panels: V4.1-Flash's are 1.3 GB each in bfloat16, and their float32 copies took most of a mapped load.
-KEEP_STORED = frozenset({"embed.weight", "head.weight"})
-KEEP_STORED_MIN_ELEMENTS = 1 << 24  # blas.BF16_PANEL_MIN_ELEMENTS
+            if path.startswith("layers."):  # a forward's streamed layers in order: each reads ahead for the next
+                if chain:
+                    chain[-1].next, chain[-1].next_gate = m.expert_cache, m.gate
+                chain.append(m.expert_cache)
 
 
 def hold_as_stored(model: Transformer, path: Path) -> list[str]:
@@ -295,7 +266,7 @@ def hold_as_stored(model: Transformer, path: Path) -> list[str]:
 
 
 def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool,
-                  stream: dict | None = None) -> None:
+                  stream: dict | None = None, stream_budget: int | None = None) -> None:
     """Load a checkpoint folder into ``model`` (mapping what it can with ``mmap``; the report is
     ``model.load_report``); drop the drafters and zero ``bias_vl`` where the folder leaves them out (each said
     once in the log)."""
@@ -305,7 +276,8 @@ def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool
     dest = model.checkpoint_tensors()
     maps = MappedFiles() if mmap else None
     model.load_report = LoadReport()
-    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report, stream=stream)
+    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report, stream=stream,
+                              stream_budget=stream_budget)
     if maps is not None and maps.maps:
         model._mapped_files = maps  # the maps live as long as the model
     if DRAFTERS in omitted:
@@ -357,23 +329,6 @@ def _formats(path_or_preset: str | Path, is_preset: bool, quantization: str | No
     return stored
 
 
-def activations_in_8_bits(model: Transformer) -> int:
-    """``--quantization w4a8``: every MXFP4 routed-expert module multiplies activations quantized to 8 bits a
-    32-block (llama.cpp's Q8_0 rounding) through the CPU kernel; returns how many. Not exact: the products differ
-    from the stored weights' by the activations' rounding (about 0.5% of a product's size)."""
-    from .mapped_experts import MappedExperts
-    from .packed import PackedExperts
-
-    modules = [m for m in model.modules() if isinstance(m, MappedExperts)
-               or (isinstance(m, PackedExperts) and m.w1_packed.fmt.name == MXFP4)]
-    for m in modules:
-        m.int8_activations = True
-    if modules and not cpu_kernels.mxfp4_pairs_available():
-        log.warning("--quantization w4a8: the CPU kernels are unavailable here, so the experts' products run exact "
-                    "(torch's code)")
-    return len(modules)
-
-
 def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.float32, device: str = "cpu",
                fake_quant: bool | None = None, seed: int = 0, with_mtp: bool = True,
                quantization: str | None = None, prepare=None, mmap: bool = True, experts_in_place: bool | None = None,
@@ -419,8 +374,8 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     from .packed import pack_model
     from ..gguf import is_gguf_path
 
-    if is_gguf_path(path_or_preset):  # a DeepSeek-V4 GGUF: flashserve.gguf.weights, the same options
-        from ..gguf.weights import load_gguf_model
+    if is_gguf_path(path_or_preset):  # a DeepSeek-V4 GGUF: flashserve.model.gguf_weights, the same options
+        from .gguf_weights import load_gguf_model
 
         return load_gguf_model(path_or_preset, dtype=dtype, device=device, fake_quant=fake_quant, seed=seed,
                                with_mtp=with_mtp, quantization=quantization, prepare=prepare, mmap=mmap,
@@ -480,7 +435,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     else:
         stream = {} if streamed else None
         _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None,
-                      mmap=mmap and torch.device(device).type == "cpu", stream=stream)
+                      mmap=mmap and torch.device(device).type == "cpu", stream=stream, stream_budget=weight_memory)
         if stream is not None:
             _attach_caches(model, stream, expert_cache_policy)
     if spent is not None:
@@ -505,21 +460,3 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     if hasattr(model, "load_report"):
         log.info("%s: %s", name, model.load_report.describe())
     return model.eval()
-
-
-def _hybrid(model: Transformer, gpu_experts: int, device: str) -> Transformer:
-    """``model`` (in host memory) with its routed experts split (:func:`flashserve.model.hybrid.hybridize`), its
-    engram tables kept in host memory, and the rest on ``device``."""
-    from .engram_host import host_engram_tables
-    from .hybrid import hybridize
-
-    layers = hybridize(model, gpu_experts)
-    tables = host_engram_tables(model)
-    with torch.no_grad():  # the device holds its copies in the compute dtype, not as the files store them
-        for mod in (model.embed, model.head):
-            mod.weight.data = mod.weight.data.to(model.dtype)
-    model = model.to(device)
-    log.info("routed experts split: %d of %d a layer held on %s in %d MoE layers, the others computed on the host; "
-             "engram tables (%.2f GB) in host memory", gpu_experts, model.cfg.n_routed_experts, device, layers,
-             tables / 1e9)
-    return model

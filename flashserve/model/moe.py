@@ -258,7 +258,7 @@ class MoE(nn.Module):
             return y.view(shape)
         # streamed experts (a memory budget): the missing ones are read while the shared expert is computed, behind
         # custom operators a compiled step calls as it calls a kernel (flashserve/model/streamed_ops.py)
-        token = streamed_ops.experts_start(idx, self.cache_key)
+        token = streamed_ops.experts_start(idx, flat, ids.reshape(-1), self.cache_key)
         shared = None
         if self.shared_experts is not None:
             shared = self.shared_experts(flat, made.get("shared_experts.w1.weight"),

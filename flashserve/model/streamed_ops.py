@@ -6,8 +6,9 @@ are missing, read them into slots, map the choice to slots), and a
 opaque call in the traced graph (dynamo does not trace it, inductor calls it between its own kernels), so a decode
 step under ``weight_memory`` stays compiled, the expert and row caches being the one part that runs on the host:
 
-- ``flashserve::experts_start(idx, key)``: start reading the experts ``idx`` [T, k] routes to that the layer does
-  not hold (a background thread); returns a token the next call takes, so the two stay in order while the
+- ``flashserve::experts_start(idx, x, ids, key)``: start reading the experts ``idx`` [T, k] routes to that the
+  layer does not hold (a background thread), and the next layer's guess from its router on this layer's input
+  ``x`` [T, D] (tokens ``ids`` [T]); returns a token the next call takes, so the two stay in order while the
   shared expert's products run between them;
 - ``flashserve::experts_run(x, idx, w, token, key)``: wait for those reads, then the routed experts' sum [T, D];
 - ``flashserve::rows_gather(ids, key, like)``: the table's rows ``ids`` [...] -> [..., dim] of ``like``'s dtype.
@@ -45,13 +46,13 @@ def _cache(key: torch.Tensor):
 
 
 @torch.library.custom_op("flashserve::experts_start", mutates_args=())
-def experts_start(idx: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    _cache(key).start(idx)
+def experts_start(idx: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    _cache(key).start(idx, x, ids)
     return torch.zeros(1, dtype=torch.int64)
 
 
 @experts_start.register_fake
-def _(idx, key):
+def _(idx, x, ids, key):
     return idx.new_empty(1, dtype=torch.int64)
 
 

@@ -69,7 +69,7 @@ def _formats(model: str, cfg, quantization: str | None) -> tuple[str, dict]:
 
             if is_gguf_path(model):  # a GGUF's MXFP4 experts stay packed, the rest is float
                 from ..gguf.file import open_gguf
-                from ..gguf.weights import stored_formats
+                from ..model.gguf_weights import stored_formats
 
                 return "as stored", stored_formats(open_gguf(model), cfg)
             from ..model.checkpoint import packed_dtypes

@@ -49,7 +49,11 @@ class ServerMetrics:
         self.expert_cache = {key: Gauge(f"flashserve_expert_cache_{key}_total", help_, labels, registry=r)
                              for key, help_ in (("hits", "Routed experts found in a layer's expert slots"),
                                                 ("misses", "Routed experts read from the checkpoint into a slot"),
-                                                ("bytes_read", "Bytes of routed experts read from the checkpoint"))}
+                                                ("bytes_read", "Bytes of routed experts read from the checkpoint"),
+                                                ("read_ahead", "Routed experts read ahead of their layer's router "
+                                                 "(the experts the layer's previous step chose)"),
+                                                ("read_ahead_used", "Routed experts read ahead that their layer's "
+                                                 "next step then chose"))}
         self.row_cache = {key: Gauge(f"flashserve_engram_row_cache_{key}_total", help_, labels, registry=r)
                           for key, help_ in (("hits", "Engram rows found in a table's row cache"),
                                              ("misses", "Engram rows read from the checkpoint into the row cache"),
@@ -79,7 +83,8 @@ class ServerMetrics:
         for counts, gauges in ((g("expert_cache"), self.expert_cache), (g("engram_row_cache"), self.row_cache)):
             if counts:
                 for key, gauge in gauges.items():
-                    gauge.labels(m).set(counts[key])
+                    if key in counts:
+                        gauge.labels(m).set(counts[key])
         spec = g("spec_decode")
         if spec:
             for key, gauge in self.spec.items():

@@ -1,4 +1,4 @@
-"""The package's layers import one way and its files import no circle: config and plan < model < engine <
+"""The package's layers import one way and its files import no circle: config, plan and gguf < model < engine <
 parallel and entry points < server < bench, cli, train. Every import counts, also those inside functions and
 under TYPE_CHECKING."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import flashserve
 
 PKG = Path(flashserve.__file__).parent
-LAYERS = {"errors": 0, "interrupts": 0, "cli_help": 0, "config": 0, "plan": 0, "model": 1, "models": 1,
+LAYERS = {"errors": 0, "interrupts": 0, "cli_help": 0, "config": 0, "plan": 0, "gguf": 0, "model": 1, "models": 1,
           "engine": 2, "parallel": 3, "entrypoints": 3, "server": 4, "bench": 5, "train": 5, "cli": 5,
           "__main__": 6, "__init__": 6}
 

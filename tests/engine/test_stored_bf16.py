@@ -6,7 +6,6 @@ embedding rows convert; the greedy tokens and the logits are those of the float3
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,7 @@ def _engine(path: Path, **kw) -> LLMEngine:
 
 
 def _in_files(model, t: torch.Tensor) -> bool:
-    ranges = [(ctypes.addressof(ctypes.c_char.from_buffer(m)), len(m)) for m in model._mapped_files.maps.values()]
+    ranges = model._mapped_files.ranges()
     return any(a <= t.data_ptr() < a + n for a, n in ranges)
 
 

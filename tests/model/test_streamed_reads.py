@@ -216,3 +216,56 @@ def test_loading_and_streaming_where_linux_only_calls_are_missing(folder, monkey
     done = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "(RLIMIT_MEMLOCK unknown;" in done.stdout
+
+
+def test_the_next_layer_reads_ahead_the_experts_its_router_picks_from_this_layers_input():
+    """Layer A's step starts layer B's guess: B's router applied to A's input picks experts 4 and 5, which B reads
+    (into the slots of its least recently used, 0 and 1) while A runs; B's step then finds 4 held (a hit, read
+    ahead and used), and 0, which the guess evicted, is a miss: what a wrong guess costs."""
+    first, _ = _cache(LRU, slots=2, experts=4)
+    second, reads = _cache(LRU, slots=4, experts=6)  # holds 0..3 at first
+    seen = []
+
+    class Router(torch.nn.Module):
+        def forward(self, x, ids, image):
+            seen.append((x.clone(), None if ids is None else ids.clone()))
+            return torch.tensor([[4, 5]]), torch.ones(1, 2)
+
+    first.next, first.next_gate = second, Router()
+    x, ids = torch.ones(1, 8), torch.tensor([7])
+    first.prefetch(torch.tensor([[0, 1]]), x, ids)[1].result()
+    x.zero_()  # the caller's buffer reused: the guess reads its own copy
+    second.prefetch(torch.tensor([[4, 0]]))[1].result()  # queued after the guess on B's thread
+    assert len(seen) == 1 and seen[0][0].sum() == 8 and seen[0][1].tolist() == [7]
+    assert [e for e, _ in reads] == [4, 5, 0]  # two read ahead (at most half of four slots), then 0's miss
+    assert second.ahead_read == 2 and second.ahead_used == 1
+    assert (second.hits, second.misses) == (1, 1)  # the step's own counts: 4 found, 0 read
+    counts = second.counts()
+    assert counts["read_ahead"] == 2 and counts["read_ahead_used"] == 1
+    second.prefetch(torch.tensor([[5, 3]]))[1].result()  # 5, read ahead a step before, is used now
+    assert second.ahead_used == 2 and (second.hits, second.misses) == (3, 1)
+
+
+@pytest.mark.parametrize("available", [1 << 20, 1 << 50])
+def test_streamed_reads_leave_the_page_cache_where_the_files_do_not_fit_beside_the_budget(folder, monkeypatch,
+                                                                                          available):
+    """Files larger than the memory the budget leaves: each read's pages are dropped from the page cache as soon
+    as they are copied (posix_fadvise DONTNEED), so the budget is not doubled in cached pages; files that fit keep
+    their pages cached (a second read of an expert then costs no disk)."""
+    from flashserve.model import checkpoint
+
+    monkeypatch.setattr(checkpoint, "available_memory", lambda: available)
+    dropped = []
+    advise = os.posix_fadvise
+
+    def record(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            dropped.append(length)
+        return advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    model, expected = _streamed(folder)
+    assert torch.equal(_forward(model), expected)
+    read = sum(c.bytes_read for c in expert_caches(model)) + sum(c.sets.bytes_read for c in row_cache.row_caches(model))
+    assert read > 0
+    assert sum(dropped) == (read if available < (1 << 30) else 0)

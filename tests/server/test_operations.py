@@ -51,11 +51,13 @@ def test_stats_line_and_metrics_report_the_expert_cache_over_the_interval():
     clock.t = 10.0
     assert log.update(first).endswith(", expert cache hit rate 75.0%, 0.04 MB read a token")
     clock.t = 20.0
-    later = {**stats(100, 50, running=1), "expert_cache": {"hits": 120, "misses": 10, "bytes_read": 4_000_000}}
+    later = {**stats(100, 50, running=1), "expert_cache": {"hits": 120, "misses": 10, "bytes_read": 4_000_000,
+                                                           "read_ahead": 7, "read_ahead_used": 5}}
     assert log.update(later).endswith(", expert cache hit rate 100.0%, 0.00 MB read a token")
     metrics = ServerMetrics("m")
     metrics.update_engine(later)
-    for name, value in (("hits", 120), ("misses", 10), ("bytes_read", 4_000_000)):
+    for name, value in (("hits", 120), ("misses", 10), ("bytes_read", 4_000_000), ("read_ahead", 7),
+                        ("read_ahead_used", 5)):
         assert metrics.registry.get_sample_value(f"flashserve_expert_cache_{name}_total", {"model_name": "m"}) == value
     assert "flashserve_expert_cache_bytes_read_total" in metrics.render().decode()
 

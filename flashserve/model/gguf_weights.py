@@ -29,9 +29,9 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..config.checkpoint_layout import QUANTIZATIONS, checkpoint_layout
-from .config import config_from_gguf
-from .file import FLOAT_TYPES, GGUFError, GGUFModel, StoredTensor, open_gguf
-from .names import released_name
+from ..gguf.config import config_from_gguf
+from ..gguf.file import FLOAT_TYPES, GGUFError, GGUFModel, StoredTensor, open_gguf
+from ..gguf.names import released_name
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def mxfp4_experts(model: GGUFModel, cfg: ModelConfig) -> list[str]:
 def stored_formats(model: GGUFModel, cfg: ModelConfig) -> dict:
     """Module path -> packed format that keeps the GGUF's experts as stored (MXFP4 where all three of a layer's
     projections are MXFP4); everything else float."""
-    from ..model.packed import plan_as_stored
+    from .packed import plan_as_stored
 
     return plan_as_stored(cfg, {f"{p}.0.w1.weight": "U8" for p in mxfp4_experts(model, cfg)})
 
@@ -62,7 +62,7 @@ def stored_formats(model: GGUFModel, cfg: ModelConfig) -> dict:
 def formats_for(model: GGUFModel, cfg: ModelConfig, quantization: str | None) -> dict:
     """What the loader packs: the stored formats (``quantization`` None), else the asked method's plan, as for a
     checkpoint folder (``w4a8`` keeps MXFP4 experts as stored)."""
-    from ..model.packed import W4A8, plan
+    from .packed import W4A8, plan
 
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ConfigError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)} "
@@ -81,9 +81,9 @@ def load_gguf_model(path: str | Path, *, dtype, device: str = "cpu", fake_quant:
     """:func:`flashserve.model.loader.load_model` for a GGUF file (a split set by its first file); the same options.
     A GGUF carries no MTP drafter (``with_mtp`` builds none); ``experts_in_place`` has no effect (MXFP4 experts are
     repacked into flashserve's layout); ``weight_memory`` is refused (experts are not streamed from a GGUF)."""
-    from ..model.loader import _hybrid, activations_in_8_bits, keep_fp32, resolve_dtype
-    from ..model.packed import W4A8, pack_model
-    from ..model.transformer import Transformer
+    from .load_common import _hybrid, activations_in_8_bits, keep_fp32, resolve_dtype
+    from .packed import W4A8, pack_model
+    from .transformer import Transformer
 
     del seed, experts_in_place, expert_cache_policy  # no random weights; experts are copied, never streamed
     g = open_gguf(path)
@@ -122,7 +122,7 @@ def load_gguf_model(path: str | Path, *, dtype, device: str = "cpu", fake_quant:
     model.weight_memory = None
     model.weight_budget = None
     if mlock:
-        from ..model.mapped import lock_weights
+        from .mapped import lock_weights
 
         locked, failed = lock_weights(model)
         if failed:
@@ -137,8 +137,8 @@ def load_gguf_model(path: str | Path, *, dtype, device: str = "cpu", fake_quant:
 def _hold_as_stored(model, g: GGUFModel) -> None:
     """A float32 model on the CPU holds a large BF16 token embedding and LM head as the GGUF stores them (read through
     the bfloat16 panels, as :func:`flashserve.model.loader.hold_as_stored` does for a checkpoint folder)."""
-    from ..model import cpu_kernels
-    from ..model.loader import KEEP_STORED, KEEP_STORED_MIN_ELEMENTS
+    from . import cpu_kernels
+    from .load_common import KEEP_STORED, KEEP_STORED_MIN_ELEMENTS
 
     if not cpu_kernels.dense_rows_available():
         return
@@ -161,7 +161,7 @@ def _mappable(target, t: StoredTensor) -> bool:
 def _check_memory(model, g: GGUFModel, cfg: ModelConfig, mmap: bool) -> None:
     """Refuse, before anything is allocated (``model`` on ``meta``), a GGUF whose decoded or repacked weights need
     more memory than the system has available, naming the sizes and the formats decoded."""
-    from ..model.mapped import available_memory
+    from .mapped import available_memory
 
     dest = model.checkpoint_tensors()
     every = {id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}
@@ -250,8 +250,8 @@ def match(g: GGUFModel, dest: dict, cfg: ModelConfig, strict: bool = True) -> li
 
 
 def _load_weights(model, g: GGUFModel, cfg: ModelConfig, *, mmap: bool, strict: bool) -> None:
-    from ..model.checkpoint import LoadReport
-    from ..model.mapped import MappedFiles
+    from .checkpoint import LoadReport
+    from .mapped import MappedFiles
 
     started = time.perf_counter()
     dest = model.checkpoint_tensors()
@@ -271,7 +271,7 @@ def _load_weights(model, g: GGUFModel, cfg: ModelConfig, *, mmap: bool, strict: 
 
 def _fill(target, t: StoredTensor, expert: int | None, maps) -> tuple[bool, int]:
     """Give one destination its stored values; (whether it was mapped in place, the bytes it holds)."""
-    from ..model.packed import PackedSlot
+    from .packed import PackedSlot
 
     if isinstance(target, PackedSlot):
         if t.type_name == "MXFP4" and target.accepts("U8", 1, _MX_BLOCK):
