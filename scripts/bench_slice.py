@@ -177,8 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = read_bandwidth(nbytes, args.repeats)
         bound = b * bandwidth / nbytes  # tokens/s if a step cost only reading its bytes once
         if after is not None and disk:
-            # under a budget: a step reads what it misses from the disk, the rest from memory
-            missed = min(d["bytes_read"] / (args.repeats * args.new), nbytes)
+            # under a budget: a step reads what it misses from the disk, the rest from memory; a decode step's
+            # misses are a run's reads less its prompts' (one more run of one token each, counted alone)
+            start = cache_stats(expert_caches(model))["bytes_read"]
+            fs_run(engine, batch, 1)
+            prompt_bytes = cache_stats(expert_caches(model))["bytes_read"] - start
+            decode_bytes = max(d["bytes_read"] / args.repeats - prompt_bytes, 0)
+            missed = min(decode_bytes / max(args.new - 1, 1), nbytes)
+            print(f"batch {b:>2}: a run's prompts read {prompt_bytes / 1e6:.1f} MB of experts, its {args.new - 1} "
+                  f"decode steps {decode_bytes / 1e6:.1f} MB")
             bound = b / ((nbytes - missed) / bandwidth + missed / disk)
             print(f"batch {b:>2}: runs {', '.join(f'{r:.2f}' for r in rates)} tok/s (the first one after the "
                   f"page cache was dropped); a step misses {missed / 1e6:.1f} MB: bound {bound:.2f} tok/s at "

@@ -41,7 +41,7 @@ from flashserve.config.model_config import ModelConfig
 from flashserve.config.serialize import config_to_json
 
 from . import quant
-from .mapped import DTYPES, FileReader, MappedFiles, available_memory
+from .mapped import DTYPES, FileReader, MappedFiles
 from .packed import PackedSlot, encode
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -646,8 +646,7 @@ def _row_reader(src: _Source, rb: int, cb: int, files: FileReader):
 
 def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: ModelConfig, *,
                     strict: bool = True, maps: MappedFiles | None = None,
-                    report: LoadReport | None = None, stream: dict | None = None,
-                    stream_budget: int | None = None) -> dict[str, list[str]]:
+                    report: LoadReport | None = None, stream: dict | None = None) -> dict[str, list[str]]:
     """Fill ``dest`` (released name -> destination tensor, e.g. a parameter or a view into a stacked one) in place.
 
     Reads the ``*.safetensors`` files of ``path`` (via ``model.safetensors.index.json`` when present) one
@@ -662,8 +661,7 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     instead (see :func:`_adopt`); ``report`` gets the bytes mapped and copied by part. With ``stream`` (a dict),
     every routed expert's projection in the checkpoint, in ``dest`` or not, gets a reader there (released name ->
     ``read(experts, projection, slot)``, :mod:`flashserve.model.expert_cache`), and those ``dest`` lacks are
-    expected; ``stream_budget``: the weights' budget, to tell whether the streamed files fit in the page cache
-    beside it (else each read's pages are dropped from it).
+    expected.
     """
     started = time.perf_counter()
     path = Path(path)
@@ -675,13 +673,10 @@ def load_checkpoint(dest: Mapping[str, torch.Tensor], path: str | Path, cfg: Mod
     blocks = _plan_blocks(by_name, cfg.quantization.weight_block_size, path)
     if stream is not None:
         streamed = {src.name: src for src in sources if routed_expert(src.name) or engram_table(src.name)}
-        # the files the streamed tensors lie in, opened now and held: what is read later is what was loaded; where
-        # they are larger than the memory the system has beside the weights' budget, the pages a read brings into
-        # the page cache are dropped again (they could not stay, and would count twice against the machine)
-        paths = sorted({s.file for src in streamed.values() for s in (src.weight, src.scale) if s})
-        available = available_memory()
-        drop = available is not None and sum(p.stat().st_size for p in paths) > available - (stream_budget or 0)
-        files = FileReader(paths, drop_cached=drop)
+        # the files the streamed tensors lie in, opened now and held: what is read later is what was loaded. Reads go
+        # through the page cache, whose pages of them are a second level behind the slots (reclaimable, not this
+        # process's memory: docs/engine-speed.md#a-budget-for-the-weights---weight-memory)
+        files = FileReader(sorted({s.file for src in streamed.values() for s in (src.weight, src.scale) if s}))
         for name, (rb, cb) in _plan_blocks(streamed, cfg.quantization.weight_block_size, path).items():
             make = _expert_reader if routed_expert(name) else _row_reader
             stream[name] = make(streamed[name], rb, cb, files)

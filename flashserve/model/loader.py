@@ -266,7 +266,7 @@ def hold_as_stored(model: Transformer, path: Path) -> list[str]:
 
 
 def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool, mmap: bool,
-                  stream: dict | None = None, stream_budget: int | None = None) -> None:
+                  stream: dict | None = None) -> None:
     """Load a checkpoint folder into ``model`` (mapping what it can with ``mmap``; the report is
     ``model.load_report``); drop the drafters and zero ``bias_vl`` where the folder leaves them out (each said
     once in the log)."""
@@ -276,8 +276,7 @@ def _load_weights(model: Transformer, path: Path, cfg: ModelConfig, strict: bool
     dest = model.checkpoint_tensors()
     maps = MappedFiles() if mmap else None
     model.load_report = LoadReport()
-    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report, stream=stream,
-                              stream_budget=stream_budget)
+    omitted = load_checkpoint(dest, path, cfg, strict=strict, maps=maps, report=model.load_report, stream=stream)
     if maps is not None and maps.maps:
         model._mapped_files = maps  # the maps live as long as the model
     if DRAFTERS in omitted:
@@ -435,7 +434,7 @@ def load_model(path_or_preset: str | Path, *, dtype: str | torch.dtype = torch.f
     else:
         stream = {} if streamed else None
         _load_weights(model, Path(path_or_preset), cfg, strict=with_mtp and prepare is None,
-                      mmap=mmap and torch.device(device).type == "cpu", stream=stream, stream_budget=weight_memory)
+                      mmap=mmap and torch.device(device).type == "cpu", stream=stream)
         if stream is not None:
             _attach_caches(model, stream, expert_cache_policy)
     if spent is not None:

@@ -339,11 +339,7 @@ class FileReader:
     once, naming the file. A file changed in place (its size or modification time not what they were when it
     was opened) is refused with :class:`WeightFileChanged` naming it: its bytes would be another model's."""
 
-    def __init__(self, files=(), drop_cached: bool = False) -> None:
-        # drop_cached: each range read leaves the page cache at once (posix_fadvise DONTNEED, O_DIRECT's effect
-        # without its alignment rules), for files larger than the memory the weights' budget leaves: their pages
-        # would only crowd out others, and the budget would be doubled in cached pages
-        self.drop_cached = drop_cached and hasattr(os, "posix_fadvise")
+    def __init__(self, files=()) -> None:
         self.fds: dict[Path, int] = {}
         self.opened: dict[Path, os.stat_result] = {}
         self._said: set[Path] = set()
@@ -366,8 +362,6 @@ class FileReader:
                 raise WeightFileChanged(f"{file}: read {done} of {n} bytes at offset {start} (truncated since "
                                         "loading?)")
             done += got
-        if self.drop_cached and n:
-            os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
         return n
 
     def _pread_into(self, fd: int, view: memoryview, offset: int) -> int:

@@ -245,27 +245,3 @@ def test_the_next_layer_reads_ahead_the_experts_its_router_picks_from_this_layer
     second.prefetch(torch.tensor([[5, 3]]))[1].result()  # 5, read ahead a step before, is used now
     assert second.ahead_used == 2 and (second.hits, second.misses) == (3, 1)
 
-
-@pytest.mark.parametrize("available", [1 << 20, 1 << 50])
-def test_streamed_reads_leave_the_page_cache_where_the_files_do_not_fit_beside_the_budget(folder, monkeypatch,
-                                                                                          available):
-    """Files larger than the memory the budget leaves: each read's pages are dropped from the page cache as soon
-    as they are copied (posix_fadvise DONTNEED), so the budget is not doubled in cached pages; files that fit keep
-    their pages cached (a second read of an expert then costs no disk)."""
-    from flashserve.model import checkpoint
-
-    monkeypatch.setattr(checkpoint, "available_memory", lambda: available)
-    dropped = []
-    advise = os.posix_fadvise
-
-    def record(fd, offset, length, advice):
-        if advice == os.POSIX_FADV_DONTNEED:
-            dropped.append(length)
-        return advise(fd, offset, length, advice)
-
-    monkeypatch.setattr(os, "posix_fadvise", record)
-    model, expected = _streamed(folder)
-    assert torch.equal(_forward(model), expected)
-    read = sum(c.bytes_read for c in expert_caches(model)) + sum(c.sets.bytes_read for c in row_cache.row_caches(model))
-    assert read > 0
-    assert sum(dropped) == (read if available < (1 << 30) else 0)
