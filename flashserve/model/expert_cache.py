@@ -96,6 +96,7 @@ class ExpertCache:
                 slot = self._victim(keep)
                 if self.owner[slot] >= 0:
                     del self.recency[self.owner[slot]]
+                    self.ahead.discard(self.owner[slot])  # a guess given up unused
                 self.owner[slot] = -1
                 try:
                     for name, read in self.readers[e].items():
