@@ -394,8 +394,11 @@ class FileReader:
                 gone = (named.st_ino, named.st_dev) != (was.st_ino, was.st_dev)
             except FileNotFoundError:
                 gone = True
-            if gone:
-                self._said.add(file)
+            with self._lock:  # reads run on several layers' threads: said once
+                first = gone and file not in self._said
+                if gone:
+                    self._said.add(file)
+            if first:
                 log.warning("checkpoint file %s was replaced or deleted since it was loaded: the weights are read "
                             "from the file that was loaded (held open); restart to load the new one", file)
         return fd
