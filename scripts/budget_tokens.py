@@ -2,15 +2,17 @@
 
     python scripts/budget_tokens.py DIR --weight-memory 14GiB [--steps 32] [--prompts 2] [--enforce-eager]
 
-Loads the mapped engine (no budget) and then, after it is gone, the budgeted one (one at a time: a slice larger than
-memory is read as each runs), decodes ``--steps`` greedy tokens for each of ``--prompts`` prompts of token ids, and
-says whether they are equal, with each engine's decode time. Not a test.
+Runs the mapped engine (no budget) and then the budgeted one, each in a process of its own (one at a time: a slice
+larger than memory is read as each runs, and nothing of the first stays), decodes ``--steps`` greedy tokens for
+each of ``--prompts`` prompts of token ids, and says whether they are equal, with each engine's decode time. Not a
+test.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,14 +46,28 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--side", choices=("mapped", "budget"), default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     import random
 
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(24 + 8 * i)] for i in range(args.prompts)]
-    mapped, t_mapped, _ = greedy(args.slice, None, prompts, args.steps, args.enforce_eager)
-    gc.collect()
-    budget, t_budget, stats = greedy(args.slice, args.weight_memory, prompts, args.steps, args.enforce_eager)
+    if args.side is not None:  # one engine, in this process: its tokens as JSON on the last line
+        tokens, seconds, stats = greedy(args.slice, args.weight_memory if args.side == "budget" else None, prompts,
+                                        args.steps, args.enforce_eager)
+        print(json.dumps({"tokens": tokens, "seconds": seconds, "stats": stats}))
+        return 0
+
+    def side(name: str) -> dict:
+        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--side", name], capture_output=True,
+                              text=True)
+        if done.returncode:
+            raise SystemExit(f"the {name} engine failed ({done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = side("mapped"), side("budget")
+    mapped, t_mapped = first["tokens"], first["seconds"]
+    budget, t_budget, stats = second["tokens"], second["seconds"], second["stats"]
     same = [a == b for a, b in zip(mapped, budget)]
     print(f"mapped, no budget: {t_mapped:.1f} s; budget {args.weight_memory}: {t_budget:.1f} s; expert cache {stats}")
     for i, (a, b) in enumerate(zip(mapped, budget)):

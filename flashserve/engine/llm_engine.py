@@ -371,8 +371,10 @@ class LLMEngine:
         engine's, with the step compiled in the foreground there, this engine's page count (the cache's shapes are
         the graphs' shapes) and its threads."""
         c = self.config
-        wanted = c.compile_child if c.compile_child is not None else (not model_given and
-                                                                        c.compile_backend == "inductor")
+        # under a weight budget a child would hold a second budget's worth of expert slots (copies, not maps): the
+        # step compiles in this process instead, unless asked for
+        wanted = c.compile_child if c.compile_child is not None else (not model_given and c.weight_memory is None
+                                                                        and c.compile_backend == "inductor")
         if not wanted:
             return None
         if model_given:

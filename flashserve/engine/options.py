@@ -54,7 +54,7 @@ HELP = {
                           "CUDA the step is compiled and its CUDA graphs recorded before serving)",
     "compile_child": "with a background compile, do its work in a child process that builds the same engine and "
                      "saves each compiled graph, which this process loads without tracing (default: when the engine "
-                     "loads its own model and compiles with inductor)",
+                     "loads its own model, without --weight-memory, and compiles with inductor)",
     "compile_cache": "folder where the compiled decode step's kernels are kept for later starts (default: "
                      "$TORCHINDUCTOR_CACHE_DIR, else inductor's folder in the system's temporary one)",
     "cuda_graphs": "on CUDA, replay the compiled decode step as CUDA graphs (no effect on the CPU or with "

@@ -191,3 +191,23 @@ def test_a_childs_engine_maps_what_a_copying_parent_copies_in_the_parents_layout
     assert kinds(child) == kinds(parent) and "MappedExperts" not in kinds(child)
     mapped = LLMEngine(EngineConfig(**{**options, "mmap": True, "mlock": False}))
     assert "MappedExperts" in kinds(mapped)  # what the child's mapped load would make, left alone
+
+
+def test_under_a_weight_budget_the_step_compiles_in_the_engines_process(released_tiny_v41):
+    """A child would hold a second budget's worth of expert slots (copies): under --weight-memory the background
+    compile runs in the engine's own process unless a child is asked for."""
+    from flashserve.model.expert_cache import expert_caches
+    from flashserve.model.loader import load_model
+
+    model = load_model(released_tiny_v41, with_mtp=False)
+    whole = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in
+                list(model.parameters()) + list(model.buffers())}.values())
+    options = dict(model=str(released_tiny_v41), speculative_config="off", kv_memory="16MiB", max_num_seqs=1,
+                   enforce_eager=True)
+    budgeted = LLMEngine(EngineConfig(**options, weight_memory=whole - 200_000))
+    assert expert_caches(budgeted.model) and budgeted._compile_child(False) is None
+    for engine in (LLMEngine(EngineConfig(**options)),
+                   LLMEngine(EngineConfig(**options, weight_memory=whole - 200_000, compile_child=True))):
+        child = engine._compile_child(False)
+        assert child is not None
+        child.close()
