@@ -150,8 +150,9 @@ def _budget(model: Transformer, budget: int) -> tuple[Budget, dict[str, int]]:
     if budget < need:
         top_k = max((m.gate.top_k for m in layers), default=0)
         raise ConfigError(f"weight memory {budget} bytes cannot hold this model: its weights other than the routed "
-                          f"experts and engram tables take {fixed + bf16_copies} bytes (the decode step's copies included), "
-                          f"each of its {len(layers)} MoE layers needs at least its router's {top_k} experts' slots "
+                          f"experts and engram tables take {fixed + bf16_copies} bytes (the decode step's copies "
+                          f"included), each of its {len(layers)} MoE layers needs at least its router's {top_k} "
+                          f"experts' slots "
                           f"({max((b for _, b in sizes), default=0)} bytes an expert) and each of its {len(tables)} "
                           f"engram tables at least {MIN_ROWS} rows; give at least {need} bytes "
                           f"({need / 2**30:.2f} GiB)")
