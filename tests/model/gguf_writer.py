@@ -227,3 +227,19 @@ def rounded_like(model, dense: str = "Q8_0") -> dict[str, torch.Tensor]:
             value = t.detach().float().contiguous().numpy()
             out[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype).copy())
     return out
+
+
+def write_tiny_gguf(root: Path):
+    """tiny-v4 (seeded weights), its checkpoint folder under ``root`` (float32 dense weights, MXFP4 experts,
+    tokenizer.json) and the GGUF the converter makes of that folder: (model, folder, GGUF path)."""
+    from flashserve.bench.llamacpp import write_peer_checkpoint
+    from flashserve.engine.tokenizer import tiny_tokenizer_json
+    from flashserve.model.loader import load_model
+
+    model = load_model("tiny-v4", with_mtp=False)
+    folder = root / "ckpt"
+    write_peer_checkpoint(model, folder)
+    (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
+    path = root / "tiny-v4.gguf"
+    write_gguf(model, folder, path)
+    return model, folder, path

@@ -16,13 +16,12 @@ import sys
 import pytest
 import torch
 
-from flashserve.bench.llamacpp import write_peer_checkpoint
 from flashserve.config import load_config
 from flashserve.engine.tokenizer import load_tokenizer, tiny_tokenizer_json
 from flashserve.gguf.file import GGUFError
 from flashserve.model.loader import load_model
 
-from gguf_writer import rounded_like, write_gguf
+from gguf_writer import rounded_like, write_gguf, write_tiny_gguf
 
 TEXT = ("<｜begin▁of▁sentence｜><｜User｜>The quick brown fox, 12345 times! 日本語 x<<y>> \n\n  def f(): "
         "<think>hmm</think><｜Assistant｜>Hello<｜end▁of▁sentence｜><｜System｜>ok")
@@ -32,14 +31,7 @@ TEXT = ("<｜begin▁of▁sentence｜><｜User｜>The quick brown fox, 12345 tim
 def tiny(tmp_path_factory):
     """(the tiny-v4 model, its checkpoint folder: float32 dense weights + MXFP4 experts + tokenizer.json, the GGUF the
     converter makes of that folder)."""
-    root = tmp_path_factory.mktemp("gguf")
-    model = load_model("tiny-v4", with_mtp=False)
-    folder = root / "ckpt"
-    write_peer_checkpoint(model, folder)
-    (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
-    path = root / "tiny-v4.gguf"
-    write_gguf(model, folder, path)
-    return model, folder, path
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf"))
 
 
 def _ids(n: int = 40, seed: int = 0) -> torch.Tensor:

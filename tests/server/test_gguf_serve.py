@@ -6,12 +6,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from flashserve.bench.llamacpp import write_peer_checkpoint
-from flashserve.engine.tokenizer import load_tokenizer, tiny_tokenizer_json
+from flashserve.engine.tokenizer import load_tokenizer
 from flashserve.model.loader import load_model
 
 from engine_helpers import reference_greedy, run_greedy
-from gguf_writer import write_gguf
+from gguf_writer import write_tiny_gguf
 from serverproc import start_server, stop_server
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -19,13 +18,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf_serve")
-    model = load_model("tiny-v4", with_mtp=False)
-    folder = root / "ckpt"
-    write_peer_checkpoint(model, folder)
-    (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
-    path = root / "tiny-v4.gguf"
-    write_gguf(model, folder, path)
+    _, folder, path = write_tiny_gguf(tmp_path_factory.mktemp("gguf_serve"))
     return folder, path
 
 
